@@ -1,0 +1,26 @@
+"""`jshard` command line: one sub-command per job, each registered by the module that owns it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # Imported here so `jshard --help` stays fast and each module owns its own flags.
+    from jshard import bench, demo
+
+    parser = argparse.ArgumentParser(prog="jshard", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo.add_parser(commands)
+    bench.add_parser(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Device meshes from named axis sizes, on real devices or N fake CPU devices.
+
+A jshard mesh always carries the four standard axes, outermost first:
+
+    data   - pure data parallelism (replicated params)
+    stage  - pipeline stages
+    fsdp   - data parallelism with sharded params / grads / optimizer state (ZeRO)
+    tensor - tensor (Megatron) and sequence parallelism
+
+Axes not asked for have size 1, so every preset in `jshard.rules` applies to every mesh.
+The order puts `tensor` innermost: on GPUs adjacent devices share the fastest links, and
+tensor parallelism talks every layer. Extra, user-named axes follow the standard ones.
+
+In a multi-process run, `jax.devices()` is the global device list, so the same call on
+every process builds one global mesh.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+STANDARD_AXES = ("data", "stage", "fsdp", "tensor")
+
+
+class MeshError(ValueError):
+    """A mesh that cannot be built on the devices at hand."""
+
+
+def use_fake_cpu_devices(n: int) -> None:
+    """Ask JAX for `n` CPU devices (and the CPU platform), before JAX starts its backends.
+
+    This is how every sharding runs on a laptop: the devices are threads of one process.
+    Call it before the first JAX computation; afterwards JAX refuses to change the count.
+    """
+    if not isinstance(n, int) or n < 1:
+        raise MeshError(f"use_fake_cpu_devices(n) needs a positive int, got {n!r}")
+    try:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError as e:  # backends already initialised
+        have = jax.device_count()
+        if have == n and jax.default_backend() == "cpu":
+            return
+        raise MeshError(
+            f"use_fake_cpu_devices({n}) was called after JAX had started with {have} "
+            f"{jax.default_backend()} device(s). Call it before any JAX computation, or set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={n} JAX_PLATFORMS=cpu "
+            "in the environment before starting Python."
+        ) from e
+    # Child processes (and code reading XLA_FLAGS) see the same request.
+    flag = f"--xla_force_host_platform_device_count={n}"
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
+    os.environ["XLA_FLAGS"] = " ".join(flags + [flag])
+
+
+def mesh_shape(mesh: Mesh) -> dict[str, int]:
+    """{axis name: size} of a mesh, in mesh order."""
+    return dict(zip(mesh.axis_names, mesh.axis_sizes))
+
+
+def _resolve_sizes(sizes: dict[str, int], n_devices: int, platform: str) -> dict[str, int]:
+    for name, size in sizes.items():
+        if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+            raise MeshError(f"mesh axis {name!r} has size {size!r}; sizes are positive ints, or -1 for 'the rest'")
+    fill = [name for name, size in sizes.items() if size == -1]
+    if len(fill) > 1:
+        raise MeshError(f"only one mesh axis may be -1 (fill the rest); got {', '.join(fill)}")
+    fixed = math.prod(size for size in sizes.values() if size != -1)
+    if fill:
+        if n_devices % fixed:
+            raise MeshError(
+                f"mesh {_fmt(sizes)}: the fixed axes multiply to {fixed}, which does not divide the "
+                f"{n_devices} {platform} device(s), so {fill[0]}=-1 cannot fill the rest. "
+                f"Choose fixed sizes whose product divides {n_devices}."
+            )
+        sizes = {**sizes, fill[0]: n_devices // fixed}
+    product = math.prod(sizes.values())
+    if product != n_devices:
+        raise MeshError(
+            f"mesh {_fmt(sizes)} needs {product} devices, but JAX sees {n_devices} {platform} "
+            f"device(s). Fix: choose sizes whose product is {n_devices} (one axis may be -1 to "
+            f"fill the rest), or, on CPU, get {product} fake devices with "
+            f"jshard.use_fake_cpu_devices({product}) before JAX starts, or "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={product}."
+        )
+    return sizes
+
+
+def _fmt(sizes: dict[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sizes.items() if v != 1) or "(all axes 1)"
+
+
+def make_mesh(devices=None, axis_type: AxisType = AxisType.Auto, **axis_sizes: int) -> Mesh:
+    """A mesh from named axis sizes, e.g. `make_mesh(data=2, fsdp=2, tensor=2)`.
+
+    One axis may be -1: it takes the devices the others leave. Standard axes not named
+    get size 1. `axis_type` defaults to Auto: outside `shard_map` the compiler propagates
+    shardings, inside it jshard's collectives are explicit either way.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    platform = devices[0].platform if devices else "?"
+    sizes = {name: 1 for name in STANDARD_AXES}
+    sizes.update(axis_sizes)
+    sizes = _resolve_sizes(sizes, len(devices), platform)
+    names = tuple(sizes)
+    return jax.make_mesh(
+        tuple(sizes.values()), names, axis_types=(axis_type,) * len(names), devices=devices
+    )
