@@ -1,11 +1,34 @@
-"""jshard: name your axes; rules map names to mesh axes; everything else is derived."""
+"""jshard: name your axes; rules map names to mesh axes; everything else is derived.
+
+    jshard.use_fake_cpu_devices(8)                      # only on a laptop, before JAX starts
+    mesh = jshard.make_mesh(data=2, fsdp=2, tensor=2)
+    rules = jshard.preset("dp+fsdp+tp")
+    model = jshard.init(lambda: GPT(GPTConfig(), rngs=nnx.Rngs(0)), mesh, rules)
+    print(jshard.describe(model, mesh, rules))
+"""
 
 from flax import nnx as _nnx
 
+from jshard import models
 from jshard.mesh import STANDARD_AXES, MeshError, make_mesh, mesh_shape, use_fake_cpu_devices
+from jshard.placement import Placement, Report, describe, init, shard, shardings, specs
+from jshard.rules import (
+    LOGICAL_NAMES,
+    PRESET_PARTS,
+    Rules,
+    ShardingError,
+    activate,
+    constrain,
+    named,
+    preset,
+)
 
-# jshard places every param from its rules. Flax's eager sharding would instead read the
+# jshard places every Variable from its rules. Flax's eager sharding would instead read the
 # logical names (`out_sharding`) as mesh axes the moment a Variable is created.
 _nnx.use_eager_sharding(False)
 
-__all__ = ["STANDARD_AXES", "MeshError", "make_mesh", "mesh_shape", "use_fake_cpu_devices"]
+__all__ = [
+    "LOGICAL_NAMES", "PRESET_PARTS", "STANDARD_AXES", "MeshError", "Placement", "Report", "Rules",
+    "ShardingError", "activate", "constrain", "describe", "init", "make_mesh", "mesh_shape", "models",
+    "named", "preset", "shard", "shardings", "specs", "use_fake_cpu_devices",
+]

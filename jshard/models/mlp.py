@@ -1,0 +1,52 @@
+"""The lectures' deep MLP: L layers of x <- gelu(x @ W), each W of D×D; loss = mean(x²).
+
+The layers are stacked into one (layers, embed, mlp) param (see `stack.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jshard.models.stack import scan_layers, stack_layers
+from jshard.rules import constrain, named
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPConfig:
+    dim: int = 1024
+    layers: int = 4
+    dtype: jnp.dtype = jnp.float32  # compute dtype; params stay float32
+
+
+class Layer(nnx.Module):
+    def __init__(self, config: MLPConfig, *, rngs: nnx.Rngs):
+        # Lecture init: randn(D, D) / sqrt(D).
+        init = nnx.initializers.normal(stddev=config.dim**-0.5)
+        self.linear = nnx.Linear(
+            config.dim, config.dim, use_bias=False, kernel_init=init, dtype=config.dtype,
+            kernel_metadata=named("embed", "mlp"), rngs=rngs,
+        )
+
+    def __call__(self, x):
+        # The output's features are the next layer's input features: name them `embed`.
+        return constrain(jax.nn.gelu(self.linear(x)), ("batch", "embed"))
+
+
+class DeepMLP(nnx.Module):
+    def __init__(self, config: MLPConfig, *, rngs: nnx.Rngs):
+        self.config = config
+
+        self.layers = stack_layers(lambda rngs: Layer(config, rngs=rngs), config.layers, rngs)
+
+    def __call__(self, x):
+        x = constrain(x.astype(self.config.dtype), ("batch", "embed"))
+        return scan_layers(self.layers, x)
+
+
+def mlp_loss(model: DeepMLP, x: jax.Array) -> jax.Array:
+    """The lectures' loss: the mean squared magnitude of the output, in float32."""
+    return jnp.mean(jnp.square(model(x).astype(jnp.float32)))

@@ -1,0 +1,184 @@
+"""Putting Flax NNX models on a mesh by their rules: specs, sharded init, and a report.
+
+    model = jshard.init(lambda: GPT(config, rngs=nnx.Rngs(0)), mesh, rules)
+    print(jshard.describe(model, mesh, rules))
+
+`init` resolves every spec on an abstract model (`nnx.eval_shape`) first, so bad rules
+fail before any device work, then creates each param directly in its shards: a model too
+big for one device never exists whole on one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import flax
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from jshard.mesh import mesh_shape
+from jshard.rules import ZERO_KINDS, Kind, Rules, ShardingError, axes_of, raise_problems, resolve
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """How one Variable is laid out on the mesh."""
+
+    path: str
+    names: tuple | None
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    spec: jax.P
+    bytes_per_device: int
+    flags: tuple[str, ...]  # why this layout may not be what the strategy wanted
+
+
+def _flat_variables(tree) -> list[tuple[tuple, nnx.Variable]]:
+    state = tree if isinstance(tree, nnx.State) else nnx.state(tree)
+    return list(nnx.to_flat_state(state))
+
+
+def place(tree, mesh: Mesh, rules: Rules, kind: Kind = "param") -> list[tuple[tuple, nnx.Variable, Placement]]:
+    """Resolve every Variable of an NNX module / optimizer / State. All problems raise as one error."""
+    rules.check_mesh(mesh)
+    sizes = mesh_shape(mesh)
+    table = rules.table(kind)
+    sharding_axes = list(dict.fromkeys(a for _, axes in table for a in axes if sizes[a] > 1))
+    zero_axes = [a for a in rules.zero_axes if sizes[a] > 1] if rules.zero >= ZERO_KINDS[kind] else []
+    placed, problems = [], []
+    for path, var in _flat_variables(tree):
+        where = f"{kind} {'/'.join(map(str, path))!r}"
+        value = var.get_value()
+        shape, dtype = tuple(np.shape(value)), np.dtype(value.dtype)
+        names = var.get_metadata().get("out_sharding")
+        flags: list[str] = []
+        if names is None:
+            if shape and sharding_axes:
+                problems.append(
+                    f"{where} (shape {shape}) has no logical axis names, but rules {rules.name!r} "
+                    f"shard {kind}s over {', '.join(sharding_axes)}. Fix: name its dims, e.g. "
+                    "nnx.Param(value, out_sharding=('embed', 'mlp')), or "
+                    "kernel_metadata={'out_sharding': (...)} on a Flax layer."
+                )
+                continue
+            spec = jax.P()
+        else:
+            try:
+                spec, flags = resolve(table, tuple(names), shape, sizes, where)
+            except ShardingError as e:
+                problems.append(str(e))
+                continue
+        used = {a for entry in spec for a in axes_of(entry)}
+        missed = [a for a in zero_axes if a not in used]
+        if missed and shape:
+            flags.append(f"replicated over {'+'.join(missed)}, which ZeRO stage {rules.zero} means to shard")
+        nbytes = math.prod(shape) * dtype.itemsize // math.prod(sizes[a] for a in used)
+        placed.append((path, var, Placement("/".join(map(str, path)), names, shape, dtype, spec, nbytes, tuple(flags))))
+    raise_problems(problems)
+    return placed
+
+
+def specs(tree, mesh: Mesh, rules: Rules, kind: Kind = "param") -> nnx.State:
+    """The PartitionSpec of every Variable of `tree` (an NNX module, optimizer or State).
+
+    The result is a State of the same structure whose Variables hold PartitionSpecs.
+    `kind` picks the layout: 'param', 'grad' or 'opt' (optimizer state, e.g. an
+    `nnx.Optimizer`, whose Variables carry the names of their params).
+    """
+    return nnx.from_flat_state([(path, var.replace(p.spec)) for path, var, p in place(tree, mesh, rules, kind)])
+
+
+def shardings(tree, mesh: Mesh, rules: Rules, kind: Kind = "param") -> nnx.State:
+    """As `specs`, as NamedShardings on `mesh`: for `jax.jit` in/out_shardings and `device_put`."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs(tree, mesh, rules, kind))
+
+
+def init(factory: Callable[[], nnx.Module], mesh: Mesh, rules: Rules, kind: Kind = "param"):
+    """Build `factory()` with every Variable created directly in its shards on `mesh`.
+
+    `factory` runs under tracing, so it must make its own `nnx.Rngs`:
+    `lambda: GPT(config, rngs=nnx.Rngs(0))`, not a lambda over an Rngs made outside.
+    """
+    try:
+        abstract = nnx.eval_shape(factory)
+    except flax.errors.TraceContextError as e:
+        raise ShardingError(
+            "jshard.init(factory, ...): the factory uses an nnx.Rngs (or another Variable) "
+            "created outside it. Fix: create it inside, e.g. lambda: GPT(config, rngs=nnx.Rngs(0))."
+        ) from e
+    graphdef = nnx.graphdef(abstract)
+    out_shardings = shardings(abstract, mesh, rules, kind)  # every error surfaces here
+    state = jax.jit(lambda: nnx.state(factory()), out_shardings=out_shardings)()
+    return nnx.merge(graphdef, state)
+
+
+def shard(tree, mesh: Mesh, rules: Rules, kind: Kind = "param"):
+    """Move an existing NNX object's Variables onto `mesh` by `rules`, in place; returns it."""
+    nnx.update(tree, jax.device_put(nnx.state(tree), shardings(tree, mesh, rules, kind)))
+    return tree
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """Per Variable: logical names -> spec -> bytes per device, and what looks wrong."""
+
+    rules: Rules
+    mesh_sizes: dict[str, int]
+    kind: str
+    rows: tuple[Placement, ...]
+
+    @property
+    def bytes_per_device(self) -> int:
+        return sum(p.bytes_per_device for p in self.rows)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(math.prod(p.shape) * p.dtype.itemsize for p in self.rows)
+
+    @property
+    def flagged(self) -> tuple[Placement, ...]:
+        return tuple(p for p in self.rows if p.flags)
+
+    def __str__(self) -> str:
+        mesh = " ".join(f"{k}={v}" for k, v in self.mesh_sizes.items())
+        header = ("path", "logical names", "shape", "spec", "per device")
+        table = [header] + [
+            (p.path, _fmt_names(p.names), "×".join(map(str, p.shape)) or "()", _fmt_spec(p.spec), _fmt_bytes(p.bytes_per_device))
+            for p in self.rows
+        ]
+        widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+        lines = [f"{self.kind}s under {self.rules.name!r} (ZeRO stage {self.rules.zero}) on mesh {mesh}"]
+        for row in table:
+            lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        lines.append(
+            f"total {_fmt_bytes(self.total_bytes)}, per device {_fmt_bytes(self.bytes_per_device)} "
+            f"({self.total_bytes / max(self.bytes_per_device, 1):.2f}× smaller)"
+        )
+        for p in self.flagged:
+            lines.extend(f"! {p.path}: {flag}" for flag in p.flags)
+        return "\n".join(lines)
+
+
+def describe(tree, mesh: Mesh, rules: Rules, kind: Kind = "param") -> Report:
+    """The placement of every Variable; `print()` it, or read `.rows` and `.flagged`."""
+    rows = tuple(p for _, _, p in place(tree, mesh, rules, kind))
+    return Report(rules, mesh_shape(mesh), kind, rows)
+
+
+def _fmt_names(names) -> str:
+    return "-" if names is None else "(" + ", ".join(str(n) for n in names) + ")"
+
+
+def _fmt_spec(spec: jax.P) -> str:
+    return "P(" + ", ".join("+".join(axes_of(e)) if e else "-" for e in spec) + ")"
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024

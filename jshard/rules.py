@@ -1,0 +1,307 @@
+"""The sharding-spec layer: logical axis names -> mesh axes.
+
+Models name the dims of their params (`out_sharding` metadata on Flax NNX Variables) and
+of their activations (`constrain(x, names)`). A `Rules` object maps those names onto mesh
+axes; every PartitionSpec in jshard is derived here, and nowhere else.
+
+Resolution, for one tensor with logical names `names`:
+- Rules are ordered; earlier rules take priority. Each rule `(name, axes)` gives every
+  not-yet-assigned dim called `name` the mesh `axes` (one axis, a tuple of axes sharded
+  jointly, or None for "replicated, on purpose").
+- A mesh axis shards at most one dim of a tensor. A rule whose axis is already taken in
+  this tensor is skipped, and a later rule for the same name may apply (a fallback you
+  wrote). If none does, that is an error, never a silent replication.
+- Every logical name must have a rule, every mesh axis named must exist, and every
+  sharded dim must divide by the product of its axes' sizes.
+
+Params, gradients and optimizer state share one table, `params`, which gives the fully
+sharded layout. `zero` says which of them use it (ZeRO stage 1: optimizer state; 2: and
+gradients; 3: and params); the others drop the ZeRO axes -- the mesh axes that shard both
+the batch and some param, `fsdp` in the presets -- and are replicated over them.
+Activations have their own table: `embed` shards a weight over `fsdp` but never an
+activation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Literal, Union
+
+import jax
+from jax.sharding import Mesh
+
+from jshard.mesh import mesh_shape
+
+Axes = Union[None, str, tuple[str, ...]]
+Kind = Literal["param", "grad", "opt"]
+
+LOGICAL_NAMES = ("batch", "seq", "embed", "mlp", "heads", "kv", "vocab", "layers")
+ZERO_KINDS = {"opt": 1, "grad": 2, "param": 3}  # lowest ZeRO stage that shards each kind
+
+
+class ShardingError(ValueError):
+    """Rules that do not fit a mesh, a model or an activation. Raised before device work."""
+
+
+def axes_of(axes: Axes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def _normalise(table, label: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    pairs = table.items() if isinstance(table, Mapping) else table
+    out = []
+    for pair in pairs:
+        if not (isinstance(pair, Sequence) and len(pair) == 2 and isinstance(pair[0], str)):
+            raise ShardingError(f"{label} rule {pair!r} is not a (logical name, mesh axes) pair")
+        name, axes = pair[0], axes_of(pair[1])
+        if len(set(axes)) != len(axes):
+            raise ShardingError(f"{label} rule {name!r} -> {axes} names a mesh axis twice")
+        out.append((name, axes))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """Ordered rules from logical names to mesh axes, for params and for activations."""
+
+    params: tuple = ()
+    activations: tuple = ()
+    zero: int = 3
+    name: str = "custom"
+
+    def __post_init__(self):
+        object.__setattr__(self, "params", _normalise(self.params, "param"))
+        object.__setattr__(self, "activations", _normalise(self.activations, "activation"))
+        if self.zero not in (0, 1, 2, 3):
+            raise ShardingError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
+
+    def add(self, params=(), activations=()) -> Rules:
+        """These rules first (they take priority), then the existing ones."""
+        return dataclasses.replace(
+            self,
+            params=_normalise(params, "param") + self.params,
+            activations=_normalise(activations, "activation") + self.activations,
+        )
+
+    @property
+    def zero_axes(self) -> tuple[str, ...]:
+        """Mesh axes that shard both the batch and some param: the ZeRO / FSDP axes."""
+        batch = {a for name, axes in self.activations if name == "batch" for a in axes}
+        return tuple(dict.fromkeys(a for _, axes in self.params for a in axes if a in batch))
+
+    def table(self, kind: Kind | Literal["activation"]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """The rules that lay out `kind`; kinds below the ZeRO stage drop the ZeRO axes."""
+        if kind == "activation":
+            return self.activations
+        if self.zero >= ZERO_KINDS[kind]:
+            return self.params
+        drop = set(self.zero_axes)
+        return tuple((name, tuple(a for a in axes if a not in drop)) for name, axes in self.params)
+
+    # -- checks against a mesh -------------------------------------------------------
+
+    def check_mesh(self, mesh: Mesh) -> None:
+        """Every mesh axis the rules name exists, and every axis of size > 1 is used."""
+        sizes = mesh_shape(mesh)
+        problems = []
+        for label, table in (("param", self.params), ("activation", self.activations)):
+            for name, axes in table:
+                for axis in axes:
+                    if axis not in sizes:
+                        problems.append(
+                            f"{label} rule {name!r} -> {axis!r} names a mesh axis the mesh does not "
+                            f"have (axes: {', '.join(sizes)}). Fix: build the mesh with {axis}=N "
+                            "(jshard.make_mesh always has data, stage, fsdp, tensor) or change the rule."
+                        )
+        used = {a for _, axes in self.params + self.activations for a in axes}
+        for axis, size in sizes.items():
+            if size > 1 and axis not in used:
+                problems.append(
+                    f"mesh axis {axis!r} has size {size}, but no rule of {self.name!r} maps a "
+                    f"logical name to it: the {size} devices along it would all do the same work. "
+                    f"Fix: choose a preset that uses {axis!r} (see jshard.rules.PRESET_PARTS) or "
+                    f"give it size 1."
+                )
+        raise_problems(problems)
+
+    # -- one tensor ------------------------------------------------------------------
+
+    def spec(self, names, shape, mesh, kind: Kind | Literal["activation"] = "param", where="tensor") -> jax.P:
+        """The PartitionSpec of one tensor with logical `names` and `shape`."""
+        spec, _ = resolve(self.table(kind), tuple(names), tuple(shape), mesh_shape(mesh), where)
+        return spec
+
+    def __str__(self) -> str:
+        def fmt(table):
+            # The trailing "replicated on purpose" rules are listed as one group.
+            tail = len(table)
+            while tail and not table[tail - 1][1]:
+                tail -= 1
+            mapped = ", ".join(f"{n}->{'+'.join(a) if a else '-'}" for n, a in table[:tail])
+            rest = ", ".join(n for n, _ in table[tail:])
+            return "; ".join(part for part in (mapped, rest and f"{'else ' if mapped else ''}replicated: {rest}") if part)
+
+        return (
+            f"Rules {self.name!r} (ZeRO stage {self.zero})\n"
+            f"  params:      {fmt(self.params)}\n  activations: {fmt(self.activations)}"
+        )
+
+
+def raise_problems(problems: list[str]) -> None:
+    if len(problems) == 1:
+        raise ShardingError(problems[0])
+    if problems:
+        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+        raise ShardingError(f"{len(problems)} sharding problems:\n- " + "\n- ".join(shown))
+
+
+def resolve(table, names, shape, sizes, where):
+    """(PartitionSpec, notes) for one tensor; notes name dims that took a fallback rule."""
+    if len(names) != len(shape):
+        raise ShardingError(
+            f"{where}: {len(names)} logical names {names} for a tensor of rank {len(shape)} "
+            f"(shape {shape}). Fix: give exactly one name (or None) per dim."
+        )
+    known = {name for name, _ in table}
+    unknown = [n for n in names if n is not None and n not in known]
+    if unknown:
+        raise ShardingError(
+            f"{where}: logical name {unknown[0]!r} (dim {names.index(unknown[0])}, names {names}) "
+            f"has no rule. Fix: add one, e.g. rules.add(params=[({unknown[0]!r}, None)]) to "
+            "replicate it on purpose, or map it to a mesh axis."
+        )
+    for name, axes in table:
+        for axis in axes:
+            if axis not in sizes and name in names:
+                raise ShardingError(
+                    f"{where}: rule {name!r} -> {axis!r} names a mesh axis the mesh does not have "
+                    f"(axes: {', '.join(sizes)}). Fix: add {axis}=N to the mesh or change the rule."
+                )
+    assigned: list[tuple[str, ...] | None] = [() if n is None else None for n in names]
+    owner: dict[str, int] = {}  # mesh axis -> the dim it shards
+    clashes: dict[int, str] = {}
+    notes = []
+    for name, axes in table:
+        for dim, dim_name in enumerate(names):
+            if dim_name != name or assigned[dim] is not None:
+                continue
+            taken = [a for a in axes if a in owner]
+            if taken:
+                clashes[dim] = (
+                    f"rule {name!r} -> {axes} cannot apply: mesh axis {taken[0]!r} already shards "
+                    f"dim {owner[taken[0]]} ({names[owner[taken[0]]]!r})"
+                )
+                continue
+            n_shards = math.prod(sizes[a] for a in axes)
+            if shape[dim] % n_shards:
+                raise ShardingError(
+                    f"{where}: dim {dim} ({name!r}, size {shape[dim]}) does not divide by "
+                    f"{'×'.join(f'{a}={sizes[a]}' for a in axes)} = {n_shards}. Fix: make the size "
+                    f"a multiple of {n_shards}, shrink those mesh axes, or map {name!r} elsewhere."
+                )
+            if dim in clashes:
+                notes.append(f"dim {dim} ({name!r}) fell back to {axes or 'replicated'}: {clashes[dim]}")
+            assigned[dim] = axes
+            owner.update({a: dim for a in axes})
+    for dim, axes in enumerate(assigned):
+        if axes is None:
+            raise ShardingError(
+                f"{where}: {clashes[dim]}; a mesh axis may shard only one dim of a tensor. "
+                f"Fix: map one of the two names to another axis, or add a fallback rule "
+                f"({names[dim]!r}, None) after it."
+            )
+    entries = [None if not a else a[0] if len(a) == 1 else a for a in assigned]
+    return jax.P(*entries), notes
+
+
+# -- presets ---------------------------------------------------------------------------
+
+PRESET_PARTS = {
+    "dp": "batch over `data`; params replicated",
+    "zero1": "batch over `fsdp`; optimizer state sharded over `fsdp`",
+    "zero2": "as zero1, and gradients sharded over `fsdp`",
+    "zero3": "as zero2, and params sharded over `fsdp` (alias: fsdp)",
+    "tp": "Megatron tensor parallel: heads, mlp and vocab over `tensor`",
+    "sp": "tp plus sequence parallel: the residual stream's seq over `tensor`",
+    "pp": "pipeline: the stacked `layers` over `stage`",
+}
+
+
+def preset(name: str) -> Rules:
+    """Rules for a strategy or a '+'-joined combination, e.g. 'dp+fsdp+tp+sp+pp'."""
+    parts = [p.strip() for p in name.lower().replace("fsdp", "zero3").split("+")]
+    unknown = [p for p in parts if p not in PRESET_PARTS]
+    if unknown:
+        raise ShardingError(
+            f"unknown strategy {unknown[0]!r} in preset {name!r}. Known: "
+            f"{', '.join(PRESET_PARTS)} and 'fsdp' (= zero3), joined with '+'."
+        )
+    zeros = [int(p[-1]) for p in parts if p.startswith("zero")]
+    if len(zeros) > 1:
+        raise ShardingError(f"preset {name!r} names more than one ZeRO stage; pick one")
+    tp, sp = "tp" in parts or "sp" in parts, "sp" in parts
+
+    # Priority order matters only where two names want one axis: attention activations
+    # (batch, seq, heads, kv) give `tensor` to heads, and seq falls back to replicated.
+    tensor_names = [("vocab", "tensor"), ("heads", "tensor"), ("mlp", "tensor")] if tp else []
+    batch_axes = tuple(a for a, on in (("data", "dp" in parts), ("fsdp", bool(zeros))) if on)
+    params = tensor_names + ([("embed", "fsdp")] if zeros else []) + ([("layers", "stage")] if "pp" in parts else [])
+    activations = [("batch", batch_axes)] + tensor_names + ([("seq", "tensor")] if sp else [])
+    replicated = [(n, None) for n in LOGICAL_NAMES]  # every other name: replicated, on purpose
+    canonical = "+".join(p for p in PRESET_PARTS if p in parts or (p == "tp" and tp))
+    return Rules(params + replicated, activations + replicated, zero=zeros[0] if zeros else 0, name=canonical)
+
+
+# -- activations -----------------------------------------------------------------------
+
+_active: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("jshard_rules", default=None)
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh, rules: Rules):
+    """Within this block, `constrain` lays out activations by `rules` on `mesh`."""
+    rules.check_mesh(mesh)
+    token = _active.set(rules)
+    try:
+        with jax.set_mesh(mesh):
+            yield
+    finally:
+        _active.reset(token)
+
+
+def active_rules() -> Rules | None:
+    return _active.get()
+
+
+def constrain(x: jax.Array, names: Iterable[str | None]) -> jax.Array:
+    """Lay out activation `x`, whose dims are called `names`, as the active rules say.
+
+    Outside `activate(...)` this is the identity, so models also run on one device.
+    Inside `shard_map` the manual axes are already split by hand and are left out.
+    """
+    rules = _active.get()
+    if rules is None:
+        return x
+    mesh = jax.sharding.get_abstract_mesh()
+    names = tuple(names)
+    spec = rules.spec(names, x.shape, mesh, "activation", where=f"activation {names}")
+    manual = set(getattr(mesh, "manual_axes", ()))
+    if manual:
+        spec = jax.P(*(_drop(entry, manual) for entry in spec))
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _drop(entry, axes: set[str]):
+    kept = tuple(a for a in axes_of(entry) if a not in axes)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
+def named(*names: str | None) -> dict:
+    """Metadata naming a Flax Variable's dims: `nnx.Linear(..., kernel_metadata=named('embed', 'mlp'))`."""
+    return {"out_sharding": names}
