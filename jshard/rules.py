@@ -200,10 +200,10 @@ def resolve(table, names, shape, sizes, where):
                 continue
             n_shards = math.prod(sizes[a] for a in axes)
             if shape[dim] % n_shards:
+                over = "×".join(f"{a}={sizes[a]}" for a in axes) + (f" = {n_shards}" if len(axes) > 1 else "")
                 raise ShardingError(
-                    f"{where}: dim {dim} ({name!r}, size {shape[dim]}) does not divide by "
-                    f"{'×'.join(f'{a}={sizes[a]}' for a in axes)} = {n_shards}. Fix: make the size "
-                    f"a multiple of {n_shards}, shrink those mesh axes, or map {name!r} elsewhere."
+                    f"{where}: dim {dim} ({name!r}, size {shape[dim]}) does not divide by {over}. Fix: make the size "
+                    f"a multiple of {n_shards}, change the mesh, or map {name!r} elsewhere."
                 )
             if dim in clashes:
                 notes.append(f"dim {dim} ({name!r}) fell back to {axes or 'replicated'}: {clashes[dim]}")
