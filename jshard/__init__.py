@@ -9,7 +9,8 @@
 
 from flax import nnx as _nnx
 
-from jshard import models
+from jshard import collectives, models
+from jshard.collectives import CollectiveError
 from jshard.mesh import STANDARD_AXES, MeshError, make_mesh, mesh_shape, use_fake_cpu_devices
 from jshard.placement import Placement, Report, describe, init, shard, shardings, specs
 from jshard.rules import (
@@ -28,7 +29,7 @@ from jshard.rules import (
 _nnx.use_eager_sharding(False)
 
 __all__ = [
-    "LOGICAL_NAMES", "PRESET_PARTS", "STANDARD_AXES", "MeshError", "Placement", "Report", "Rules",
-    "ShardingError", "activate", "constrain", "describe", "init", "make_mesh", "mesh_shape", "models",
+    "CollectiveError", "LOGICAL_NAMES", "PRESET_PARTS", "STANDARD_AXES", "MeshError", "Placement", "Report", "Rules",
+    "ShardingError", "activate", "collectives", "constrain", "describe", "init", "make_mesh", "mesh_shape", "models",
     "named", "preset", "shard", "shardings", "specs", "use_fake_cpu_devices",
 ]

@@ -18,8 +18,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jshard.collectives import CollectiveError
+    from jshard.mesh import MeshError
+    from jshard.rules import ShardingError
+
     args = build_parser().parse_args(argv)
-    return int(args.run(args) or 0)
+    try:
+        return int(args.run(args) or 0)
+    except (MeshError, ShardingError, CollectiveError) as e:  # bad input: the message is the help
+        print(f"jshard {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -3,14 +3,23 @@
 The main job until `jshard train` lands. It builds the mesh (8 fake CPU devices when no
 accelerator is present), places the model and the AdamW state by the preset's rules, and
 trains on a generated task (continue an arithmetic sequence mod 256) so the loss visibly
-falls. Collectives here are the compiler's (jit over sharded arrays); the explicit
-shard_map strategies are `jshard.parallel`.
+falls. The collectives here are still the compiler's (jit over sharded arrays), not
+jshard's explicit shard_map strategies.
 """
 
 from __future__ import annotations
 
 import functools
 import time
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+
+import jshard
+from jshard.models import GPT, GPTConfig, gpt_loss
 
 
 def add_parser(commands) -> None:
@@ -26,23 +35,8 @@ def add_parser(commands) -> None:
     parser.set_defaults(run=run)
 
 
-def parse_mesh(text: str) -> dict[str, int]:
-    """'data=2,fsdp=2' -> {'data': 2, 'fsdp': 2}."""
-    sizes = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, _, size = item.partition("=")
-        try:
-            sizes[name.strip()] = int(size)
-        except ValueError:
-            raise SystemExit(f"--mesh: {item!r} is not name=size (e.g. data=2,fsdp=2,tensor=2)") from None
-    return sizes
-
-
 def sequence_batch(key, batch_size: int, length: int, vocab: int = 256):
     """Rows start at a random token and step by a random stride in 1..7, modulo `vocab`."""
-    import jax
-    import jax.numpy as jnp
-
     start_key, stride_key = jax.random.split(key)
     start = jax.random.randint(start_key, (batch_size, 1), 0, vocab)
     stride = jax.random.randint(stride_key, (batch_size, 1), 1, 8)
@@ -50,24 +44,13 @@ def sequence_batch(key, batch_size: int, length: int, vocab: int = 256):
 
 
 def run(args) -> int:
-    import jshard
-
-    if not _has_accelerator():
-        jshard.use_fake_cpu_devices(args.fake_devices)
-    import jax
-    import optax
-    from flax import nnx
-    from jax.sharding import NamedSharding
-
-    from jshard.models import GPT, GPTConfig, gpt_loss
-
-    mesh = jshard.make_mesh(**parse_mesh(args.mesh))
+    jshard.mesh.use_fake_cpu_devices_unless_accelerated(args.fake_devices)
+    mesh = jshard.make_mesh(**jshard.mesh.parse_axis_sizes(args.mesh))
     rules = jshard.preset(args.preset)
     config = GPTConfig(seq_len=args.seq_len)
 
     def make_model():
         return GPT(config, rngs=nnx.Rngs(args.seed))
-
 
     print(f"devices: {jax.device_count()} × {jax.devices()[0].device_kind}; mesh {jshard.mesh_shape(mesh)}")
     print(rules)
@@ -110,9 +93,3 @@ def run(args) -> int:
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {args.steps} steps")
     return 0 if losses[-1] < losses[0] else 1
 
-
-def _has_accelerator() -> bool:
-    """True when a GPU/TPU backend would start; asked without initialising JAX's backends."""
-    import importlib.util
-
-    return any(importlib.util.find_spec(p) for p in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu"))

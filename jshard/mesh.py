@@ -17,6 +17,7 @@ every process builds one global mesh.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 
@@ -55,6 +56,34 @@ def use_fake_cpu_devices(n: int) -> None:
     flag = f"--xla_force_host_platform_device_count={n}"
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join(flags + [flag])
+
+
+def use_fake_cpu_devices_unless_accelerated(n: int) -> None:
+    """For commands: with no GPU/TPU to run on, ask for `n` fake CPU devices.
+
+    JAX runs on the CPU when JAX_PLATFORMS=cpu, or when it is unset and no accelerator
+    plugin is installed (asked without starting JAX's backends). If JAX has already started
+    in this process (a caller's work, a test), its devices are used as they are.
+    """
+    platforms = jax.config.jax_platforms
+    plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu")
+    if platforms == "cpu" or (not platforms and not any(importlib.util.find_spec(p) for p in plugins)):
+        try:
+            use_fake_cpu_devices(n)
+        except MeshError:
+            pass
+
+
+def parse_axis_sizes(text: str) -> dict[str, int]:
+    """'data=2,fsdp=2,tensor=-1' -> {'data': 2, 'fsdp': 2, 'tensor': -1}, for command lines."""
+    sizes = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, size = item.partition("=")
+        try:
+            sizes[name.strip()] = int(size)
+        except ValueError:
+            raise MeshError(f"mesh {text!r}: {item!r} is not name=size (e.g. data=2,fsdp=2,tensor=2)") from None
+    return sizes
 
 
 def mesh_shape(mesh: Mesh) -> dict[str, int]:

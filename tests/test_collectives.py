@@ -3,6 +3,9 @@ and `jshard bench collectives` run in-process."""
 
 import json
 import math
+import runpy
+from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +13,7 @@ import numpy as np
 import pytest
 
 import jshard
+import jshard.bench
 import jshard.cli
 from jshard import collectives as C
 
@@ -104,14 +108,14 @@ GROUPINGS = [
 NP_REDUCE = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min}
 
 
-def draw(op, n, rng):
+def draw(op, n, reduction, rng):
     """A random per-rank shape, the op as jshard calls it, and the same op in NumPy.
 
     The NumPy side maps the ranks' inputs stacked on axis 0 to their outputs stacked likewise.
     """
-    shape = list(rng.integers(1, 4, size=rng.integers(1, 4)))
-    dim, other = rng.integers(len(shape)), rng.integers(len(shape))
-    root, reduction, shift = int(rng.integers(n)), str(rng.choice(C.REDUCE_OPS)), int(rng.integers(-n, 2 * n))
+    shape = [int(length) for length in rng.integers(1, 4, size=rng.integers(1, 4))]
+    dim, other = int(rng.integers(len(shape))), int(rng.integers(len(shape)))
+    root, shift = int(rng.integers(n)), int(rng.integers(-n, 2 * n))
     if op in ("reduce_scatter", "scatter", "all_to_all"):
         shape[dim] *= n  # splits into one chunk per rank
 
@@ -171,14 +175,14 @@ def test_matches_numpy(op, grouping):
         mesh = jshard.make_mesh(**sizes)
     axes = (axis,) if isinstance(axis, str) else axis
     n = math.prod(jshard.mesh_shape(mesh)[a] for a in axes)
-    shape, ours, reference = draw(op, n, rng)
-
-    xs = rng.standard_normal((mesh.size, *shape)).astype(np.float32)
     every_device = jax.P(mesh.axis_names)
-    body = jax.shard_map(lambda block: ours(block[0], axis)[None], mesh=mesh,
-                         in_specs=every_device, out_specs=every_device, check_vma=True)
-    np.testing.assert_allclose(jax.jit(body)(xs), per_group(mesh, axes, xs, reference), rtol=1e-5, atol=1e-6,
-                               err_msg=f"{op} over {axis}, shape {shape}, seed {seed}")
+    for reduction in C.REDUCE_OPS:  # one draw each, so every reduction is checked every run
+        shape, ours, reference = draw(op, n, reduction, rng)
+        xs = rng.standard_normal((mesh.size, *shape)).astype(np.float32)
+        body = jax.shard_map(lambda block: ours(block[0], axis)[None], mesh=mesh,
+                             in_specs=every_device, out_specs=every_device, check_vma=True)
+        np.testing.assert_allclose(jax.jit(body)(xs), per_group(mesh, axes, xs, reference), rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{op} ({reduction}) over {axis}, shape {shape}, seed {seed}")
 
 
 # --- gradients: all_gather and reduce_scatter are each other's transpose ----------------------
@@ -246,7 +250,7 @@ def test_outside_shard_map_and_too_many_ranks():
         C.run(lambda rank, _: rank, world_size=9)
 
 
-# --- the benchmark, in-process on the session's 8 fake devices -----------------------------
+# --- the benchmark and the example, in-process on the session's 8 fake devices -----------------------------
 
 
 def test_bench_collectives(tmp_path, capsys):
@@ -266,9 +270,29 @@ def test_bench_collectives(tmp_path, capsys):
         assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * factor)
 
 
+@pytest.mark.parametrize("platform, kind, peak", [
+    ("gpu", "NVIDIA H100 80GB HBM3", 450),
+    ("gpu", "NVIDIA H200", 450),
+    ("gpu", "NVIDIA A100-SXM4-80GB", 300),
+    ("gpu", "NVIDIA A100-PCIE-40GB", None),
+    ("gpu", "NVIDIA H100 NVL", None),
+    ("gpu", "Tesla T4", None),
+    ("cpu", "cpu", None),
+])
+def test_link_peak(platform, kind, peak):
+    assert jshard.bench._link_peak(SimpleNamespace(platform=platform, device_kind=kind), process_count=1) == peak
+
+
 def test_bench_rejects_bad_input_before_timing(capsys):
     with pytest.raises(SystemExit, match="tensor"):
         jshard.cli.main(["bench", "collectives", "--mesh", "data=8", "--axis", "tensor"])
     with pytest.raises(SystemExit):
         jshard.cli.main(["bench", "collectives", "--ops", "all_reduce,allreduce"])
     assert "unknown op(s) allreduce" in capsys.readouterr().err
+
+
+def test_example_prints_the_lecture_output(capsys):
+    runpy.run_path(str(Path(__file__).parent.parent / "examples" / "collectives.py"))["main"]()
+    printed = capsys.readouterr().out
+    assert "Rank 1 [after all-reduce]: [ 6. 10. 14. 18.]" in printed
+    assert "Rank 3 [after all-gather]: input = [18.], output = [ 6. 10. 14. 18.]" in printed

@@ -54,3 +54,16 @@ def test_fake_devices_after_start():
         jshard.use_fake_cpu_devices(4)
     with pytest.raises(MeshError, match="positive int"):
         jshard.use_fake_cpu_devices(0)
+
+
+def test_parse_axis_sizes():
+    assert jshard.mesh.parse_axis_sizes("data=2, fsdp=-1") == {"data": 2, "fsdp": -1}
+    with pytest.raises(MeshError, match="'fsdp' is not name=size"):
+        jshard.mesh.parse_axis_sizes("data=2,fsdp")
+
+
+def test_cli_reports_bad_mesh_without_traceback(capsys):
+    from jshard.cli import main
+
+    assert main(["demo", "--mesh", "data=3"]) == 2
+    assert "jshard demo: mesh data=3 needs 3 devices, but JAX sees 8" in capsys.readouterr().err
