@@ -72,6 +72,14 @@ def test_mlp_forward_matches_one_device(preset, sizes):
     np.testing.assert_allclose(np.asarray(sharded), np.asarray(reference), rtol=1e-5, atol=1e-6)
 
 
+def test_untied_head_matches_one_device():
+    config = GPTConfig(**{**GPT_CONFIG.__dict__, "tied_head": False})
+    tokens = np.random.default_rng().integers(0, config.vocab, (8, 16))
+    reference = GPT(config, rngs=nnx.Rngs(0))(tokens)
+    sharded = run_sharded(lambda: GPT(config, rngs=nnx.Rngs(0)), lambda m, t: m(t), tokens, "dp+fsdp+tp+sp", dict(data=2, fsdp=2, tensor=2))
+    np.testing.assert_allclose(np.asarray(sharded), np.asarray(reference), rtol=1e-5, atol=1e-6)
+
+
 def test_shard_moves_an_existing_model():
     mesh, rules = jshard.make_mesh(data=2, fsdp=2, tensor=2), jshard.preset("dp+fsdp+tp")
     model = GPT(GPT_CONFIG, rngs=nnx.Rngs(0))
