@@ -37,24 +37,34 @@ class Placement:
     flags: tuple[str, ...]  # why this layout may not be what the strategy wanted
 
 
-def _flat_variables(tree) -> list[tuple[tuple, nnx.Variable]]:
-    state = tree if isinstance(tree, nnx.State) else nnx.state(tree)
-    return list(nnx.to_flat_state(state))
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
 
 
-def place(tree, mesh: Mesh, rules: Rules, kind: Kind = "param") -> list[tuple[tuple, nnx.Variable, Placement]]:
-    """Resolve every Variable of an NNX module / optimizer / State. All problems raise as one error."""
+def _path_str(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _flatten(tree):
+    """(path, Variable or array) for every leaf of an NNX module, State or any pytree of them."""
+    if isinstance(tree, nnx.Pytree):  # a module or an optimizer: its State
+        tree = nnx.state(tree)
+    return jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_variable)
+
+
+def place(tree, mesh: Mesh, rules: Rules, kind: Kind = "param") -> list[Placement]:
+    """Resolve every Variable (or bare array) of `tree`, in leaf order. All problems raise as one error."""
     rules.check_mesh(mesh)
     sizes = mesh_shape(mesh)
     table = rules.table(kind)
     sharding_axes = list(dict.fromkeys(a for _, axes in table for a in axes if sizes[a] > 1))
     zero_axes = [a for a in rules.zero_axes if sizes[a] > 1] if rules.zero >= ZERO_KINDS[kind] else []
     placed, problems = [], []
-    for path, var in _flat_variables(tree):
-        where = f"{kind} {'/'.join(map(str, path))!r}"
-        value = var.get_value()
+    for path, leaf in _flatten(tree)[0]:
+        where = f"{kind} {_path_str(path)!r}"
+        value = leaf.get_value() if _is_variable(leaf) else leaf
         shape, dtype = tuple(np.shape(value)), np.dtype(value.dtype)
-        names = var.get_metadata().get("out_sharding")
+        names = leaf.get_metadata().get("out_sharding") if _is_variable(leaf) else None
         flags: list[str] = []
         if names is None:
             if shape and sharding_axes:
@@ -77,19 +87,23 @@ def place(tree, mesh: Mesh, rules: Rules, kind: Kind = "param") -> list[tuple[tu
         if missed and shape:
             flags.append(f"replicated over {'+'.join(missed)}, which ZeRO stage {rules.zero} means to shard")
         nbytes = math.prod(shape) * dtype.itemsize // math.prod(sizes[a] for a in used)
-        placed.append((path, var, Placement("/".join(map(str, path)), names, shape, dtype, spec, nbytes, tuple(flags))))
+        placed.append(Placement(_path_str(path), names, shape, dtype, spec, nbytes, tuple(flags)))
     raise_problems(problems)
     return placed
 
 
-def specs(tree, mesh: Mesh, rules: Rules, kind: Kind = "param") -> nnx.State:
-    """The PartitionSpec of every Variable of `tree` (an NNX module, optimizer or State).
+def specs(tree, mesh: Mesh, rules: Rules, kind: Kind = "param"):
+    """The PartitionSpec of every Variable of `tree`, in a tree of the same structure.
 
-    The result is a State of the same structure whose Variables hold PartitionSpecs.
-    `kind` picks the layout: 'param', 'grad' or 'opt' (optimizer state, e.g. an
-    `nnx.Optimizer`, whose Variables carry the names of their params).
+    `tree` is an NNX module (its State is used), a State, or any pytree of Variables and
+    arrays such as an optax state over a State. `kind` picks the layout: 'param', 'grad'
+    or 'opt' (optimizer state, whose Variables carry the names of their params). Bare
+    arrays need no names when they are scalars (an optimizer's step count).
     """
-    return nnx.from_flat_state([(path, var.replace(p.spec)) for path, var, p in place(tree, mesh, rules, kind)])
+    flat, treedef = _flatten(tree)
+    placed = place(tree, mesh, rules, kind)
+    leaves = [leaf.replace(p.spec) if _is_variable(leaf) else p.spec for (_, leaf), p in zip(flat, placed)]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def shardings(tree, mesh: Mesh, rules: Rules, kind: Kind = "param") -> nnx.State:
@@ -165,7 +179,7 @@ class Report:
 
 def describe(tree, mesh: Mesh, rules: Rules, kind: Kind = "param") -> Report:
     """The placement of every Variable; `print()` it, or read `.rows` and `.flagged`."""
-    rows = tuple(p for _, _, p in place(tree, mesh, rules, kind))
+    rows = tuple(place(tree, mesh, rules, kind))
     return Report(rules, mesh_shape(mesh), kind, rows)
 
 

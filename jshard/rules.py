@@ -133,8 +133,13 @@ class Rules:
     # -- one tensor ------------------------------------------------------------------
 
     def spec(self, names, shape, mesh, kind: Kind | Literal["activation"] = "param", where="tensor") -> jax.P:
-        """The PartitionSpec of one tensor with logical `names` and `shape`."""
-        spec, _ = resolve(self.table(kind), tuple(names), tuple(shape), mesh_shape(mesh), where)
+        """The PartitionSpec of one tensor with logical `names` and global `shape`.
+
+        `shape=None` skips the divisibility check: inside `shard_map`, where only the local
+        shape is known and the global one was checked when the step was built.
+        """
+        shape = (None,) * len(tuple(names)) if shape is None else tuple(shape)
+        spec, _ = resolve(self.table(kind), tuple(names), shape, mesh_shape(mesh), where)
         return spec
 
     def __str__(self) -> str:
@@ -199,7 +204,7 @@ def resolve(table, names, shape, sizes, where):
                 )
                 continue
             n_shards = math.prod(sizes[a] for a in axes)
-            if shape[dim] % n_shards:
+            if shape[dim] is not None and shape[dim] % n_shards:
                 over = "×".join(f"{a}={sizes[a]}" for a in axes) + (f" = {n_shards}" if len(axes) > 1 else "")
                 raise ShardingError(
                     f"{where}: dim {dim} ({name!r}, size {shape[dim]}) does not divide by {over}. Fix: make the size "
@@ -264,42 +269,45 @@ _active: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("jshard_r
 
 
 @contextlib.contextmanager
+def use_rules(rules: Rules):
+    """Within this block, layers lay out activations by `rules` (on the mesh in context)."""
+    token = _active.set(rules)
+    try:
+        yield
+    finally:
+        _active.reset(token)
+
+
+@contextlib.contextmanager
 def activate(mesh: Mesh, rules: Rules):
     """Within this block, `constrain` lays out activations by `rules` on `mesh`."""
     rules.check_mesh(mesh)
-    token = _active.set(rules)
-    try:
-        with jax.set_mesh(mesh):
-            yield
-    finally:
-        _active.reset(token)
+    with use_rules(rules), jax.set_mesh(mesh):
+        yield
 
 
 def active_rules() -> Rules | None:
     return _active.get()
 
 
+def manual_axes() -> frozenset[str]:
+    """The mesh axes split by hand here: all of them inside a jshard step's shard_map."""
+    return frozenset(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+
+
 def constrain(x: jax.Array, names: Iterable[str | None]) -> jax.Array:
     """Lay out activation `x`, whose dims are called `names`, as the active rules say.
 
     Outside `activate(...)` this is the identity, so models also run on one device.
-    Inside `shard_map` the manual axes are already split by hand and are left out.
+    Inside `shard_map` layouts change only by explicit collectives (`jshard.nn.relayout`),
+    so it is the identity there too.
     """
     rules = _active.get()
-    if rules is None:
+    if rules is None or manual_axes():
         return x
-    mesh = jax.sharding.get_abstract_mesh()
     names = tuple(names)
-    spec = rules.spec(names, x.shape, mesh, "activation", where=f"activation {names}")
-    manual = set(getattr(mesh, "manual_axes", ()))
-    if manual:
-        spec = jax.P(*(_drop(entry, manual) for entry in spec))
+    spec = rules.spec(names, x.shape, jax.sharding.get_abstract_mesh(), "activation", where=f"activation {names}")
     return jax.lax.with_sharding_constraint(x, spec)
-
-
-def _drop(entry, axes: set[str]):
-    kept = tuple(a for a in axes_of(entry) if a not in axes)
-    return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
 def named(*names: str | None) -> dict:

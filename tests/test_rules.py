@@ -127,13 +127,13 @@ GPT_CASES = [
     ("zero1", dict(fsdp=8), "blocks/mlp/up/kernel", P(None, None, None)),
     ("zero3", dict(fsdp=8), "blocks/mlp/up/kernel", P(None, "fsdp", None)),
     ("zero3", dict(fsdp=8), "token_embed/embedding", P(None, "fsdp")),
-    ("dp+tp", dict(data=2, tensor=4), "blocks/attn/query/kernel", P(None, None, "tensor", None)),
+    ("dp+tp", dict(data=2, tensor=4), "blocks/attn/qkv/kernel", P(None, None, None, "tensor", None)),
     ("dp+tp", dict(data=2, tensor=4), "blocks/attn/out/kernel", P(None, "tensor", None, None)),
     ("dp+tp", dict(data=2, tensor=4), "blocks/mlp/down/kernel", P(None, "tensor", None)),
     ("dp+tp", dict(data=2, tensor=4), "token_embed/embedding", P("tensor", None)),
     ("dp+tp", dict(data=2, tensor=4), "final_norm/scale", P(None)),
     ("dp+pp", dict(data=2, stage=4), "blocks/attn_norm/scale", P("stage", None)),
-    ("dp+fsdp+tp", dict(data=2, fsdp=2, tensor=2), "blocks/attn/query/kernel", P(None, "fsdp", "tensor", None)),
+    ("dp+fsdp+tp", dict(data=2, fsdp=2, tensor=2), "blocks/attn/qkv/kernel", P(None, "fsdp", None, "tensor", None)),
     ("fsdp+tp+pp", dict(fsdp=2, tensor=2, stage=2), "blocks/mlp/down/kernel", P("stage", "tensor", "fsdp")),
     ("dp+zero1+sp", dict(data=2, fsdp=2, tensor=2), "blocks/mlp/up/kernel", P(None, None, "tensor")),
 ]
@@ -205,7 +205,7 @@ def test_all_problems_reported_at_once():
         jshard.specs(bad, MESH_222, jshard.preset("dp+fsdp+tp"))
     msg = str(e.value)
     assert "sharding problems" in msg
-    for path in ("blocks/attn/query/kernel", "blocks/attn/key/kernel", "blocks/attn/out/kernel"):
+    for path in ("blocks/attn/qkv/kernel", "blocks/attn/out/kernel"):
         assert path in msg
 
 
@@ -234,8 +234,8 @@ def test_describe_flags_a_fallback():
     rules = jshard.preset("tp").add(params=[("kv", "tensor")])
     report = jshard.describe(abstract_gpt(), jshard.make_mesh(tensor=8), rules)
     rows = {p.path: p for p in report.rows}
-    assert rows["blocks/attn/query/kernel"].spec == P(None, None, None, "tensor")
-    assert "dim 2 ('heads') fell back to replicated" in rows["blocks/attn/query/kernel"].flags[0]
+    assert rows["blocks/attn/qkv/kernel"].spec == P(None, None, None, None, "tensor")
+    assert "dim 3 ('heads') fell back to replicated" in rows["blocks/attn/qkv/kernel"].flags[0]
     assert not rows["blocks/mlp/up/kernel"].flags
 
 

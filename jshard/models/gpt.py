@@ -5,8 +5,10 @@
       -> L × [x += attention(norm(x)); x += mlp(norm(x))]  blocks stacked on `layers`
       -> norm -> head (tied to the token embedding, or its own)  (batch, seq, vocab)
 
-Linears have no bias (as in most current LLMs), so every param has a dim the rules can
-shard. The blocks are stacked on a leading `layers` axis (see `stack.py`).
+The layers are `jshard.nn`'s: each is told the names of its input and knows those of its
+weights, so the same code runs on one device, under the compiler's sharding, and in a
+jshard step whose collectives follow from the rules. Linears have no bias (as in most
+current LLMs); the blocks are stacked on a leading `layers` axis (see `stack.py`).
 """
 
 from __future__ import annotations
@@ -15,14 +17,16 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
+from jshard import nn
 from jshard.models.stack import scan_layers, stack_layers
-from jshard.rules import constrain, named
 
 RESIDUAL = ("batch", "seq", "embed")
+QKV = ("batch", "seq", None, "heads", "kv")  # None: the query / key / value dim
 PER_HEAD = ("batch", "seq", "heads", "kv")
+HIDDEN = ("batch", "seq", "mlp")
+LOGITS = ("batch", "seq", "vocab")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,51 +56,41 @@ def _init(config: GPTConfig, residual_out: bool = False):
 
 class Attention(nnx.Module):
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
-        def project_in():
-            return nnx.LinearGeneral(
-                config.embed, (config.heads, config.head_dim), use_bias=False, dtype=config.dtype,
-                kernel_init=_init(config), kernel_metadata=named("embed", "heads", "kv"), rngs=rngs,
-            )
-
-        self.query, self.key, self.value = project_in(), project_in(), project_in()
-        self.out = nnx.LinearGeneral(
-            (config.heads, config.head_dim), config.embed, axis=(-2, -1), use_bias=False,
-            dtype=config.dtype, kernel_init=_init(config, residual_out=True),
-            kernel_metadata=named("heads", "kv", "embed"), rngs=rngs,
+        heads = (config.heads, config.head_dim)
+        self.qkv = nn.Linear(
+            config.embed, (3, *heads), in_names="embed", out_names=(None, "heads", "kv"),
+            kernel_init=_init(config), dtype=config.dtype, rngs=rngs,
+        )
+        self.out = nn.Linear(
+            heads, config.embed, in_names=("heads", "kv"), out_names="embed",
+            kernel_init=_init(config, residual_out=True), dtype=config.dtype, rngs=rngs,
         )
 
     def __call__(self, x):
-        q, k, v = (constrain(proj(x), PER_HEAD) for proj in (self.query, self.key, self.value))
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-        return constrain(self.out(constrain(y, PER_HEAD)), RESIDUAL)
+        qkv = self.qkv(x, RESIDUAL)
+        y = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True)
+        return self.out(y, PER_HEAD)
 
 
 class MLP(nnx.Module):
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
-        self.up = nnx.Linear(
-            config.embed, config.mlp, use_bias=False, dtype=config.dtype, kernel_init=_init(config),
-            kernel_metadata=named("embed", "mlp"), rngs=rngs,
+        self.up = nn.Linear(
+            config.embed, config.mlp, in_names="embed", out_names="mlp",
+            kernel_init=_init(config), dtype=config.dtype, rngs=rngs,
         )
-        self.down = nnx.Linear(
-            config.mlp, config.embed, use_bias=False, dtype=config.dtype,
-            kernel_init=_init(config, residual_out=True), kernel_metadata=named("mlp", "embed"), rngs=rngs,
+        self.down = nn.Linear(
+            config.mlp, config.embed, in_names="mlp", out_names="embed",
+            kernel_init=_init(config, residual_out=True), dtype=config.dtype, rngs=rngs,
         )
 
     def __call__(self, x):
-        h = constrain(jax.nn.gelu(self.up(x)), ("batch", "seq", "mlp"))
-        return constrain(self.down(h), RESIDUAL)
-
-
-def _norm(config: GPTConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
-    return nnx.LayerNorm(
-        config.embed, dtype=config.dtype, scale_metadata=named("embed"), bias_metadata=named("embed"), rngs=rngs
-    )
+        return self.down(jax.nn.gelu(self.up(x, RESIDUAL)), HIDDEN)
 
 
 class Block(nnx.Module):
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
-        self.attn_norm, self.attn = _norm(config, rngs), Attention(config, rngs=rngs)
-        self.mlp_norm, self.mlp = _norm(config, rngs), MLP(config, rngs=rngs)
+        self.attn_norm, self.attn = nn.LayerNorm(config.embed, dtype=config.dtype), Attention(config, rngs=rngs)
+        self.mlp_norm, self.mlp = nn.LayerNorm(config.embed, dtype=config.dtype), MLP(config, rngs=rngs)
 
     def __call__(self, x):
         x = x + self.attn(self.attn_norm(x))
@@ -106,30 +100,30 @@ class Block(nnx.Module):
 class GPT(nnx.Module):
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         self.config = config
-        embed = dict(dtype=config.dtype, embedding_init=_init(config), rngs=rngs)
-        self.token_embed = nnx.Embed(config.vocab, config.embed, embedding_metadata=named("vocab", "embed"), **embed)
-        self.pos_embed = nnx.Embed(config.seq_len, config.embed, embedding_metadata=named("seq", "embed"), **embed)
-
+        embed = dict(embedding_init=_init(config), dtype=config.dtype, rngs=rngs)
+        self.token_embed = nn.Embed(config.vocab, config.embed, names=("vocab", "embed"), **embed)
+        self.pos_embed = nn.Embed(config.seq_len, config.embed, names=("seq", "embed"), **embed)
         self.blocks = stack_layers(lambda rngs: Block(config, rngs=rngs), config.layers, rngs)
-        self.final_norm = _norm(config, rngs)
+        self.final_norm = nn.LayerNorm(config.embed, dtype=config.dtype)
         if not config.tied_head:
-            self.head = nnx.Linear(
-                config.embed, config.vocab, use_bias=False, dtype=config.dtype, kernel_init=_init(config),
-                kernel_metadata=named("embed", "vocab"), rngs=rngs,
+            self.head = nn.Linear(
+                config.embed, config.vocab, in_names="embed", out_names="vocab",
+                kernel_init=_init(config), dtype=config.dtype, rngs=rngs,
             )
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Logits (batch, seq, vocab) for int tokens (batch, seq)."""
-        if tokens.shape[1] > self.config.seq_len:
-            raise ValueError(f"sequence of {tokens.shape[1]} tokens is longer than seq_len={self.config.seq_len}")
-        x = self.token_embed(tokens) + self.pos_embed(jnp.arange(tokens.shape[1]))
-        x = constrain(x, RESIDUAL)
+        length = tokens.shape[1]
+        if length > self.config.seq_len:
+            raise ValueError(f"sequence of {length} tokens is longer than seq_len={self.config.seq_len}")
+        x = self.token_embed(tokens, ("batch", "seq"), RESIDUAL)
+        x = x + self.pos_embed(jnp.arange(length), ("seq",), RESIDUAL[1:])
         x = self.final_norm(scan_layers(self.blocks, x))
-        logits = self.token_embed.attend(x) if self.config.tied_head else self.head(x)
-        return constrain(logits, ("batch", "seq", "vocab"))
+        if self.config.tied_head:
+            return self.token_embed.attend(x, RESIDUAL)
+        return self.head(x, RESIDUAL)
 
 
 def gpt_loss(model: GPT, tokens: jax.Array) -> jax.Array:
     """Next-token cross-entropy on (batch, seq+1) tokens, in float32."""
-    logits = model(tokens[:, :-1]).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    return nn.cross_entropy(model(tokens[:, :-1]), tokens[:, 1:], LOGITS)

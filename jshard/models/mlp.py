@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jshard import nn
 from jshard.models.stack import scan_layers, stack_layers
-from jshard.rules import constrain, named
+from jshard.rules import constrain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,20 +27,19 @@ class Layer(nnx.Module):
     def __init__(self, config: MLPConfig, *, rngs: nnx.Rngs):
         # Lecture init: randn(D, D) / sqrt(D).
         init = nnx.initializers.normal(stddev=config.dim**-0.5)
-        self.linear = nnx.Linear(
-            config.dim, config.dim, use_bias=False, kernel_init=init, dtype=config.dtype,
-            kernel_metadata=named("embed", "mlp"), rngs=rngs,
+        self.linear = nn.Linear(
+            config.dim, config.dim, in_names="embed", out_names="mlp", kernel_init=init, dtype=config.dtype, rngs=rngs
         )
 
     def __call__(self, x):
-        # The output's features are the next layer's input features: name them `embed`.
-        return constrain(jax.nn.gelu(self.linear(x)), ("batch", "embed"))
+        y = jax.nn.gelu(self.linear(x, ("batch", "embed")))
+        # The output's features are the next layer's input features (under TP: an all-gather).
+        return nn.relayout(y, ("batch", "mlp"), ("batch", "embed"))
 
 
 class DeepMLP(nnx.Module):
     def __init__(self, config: MLPConfig, *, rngs: nnx.Rngs):
         self.config = config
-
         self.layers = stack_layers(lambda rngs: Layer(config, rngs=rngs), config.layers, rngs)
 
     def __call__(self, x):

@@ -11,6 +11,8 @@ from collections.abc import Callable
 import jax
 from flax import nnx
 
+from jshard import nn
+
 # Adds (and on use removes) `layers` as the first logical name of every stacked Variable.
 _LAYERS_METADATA = {nnx.PARTITION_NAME: "layers"}
 
@@ -27,10 +29,38 @@ def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], count: int, rngs:
 
 
 def scan_layers(layers: nnx.Module, x: jax.Array) -> jax.Array:
-    """x <- layer(x) for each layer of a stack, in order."""
+    """x <- layer(x) for each layer of a stack, in order.
+
+    In a step that gathers weights (ZeRO-3) each layer is rematerialised without its
+    gathered weights: backward gathers them again instead of keeping all layers' alive.
+    """
+
+    def apply(layer, x):
+        return layer(x)
+
+    if nn.gathers_weights():
+        apply = nnx.remat(apply, policy=nn.remat_policy)
 
     @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=_LAYERS_METADATA)
     def run(x, layer):
-        return layer(x)
+        return apply(layer, x)
 
-    return run(x, layers)
+    return run(_as_carry(apply, layers, x), layers)
+
+
+def _as_carry(apply, layers, x: jax.Array) -> jax.Array:
+    """x, typed as varying over every mesh axis a layer's output varies over.
+
+    Inside shard_map a scan carry must keep its type; a layer whose output varies where
+    its input did not (an all-gathered activation: varying, though equal on all devices)
+    would break that. An abstract pass over the layers finds the output's type.
+    """
+    if not nn.manual_axes():
+        return x
+
+    @nnx.scan(in_axes=(None, 0), out_axes=0, transform_metadata=_LAYERS_METADATA)
+    def each(x, layer):
+        return apply(layer, x)
+
+    missing = nn.varying_axes(nnx.eval_shape(each, x, layers)) - nn.varying_axes(x)
+    return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x

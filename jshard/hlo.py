@@ -1,0 +1,125 @@
+"""What a compiled program communicates: its collectives, by kind, with bytes per device.
+
+Counted from the optimized HLO text (`jax.jit(f).lower(...).compile().as_text()`), so it
+is exact: what XLA will run, after its own combining and rewriting. A collective inside
+a loop (the scan over layers) counts once per trip. Bytes follow the textbook's K for
+each kind (see docs/strategies.md):
+
+    all-reduce          the reduced buffer                    (ring cost 2(N-1)/N · K)
+    all-gather          the gathered result                   ((N-1)/N · K)
+    reduce-scatter      the buffer before scattering          ((N-1)/N · K)
+    all-to-all          the buffer each device sends          ((N-1)/N · K)
+    collective-permute  the buffer each device sends          (K)
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
+_OP = re.compile(r"=\s*(?P<result>\(.*?\)|\S+)\s+(?P<kind>" + "|".join(KINDS) + r")(?P<start>-start)?\(")
+_SHAPE = re.compile(r"\b(?P<dtype>pred|[suf]\d+|bf16|c64|c128)\[(?P<dims>[\d,]*)\]")
+_ITEMSIZE = {"pred": 1, "bf16": 2, "c64": 8, "c128": 16}
+_WHILE = re.compile(r"\swhile\(.*body=%(?P<body>[\w.\-]+)")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"')
+_CALLED = re.compile(r"(?:calls|body|condition|true_computation|false_computation)=%(?P<name>[\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{(?P<first>[\d,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(?P<dims>[\d,]+)\]")
+
+
+def _bytes(shapes: str) -> int:
+    """Total bytes of every array shape written in `shapes`, e.g. '(f32[8,16], bf16[4])'."""
+    total = 0
+    for m in _SHAPE.finditer(shapes):
+        itemsize = _ITEMSIZE.get(m["dtype"]) or int(m["dtype"][1:]) // 8
+        total += math.prod(int(d) for d in m["dims"].split(",") if d) * itemsize
+    return total
+
+
+def _group_size(line: str) -> int:
+    if m := _GROUPS_LIST.search(line):
+        return len([d for d in m["first"].split(",") if d])
+    if m := _GROUPS_IOTA.search(line):
+        return int(m["dims"].split(",")[-1])
+    return 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    kind: str
+    buffers: tuple[int, ...]  # K of each buffer it moves (a combined collective moves several)
+    count: int  # executions per program run (loop trips)
+    group: int  # devices taking part together
+    line: str
+
+    @property
+    def bytes(self) -> int:
+        """K per execution, per device, as above."""
+        return sum(self.buffers)
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+    """{computation name: its instruction lines}, and the entry computation's name."""
+    blocks, current, entry = {}, None, ""
+    for line in hlo_text.splitlines():
+        if m := _COMPUTATION.match(line):
+            current = blocks.setdefault(m["name"], [])
+            entry = m["name"] if line.startswith("ENTRY") else entry
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            current.append(line)
+    return blocks, entry
+
+
+def _executions(blocks: dict[str, list[str]], entry: str) -> dict[str, int]:
+    """How many times each computation runs per program run: loop bodies once per trip."""
+    runs: dict[str, int] = collections.Counter({entry: 1})
+    pending = [entry]
+    while pending:
+        name = pending.pop(0)
+        for line in blocks[name]:
+            loop = _WHILE.search(line)
+            trips = int(t["n"]) if loop and (t := _TRIPS.search(line)) else 1
+            called = [m["name"] for m in _CALLED.finditer(line)]
+            if branches := _BRANCHES.search(line):
+                called += [n.strip().lstrip("%") for n in branches["names"].split(",")]
+            for callee in filter(blocks.__contains__, called):
+                runs[callee] += runs[name] * (trips if loop and callee == loop["body"] else 1)
+                pending.append(callee)
+    return runs
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective of a compiled HLO module, with how often it runs."""
+    blocks, entry = _computations(hlo_text)
+    runs = _executions(blocks, entry)
+    found = []
+    for name, lines in blocks.items():
+        for line in lines:
+            if not (m := _OP.search(line)):
+                continue
+            group = _group_size(line)
+            buffers = [_bytes(shape.group(0)) for shape in _SHAPE.finditer(m["result"])]
+            # A combined collective returns a tuple of buffers; an async start returns
+            # (operand, result): keep the larger, the gathered or reduced buffer.
+            if m["start"]:
+                buffers = [max(buffers, default=0)]
+            if m["kind"] == "reduce-scatter":
+                buffers = [b * group for b in buffers]  # K is the input; each keeps 1/group
+            found.append(Collective(m["kind"], tuple(buffers), runs.get(name, 0), group, line.strip()))
+    return found
+
+
+def bytes_by_kind(hlo_text: str) -> dict[str, int]:
+    """{kind: bytes per device per program run}, for the kinds present."""
+    totals: dict[str, int] = collections.Counter()
+    for c in collectives(hlo_text):
+        totals[c.kind] += c.bytes * c.count
+    return dict(totals)

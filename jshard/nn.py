@@ -1,0 +1,321 @@
+"""Layers that know the logical names of their inputs, weights and outputs.
+
+A layer never names a mesh axis. It knows, say, that it maps (batch, seq, embed) to
+(batch, seq, mlp) with a weight (embed, mlp), and asks the active rules where each name
+lives. From that alone follow the collectives of every strategy (the scaling book's
+sharded-matmul cases):
+
+- a weight dim on a ZeRO axis (`fsdp`): all-gather the weight before use (`param`); its
+  autodiff transpose is the gradient's reduce-scatter, and under ZeRO-3 the gathered
+  weight is not kept for backward but gathered again (see `remat_policy`);
+- an input dim laid out differently from what the output wants (sequence parallel's
+  seq): all-gather it before the matmul;
+- a contracting dim split over an axis (row-parallel): the product is a partial sum,
+  reduced by `psum`, or by `psum_scatter` where the output wants that axis on a dim
+  (sequence parallel);
+- an output dim split like the weight's (column-parallel): no communication.
+
+Outside a jshard step these are plain Flax layers: the same model runs on one device, or
+under `jax.jit` with the compiler placing collectives (`jshard.constrain`).
+
+Layouts here are specs as tuples, one tuple of mesh axes per dim: `((data, fsdp), (), (tensor,))`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from jshard.rules import active_rules, axes_of, constrain, manual_axes, named
+
+Layout = tuple[tuple[str, ...], ...]
+
+
+# -- layouts and relayout -----------------------------------------------------------------
+
+
+def layout(names: Sequence[str | None], kind: str = "activation") -> Layout:
+    """Where the active rules put each dim of a tensor called `names`, inside a step."""
+    spec = active_rules().spec(tuple(names), None, jax.sharding.get_abstract_mesh(), kind)
+    return tuple(axes_of(entry) for entry in spec)
+
+
+def varying_axes(x) -> frozenset[str]:
+    """The manual mesh axes over which `x` may differ between devices (its vma)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # JAX >= 0.10; earlier: aval.vma
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+def _in_step() -> bool:
+    return active_rules() is not None and bool(manual_axes())
+
+
+def relayout_local(x: jax.Array, src: Layout, dst: Layout, partial: Sequence[str] = (), invariant: bool = False) -> jax.Array:
+    """Move a local block from layout `src` to `dst` with the fewest collectives.
+
+    `partial` are mesh axes over which `x` is a partial sum: each is reduced with
+    `psum_scatter` onto the dim where `dst` wants it, or with `psum` if `dst` wants it
+    nowhere. A dim whose axes change is all-gathered (axes `src` has, `dst` lacks) and
+    then sliced locally (axes `dst` has, `src` lacks; slicing moves nothing).
+
+    A gathered block is typed varying over the gathered axes, so that its transpose is
+    a reduce-scatter; `invariant=True` types it replicated instead, for values that are
+    not differentiated (updated params).
+    """
+    src = [tuple(a) for a in src]
+    for axis in partial:
+        dims = [d for d, axes in enumerate(dst) if axis in axes and axis not in src[d]]
+        if dims and src[dims[0]] + (axis,) == tuple(dst[dims[0]]):
+            x = lax.psum_scatter(x, axis, scatter_dimension=dims[0], tiled=True)
+            src[dims[0]] = src[dims[0]] + (axis,)
+        else:
+            x = lax.psum(x, axis)
+    for dim, (have, want) in enumerate(zip(src, dst)):
+        want = tuple(want)
+        if have == want:
+            continue
+        keep = 0  # the leading axes both share stay split; the rest is gathered
+        while keep < min(len(have), len(want)) and have[keep] == want[keep]:
+            keep += 1
+        if have[keep:]:
+            x = (_all_gather_invariant if invariant else lax.all_gather)(x, have[keep:], axis=dim, tiled=True)
+        if want[keep:]:
+            n = lax.axis_size(want[keep:])
+            size = x.shape[dim] // n
+            x = lax.dynamic_slice_in_dim(x, lax.axis_index(want[keep:]) * size, size, axis=dim)
+    return x
+
+
+def _all_gather_invariant(x, axes, *, axis: int, tiled: bool):
+    """An all-gather whose result is typed replicated ('invarying' in JAX 0.10)."""
+    try:
+        return lax.all_gather(x, axes, axis=axis, tiled=tiled, to="invarying")
+    except ValueError:  # a JAX that spells it otherwise
+        return lax.all_gather(x, axes, axis=axis, tiled=tiled, to="invariant")
+
+
+def relayout(x: jax.Array, src_names, dst_names, partial: Sequence[str] = ()) -> jax.Array:
+    """x, laid out as the rules place `src_names`, laid out as they place `dst_names`.
+
+    Inside a step this is explicit collectives (`relayout_local`); outside, a sharding
+    constraint to `dst_names` for the compiler.
+    """
+    if not _in_step():
+        return constrain(x, dst_names)
+    return relayout_local(x, layout(src_names), layout(dst_names), partial)
+
+
+# -- params -------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ShardWithReplica:
+    """ZeRO-2's view of a param: its optimizer shard (differentiated) and the replica.
+
+    The forward computes with the replica (no gather); the gradient is reduce-scattered
+    onto the shard as soon as the layer's backward produces it, so the full gradients of
+    all layers never coexist. `dim` counts from the end (a stacked layer loses its first).
+    """
+
+    shard: jax.Array
+    replica: jax.Array
+    dim: int = dataclasses.field(metadata=dict(static=True))  # negative: the split dim
+    axes: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))  # the ZeRO axes of that dim
+    vary: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))  # batch axes to leave unreduced
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _replica_with_scattered_grad(shard, replica, dim, axes, vary):
+    # Varying over the batch axes, so autodiff hands backward this device's own gradient.
+    return lax.pcast(replica, vary, to="varying") if vary else replica
+
+
+def _replica_fwd(shard, replica, dim, axes, vary):
+    return _replica_with_scattered_grad(shard, replica, dim, axes, vary), None
+
+
+def _replica_bwd(dim, axes, vary, _, cotangent):
+    # The replica is not differentiated (None: a zero cotangent, never materialised).
+    return lax.psum_scatter(cotangent, axes, scatter_dimension=dim % cotangent.ndim, tiled=True), None
+
+
+_replica_with_scattered_grad.defvjp(_replica_fwd, _replica_bwd)
+
+
+def _gathered_layout(names) -> Layout:
+    """A weight's layout once `param` has gathered its ZeRO axes."""
+    zero = set(active_rules().zero_axes)
+    return tuple(tuple(a for a in axes if a not in zero) for axes in layout(names, "param"))
+
+
+def param(variable: nnx.Variable) -> jax.Array:
+    """The value a layer computes with: inside a step, gathered over the ZeRO axes."""
+    value = variable.get_value()
+    if isinstance(value, ShardWithReplica):
+        return _replica_with_scattered_grad(value.shard, value.replica, value.dim, value.axes, value.vary)
+    if not _in_step():
+        return value
+    names = variable.get_metadata()["out_sharding"]
+    have, want = layout(names, "param"), _gathered_layout(names)
+    if want == have:
+        return value
+    return relayout_local(value, have, want)
+
+
+def gathers_weights() -> bool:
+    """Inside a step whose params are split over ZeRO axes (ZeRO-3)."""
+    rules = active_rules()
+    return _in_step() and rules.zero == 3 and any(lax.axis_size(a) > 1 for a in rules.zero_axes)
+
+
+def remat_policy(primitive, *_, **__) -> bool:
+    """Inside a ZeRO-3 step: save everything for backward except all-gathered values.
+
+    The JAX shard_map tutorial's "FSDP as a remat policy": backward gathers each weight
+    again instead of keeping every layer's gathered copy alive until then.
+    """
+    return str(primitive) != "all_gather"
+
+
+def matmul(x: jax.Array, x_names, w: jax.Array, w_names) -> jax.Array:
+    """Contract x's trailing dims with the dims of `w` that have the same names.
+
+    The result has x's leading names, then w's other names, in order. Inside a step, the
+    input is first laid out as the result wants its leading dims and as `w` has the
+    contracted dims (gathering sequence-parallel activations before a column-parallel
+    weight); a contracted dim split over an axis leaves a partial sum, reduced onto the
+    result's layout (a psum, or a reduce-scatter along seq under sequence parallelism).
+    """
+    x_names, w_names = tuple(x_names), tuple(w_names)
+    contracted = [name for name in x_names if name is not None and name in w_names]
+    lead = x_names[: len(x_names) - len(contracted)]
+    if tuple(contracted) != x_names[len(lead):]:
+        raise ValueError(f"matmul: the names shared by x {x_names} and w {w_names} must be x's trailing dims")
+    w_contracted = [w_names.index(name) for name in contracted]
+    w_free = [i for i in range(len(w_names)) if i not in w_contracted]
+    y_names = lead + tuple(w_names[i] for i in w_free)
+    dims = ((tuple(range(len(lead), len(x_names))), tuple(w_contracted)), ((), ()))
+    if not _in_step():
+        return constrain(lax.dot_general(x, w, dims), y_names)
+    w_layout = _gathered_layout(w_names)
+    # Leading dims as the result wants them, less the axes the weight holds: those reach
+    # the result only when a partial sum is reduce-scattered (row-parallel, sequence parallel).
+    w_axes = {a for axes in w_layout for a in axes}
+    y_lead = tuple(tuple(a for a in axes if a not in w_axes) for axes in layout(y_names)[: len(lead)])
+    x_want = y_lead + tuple(w_layout[i] for i in w_contracted)
+    x = relayout_local(x, layout(x_names), x_want)
+    partial = [a for i in w_contracted for a in w_layout[i]]
+    y_have = y_lead + tuple(w_layout[i] for i in w_free)
+    return relayout_local(lax.dot_general(x, w, dims), y_have, layout(y_names), partial)
+
+
+# -- layers ---------------------------------------------------------------------------------
+
+
+def _as_tuple(x) -> tuple:
+    return (x,) if isinstance(x, (int, str)) or x is None else tuple(x)
+
+
+class Linear(nnx.Module):
+    """y = x · W over named dims: W is `in_names + out_names`, no bias."""
+
+    def __init__(self, in_features, out_features, *, in_names, out_names, rngs: nnx.Rngs,
+                 kernel_init=nnx.initializers.lecun_normal(), dtype=jnp.float32, param_dtype=jnp.float32):
+        self.names = _as_tuple(in_names) + _as_tuple(out_names)
+        self.dtype = dtype
+        shape = _as_tuple(in_features) + _as_tuple(out_features)
+        self.kernel = nnx.Param(kernel_init(rngs.params(), shape, param_dtype), **named(*self.names))
+
+    def __call__(self, x: jax.Array, x_names: Sequence[str | None]) -> jax.Array:
+        """`x` has dims `x_names`; its trailing ones are this layer's input names."""
+        return matmul(x.astype(self.dtype), x_names, param(self.kernel).astype(self.dtype), self.names)
+
+
+class Embed(nnx.Module):
+    """Rows of a (vocab, embed)-named table; vocab-parallel where the rules split the vocab."""
+
+    def __init__(self, num_embeddings: int, features: int, *, names=("vocab", "embed"), rngs: nnx.Rngs,
+                 embedding_init=nnx.initializers.normal(0.02), dtype=jnp.float32, param_dtype=jnp.float32):
+        self.names, self.dtype = tuple(names), dtype
+        self.embedding = nnx.Param(
+            embedding_init(rngs.params(), (num_embeddings, features), param_dtype), **named(*self.names)
+        )
+
+    def __call__(self, ids: jax.Array, ids_names: Sequence[str | None], out_names: Sequence[str | None]) -> jax.Array:
+        """Rows for int `ids`; inside a step `ids` arrive split over the batch axes only."""
+        table = param(self.embedding).astype(self.dtype)
+        if not _in_step():
+            return constrain(jnp.take(table, ids, axis=0), out_names)
+        vocab_axes, embed_axes = _gathered_layout(self.names)
+        rows = table.shape[0]  # this device holds rows [first, first + rows)
+        local = ids - (lax.axis_index(vocab_axes) * rows if vocab_axes else 0)
+        inside = (local >= 0) & (local < rows)
+        out = jnp.where(inside[..., None], jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0), 0)
+        return relayout_local(out, _batch_only(ids_names) + (embed_axes,), layout(out_names), vocab_axes)
+
+    def attend(self, x: jax.Array, x_names: Sequence[str | None]) -> jax.Array:
+        """Logits x · tableᵀ, a head tied to this table: (..., embed) -> (..., vocab)."""
+        return matmul(x.astype(self.dtype), x_names, param(self.embedding).astype(self.dtype), self.names)
+
+
+def _batch_only(names) -> Layout:
+    """The layout of step inputs: split over the batch axes only."""
+    return tuple(axes if name == "batch" else () for name, axes in zip(names, layout(names)))
+
+
+class LayerNorm(nnx.Module):
+    """Layer norm over the last dim (named `name`), with scale and bias."""
+
+    def __init__(self, features: int, *, name: str = "embed", epsilon: float = 1e-6, dtype=jnp.float32,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        self.epsilon, self.dtype = epsilon, dtype
+        self.scale = nnx.Param(jnp.ones((features,), param_dtype), **named(name))
+        self.bias = nnx.Param(jnp.zeros((features,), param_dtype), **named(name))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x.astype(jnp.float32)
+        mean = x.mean(-1, keepdims=True)
+        variance = jnp.square(x - mean).mean(-1, keepdims=True)
+        y = (x - mean) * lax.rsqrt(variance + self.epsilon)
+        return (y * param(self.scale) + param(self.bias)).astype(self.dtype)
+
+
+# -- loss -------------------------------------------------------------------------------------
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Mean next-token cross-entropy; vocab-parallel where the rules split the last dim.
+
+    Inside a step, `labels` arrive split over the batch axes only and the mean is over
+    this device's share of the batch (the step averages over the batch axes).
+    """
+    logits = logits.astype(jnp.float32)
+    if not _in_step():
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], axis=-1))
+    logits_layout = layout(names)
+    vocab_axes = logits_layout[-1]
+    # Labels have the logits' layout on their dims (sequence-parallel logits split seq).
+    labels = relayout_local(labels, _batch_only(names[:-1]), logits_layout[:-1])
+    peak = lax.stop_gradient(logits.max(-1))
+    if vocab_axes:
+        peak = lax.pmax(peak, vocab_axes)
+    total = jnp.exp(logits - peak[..., None]).sum(-1)
+    rows = logits.shape[-1]
+    local = labels - (lax.axis_index(vocab_axes) * rows if vocab_axes else 0)
+    inside = (local >= 0) & (local < rows)
+    picked = jnp.where(inside, jnp.take_along_axis(logits, jnp.clip(local, 0, rows - 1)[..., None], -1)[..., 0], 0.0)
+    if vocab_axes:
+        total, picked = lax.psum(total, vocab_axes), lax.psum(picked, vocab_axes)
+    losses = jnp.log(total) + peak - picked
+    # Sequence-parallel logits: this device holds a slice of the sequence; average over all.
+    split = [a for d, axes in enumerate(logits_layout[:-1]) if names[d] != "batch" for a in axes]
+    mean = losses.mean()
+    return lax.pmean(mean, split) if split else mean

@@ -1,0 +1,188 @@
+"""A training step as `jax.jit(jax.shard_map(body))`, every collective explicit and derived.
+
+Three layouts per param come from the rules (`jshard.rules`): `param` (how the model
+holds it), `opt` (how the optimizer state and the update are split: the ZeRO axes) and
+the batch axes (activation rule `batch`). The body:
+
+    1. differentiable view: DP / ZeRO-1 / ZeRO-3 the param itself; ZeRO-2 its `opt`
+       shard, paired with the replica the forward uses (`nn.ShardWithReplica`). Cast to
+       varying over the batch axes, so autodiff leaves batch reductions to step 3.
+    2. loss and grads of this device's share of the batch. Inside, layers gather ZeRO-3
+       weights (the transpose: a reduce-scatter) and reduce-scatter ZeRO-2 gradients per
+       layer; tensor / sequence parallel collectives follow from the names (`jshard.nn`).
+    3. grads to the `opt` layout: reduce-scatter over ZeRO axes not yet scattered, sum
+       over the other batch axes, divide by the number of batch shards.
+    4. optax update on the `opt` shard of each param, then back to the `param` layout:
+       an all-gather for ZeRO-1/2, nothing for DP and ZeRO-3.
+
+Per step, with Ψ the param bytes: DP all-reduces Ψ; ZeRO-1/2 reduce-scatter Ψ and
+all-gather Ψ; ZeRO-3 all-gathers Ψ twice (forward, and again in backward: gathered
+weights are not saved) and reduce-scatters Ψ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+
+from jshard import nn
+from jshard.mesh import mesh_shape
+from jshard.placement import specs
+from jshard.rules import Rules, axes_of, use_rules
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    params: nnx.State  # in the `param` layout
+    opt_state: Any  # optax state, in the `opt` layout
+
+
+def _layouts(spec_tree) -> list[nn.Layout]:
+    """One layout (a tuple of mesh axes per dim) per leaf of a tree of PartitionSpecs."""
+    return [tuple(axes_of(entry) for entry in spec) for spec in jax.tree.leaves(spec_tree)]
+
+
+def _axes_in(layout: nn.Layout) -> set[str]:
+    return {a for axes in layout for a in axes}
+
+
+class ShardedStep:
+    """`state, loss = step(state, batch)`: one optimizer step of `loss_fn(model, batch)`.
+
+    `loss_fn` returns the mean loss over the batch it is given (inside the step: this
+    device's share, split along dim 0 of every batch leaf over the batch axes).
+    """
+
+    def __init__(self, model: nnx.Module, tx: optax.GradientTransformation,
+                 loss_fn: Callable[[nnx.Module, Any], jax.Array], mesh: Mesh, rules: Rules):
+        self.mesh, self.rules, self.tx, self.loss_fn = mesh, rules, tx, loss_fn
+        self.graphdef, params = nnx.split(model)
+        param_specs = specs(params, mesh, rules, "param")  # every bad input raises here
+        self.param_layouts = _layouts(param_specs)
+        self.opt_layouts = _layouts(specs(params, mesh, rules, "opt"))
+        self.batch_axes = axes_of(rules.spec(("batch",), None, mesh, "activation")[0])
+        self.batch_shards = math.prod(mesh_shape(mesh)[a] for a in self.batch_axes)
+        opt_specs = specs(jax.eval_shape(tx.init, params), mesh, rules, "opt")
+        self.state_specs = TrainState(param_specs, opt_specs)
+        self._shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), self.state_specs)
+        body = jax.shard_map(
+            self._body, mesh=mesh, in_specs=(self.state_specs, jax.P(self.batch_axes)),
+            out_specs=(self.state_specs, jax.P()), check_vma=True,
+        )
+        self._step = jax.jit(body, donate_argnums=0)
+        self._grads = jax.jit(jax.shard_map(
+            self._grads_body, mesh=mesh, in_specs=(param_specs, jax.P(self.batch_axes)),
+            out_specs=(jax.P(), specs(params, mesh, rules, "opt")), check_vma=True,
+        ))
+        self.state = self.init_state(params)
+
+    # -- state -------------------------------------------------------------------------
+
+    def init_state(self, params: nnx.State) -> TrainState:
+        params = jax.device_put(params, self._shardings.params)
+        opt_state = jax.jit(self.tx.init, out_shardings=self._shardings.opt_state)(params)
+        return TrainState(params, opt_state)
+
+    def model(self, state: TrainState | None = None) -> nnx.Module:
+        """The model with the params of `state` (default: the latest)."""
+        return nnx.merge(self.graphdef, (state or self.state).params)
+
+    def shard_batch(self, batch):
+        """Put a global batch on the mesh, split along dim 0 over the batch axes."""
+        return jax.device_put(batch, NamedSharding(self.mesh, jax.P(self.batch_axes)))
+
+    def __call__(self, state: TrainState, batch) -> tuple[TrainState, jax.Array]:
+        return self._step(state, batch)
+
+    def value_and_grad(self, state: TrainState, batch) -> tuple[jax.Array, nnx.State]:
+        """The loss and its gradient, as the step computes them (gradients in the `opt` layout)."""
+        return self._grads(state.params, batch)
+
+    def lower(self, state: TrainState, batch):
+        """The lowered step, for `.compile()`, HLO and memory analysis."""
+        return self._step.lower(state, batch)
+
+    # -- the body, on each device's blocks ------------------------------------------------
+
+    def _per_leaf(self, fn, tree, *per_leaf_args):
+        leaves, treedef = jax.tree.flatten(tree)
+        return treedef.unflatten([fn(leaf, *args) for leaf, *args in zip(leaves, *per_leaf_args)])
+
+    def _vary(self, x, layout: nn.Layout):
+        """x, cast to varying over the batch axes it is not split over (no communication)."""
+        missing = tuple(a for a in self.batch_axes if a not in _axes_in(layout) and a not in nn.varying_axes(x))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    def _differentiable(self, params):
+        """Step 1: what autodiff sees, and the layout its gradient comes out in."""
+        if self.rules.zero != 2:
+            return self._per_leaf(self._vary, params, self.param_layouts), self.param_layouts
+
+        def shard(w, have, want):
+            return self._vary(nn.relayout_local(w, have, want), want)
+
+        return self._per_leaf(shard, params, self.param_layouts, self.opt_layouts), self.opt_layouts
+
+    def _with_replicas(self, shards, params):
+        """ZeRO-2: each param that the opt layout splits, as (shard, replica) for `nn.param`."""
+
+        def pair(shard, replica, have, want):
+            split = [d for d, (h, w) in enumerate(zip(have, want)) if h != w]
+            if not split:
+                return shard
+            axes = tuple(a for a in want[split[0]] if a not in have[split[0]])
+            vary = tuple(a for a in self.batch_axes if a not in _axes_in(have))
+            return nn.ShardWithReplica(shard, replica, split[0] - replica.ndim, axes, vary)
+
+        return self._per_leaf(pair, shards, jax.tree.leaves(params), self.param_layouts, self.opt_layouts)
+
+    def _loss_and_grads(self, params, batch):
+        """Steps 1-3: the mean loss over the global batch, and its gradient in the `opt` layout."""
+        diff, grad_layouts = self._differentiable(params)
+
+        def loss_of(diff):
+            model_params = self._with_replicas(diff, params) if self.rules.zero == 2 else diff
+            loss = self.loss_fn(nnx.merge(self.graphdef, model_params), batch)
+            # Equal on every device of a non-batch axis, but typed varying (it came from
+            # gathered activations): average to make it one value, and its gradient once.
+            spread = tuple(sorted(nn.varying_axes(loss) - set(self.batch_axes)))
+            return lax.pmean(loss, spread) if spread else loss
+
+        if nn.gathers_weights():  # ZeRO-3: weights used outside the layer scan are gathered again too
+            loss_of = jax.checkpoint(loss_of, policy=nn.remat_policy)
+        loss, grads = jax.value_and_grad(loss_of)(diff)
+
+        def reduce(g, have, want):
+            pending = [a for a in self.batch_axes if a not in _axes_in(have)]
+            return nn.relayout_local(g, have, want, pending) / self.batch_shards
+
+        return lax.pmean(loss, self.batch_axes), self._per_leaf(reduce, grads, grad_layouts, self.opt_layouts)
+
+    def _body(self, state: TrainState, batch):
+        with use_rules(self.rules):
+            loss, grads = self._loss_and_grads(state.params, batch)
+            shards = self._per_leaf(nn.relayout_local, state.params, self.param_layouts, self.opt_layouts)
+            updates, opt_state = self.tx.update(grads, state.opt_state, shards)
+            shards = optax.apply_updates(shards, updates)
+            gather = functools.partial(nn.relayout_local, invariant=True)
+            params = self._per_leaf(gather, shards, self.opt_layouts, self.param_layouts)
+            return TrainState(params, opt_state), loss
+
+    def _grads_body(self, params, batch):
+        with use_rules(self.rules):
+            return self._loss_and_grads(params, batch)
+
+
+def build_step(model, tx, loss_fn, mesh: Mesh, rules: Rules) -> ShardedStep:
+    """A sharded train step for `model` under `rules` on `mesh`; `.state` holds its start."""
+    return ShardedStep(model, tx, loss_fn, mesh, rules)

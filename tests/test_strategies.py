@@ -1,0 +1,207 @@
+"""Every strategy as an explicit shard_map step, against one device, and counted from HLO.
+
+Parity: fresh random inputs each run (the seed is in every failure message); loss and
+gradients of one step, then loss and params over 3 AdamW steps, equal the single-device
+reference to 1e-5 relative (Frobenius norm per param).
+Counts: the collectives XLA compiled, by kind and bytes, equal the textbook (docs/strategies.md).
+"""
+
+import functools
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jshard
+from jshard import hlo
+from jshard.models import GPT, DeepMLP, GPTConfig, MLPConfig, gpt_loss, mlp_loss
+from jshard.parallel import build_step
+
+SEED = int(np.random.default_rng().integers(1 << 31))
+TOLERANCE = 1e-5
+# Adam divides by sqrt(v) + eps: with optax's eps=1e-8 the float round-off of a gradient
+# element near zero (some key-projection weights at init) becomes a full-size update, and
+# params drift apart by ~1e-5 although every gradient agrees to 1e-7. eps=1e-6 bounds that.
+OPTIMIZER = optax.adamw(1e-3, eps=1e-6)
+
+# (preset, mesh) for every strategy and the combinations the issue names.
+PLANS = [
+    ("dp", dict(data=8)),
+    ("zero1", dict(fsdp=8)),
+    ("zero2", dict(fsdp=8)),
+    ("zero3", dict(fsdp=8)),
+    ("dp+tp", dict(data=2, tensor=4)),
+    ("dp+tp+sp", dict(data=2, tensor=4)),
+    ("dp+fsdp", dict(data=2, fsdp=4)),
+    ("fsdp+tp", dict(fsdp=4, tensor=2)),
+    ("dp+fsdp+tp", dict(data=2, fsdp=2, tensor=2)),
+    ("dp+fsdp+tp+sp", dict(data=2, fsdp=2, tensor=2)),
+    ("dp+zero1+tp", dict(data=2, fsdp=2, tensor=2)),
+    ("dp+zero2+sp", dict(data=2, fsdp=2, tensor=2)),
+]
+
+MODELS = {
+    "mlp": (lambda seed: DeepMLP(MLPConfig(dim=32, layers=3), rngs=nnx.Rngs(seed)), mlp_loss,
+            lambda rng: rng.standard_normal((16, 32), dtype=np.float32)),
+    "gpt": (lambda seed: GPT(GPTConfig(vocab=64, seq_len=16, embed=32, heads=4, mlp=64, layers=2), rngs=nnx.Rngs(seed)),
+            gpt_loss, lambda rng: rng.integers(0, 64, (8, 17))),
+}
+
+
+def relative_error(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
+
+
+def assert_trees_close(actual, expected, what):
+    flat_expected = dict(nnx.to_flat_state(expected))
+    for path, variable in nnx.to_flat_state(actual):
+        error = relative_error(variable.get_value(), flat_expected[path].get_value())
+        assert error <= TOLERANCE, f"{what} {'/'.join(map(str, path))}: relative error {error:.2e} (seed {SEED})"
+
+
+@functools.cache
+def reference(model_name: str):
+    """One device: the first step's loss and gradients, then 3 AdamW steps' losses and params."""
+    make, loss_fn, make_batch = MODELS[model_name]
+    rng = np.random.default_rng(SEED)
+    batches = [make_batch(rng) for _ in range(3)]
+    model = make(SEED)
+    loss, grads = nnx.value_and_grad(loss_fn)(model, batches[0])
+    optimizer = nnx.Optimizer(model, OPTIMIZER, wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    losses = [float(train_step(model, optimizer, batch)) for batch in batches]
+    return batches, float(loss), grads, losses, nnx.state(model)
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+@pytest.mark.parametrize("preset, sizes", PLANS, ids=[p for p, _ in PLANS])
+def test_matches_one_device(model_name, preset, sizes):
+    make, loss_fn, _ = MODELS[model_name]
+    batches, loss, grads, losses, params = reference(model_name)
+    step = build_step(make(SEED), OPTIMIZER, loss_fn, jshard.make_mesh(**sizes), jshard.preset(preset))
+
+    step_loss, step_grads = step.value_and_grad(step.state, step.shard_batch(batches[0]))
+    assert relative_error(step_loss, loss) <= TOLERANCE, f"loss (seed {SEED})"
+    assert_trees_close(step_grads, grads, "gradient")
+
+    state = step.state
+    for batch, expected in zip(batches, losses):
+        state, step_loss = step(state, step.shard_batch(batch))
+        assert relative_error(step_loss, expected) <= TOLERANCE, f"loss {float(step_loss)} vs {expected} (seed {SEED})"
+    assert_trees_close(nnx.state(step.model(state)), params, "param after 3 steps")
+
+
+# -- counted from the compiled step ------------------------------------------------------
+
+
+def compiled_step(make, loss_fn, batch, preset, sizes, devices=None):
+    mesh = jshard.make_mesh(devices=devices, **sizes)
+    step = build_step(make(), OPTIMIZER, loss_fn, mesh, jshard.preset(preset))
+    return step.lower(step.state, step.shard_batch(batch)).compile()
+
+
+def param_bytes(make) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(make())))
+
+
+def traffic(compiled, min_bytes=8, inside_loop_of=None) -> dict[str, int]:
+    """Bytes per kind, leaving out scalars (the loss); optionally only collectives run `inside_loop_of` times."""
+    totals = {}
+    for c in hlo.collectives(compiled.as_text()):
+        moved = sum(b for b in c.buffers if b > min_bytes)
+        if moved and (inside_loop_of is None or c.count == inside_loop_of):
+            totals[c.kind] = totals.get(c.kind, 0) + moved * c.count
+    return totals
+
+
+MLP_CONFIG = MLPConfig(dim=64, layers=4)
+
+
+def make_mlp():
+    return DeepMLP(MLP_CONFIG, rngs=nnx.Rngs(0))
+
+
+MLP_BATCH = np.ones((16, MLP_CONFIG.dim), np.float32)
+
+
+@pytest.mark.parametrize(
+    "preset, sizes, expected",
+    [
+        ("dp", dict(data=8), {"all-reduce": 1}),
+        ("zero1", dict(fsdp=8), {"reduce-scatter": 1, "all-gather": 1}),
+        ("zero2", dict(fsdp=8), {"reduce-scatter": 1, "all-gather": 1}),
+        ("zero3", dict(fsdp=8), {"reduce-scatter": 1, "all-gather": 2}),
+    ],
+)
+def test_data_parallel_traffic_is_textbook(preset, sizes, expected):
+    """Ψ = param bytes: DP all-reduces Ψ (ring cost 2Ψ); ZeRO-1/2 reduce-scatter Ψ and
+    all-gather Ψ; ZeRO-3 all-gathers Ψ twice (forward, backward) and reduce-scatters Ψ."""
+    psi = param_bytes(make_mlp)
+    compiled = compiled_step(make_mlp, mlp_loss, MLP_BATCH, preset, sizes)
+    assert traffic(compiled) == {kind: n * psi for kind, n in expected.items()}
+
+
+def test_zero2_scatters_each_layer_in_the_backward_loop():
+    compiled = compiled_step(make_mlp, mlp_loss, MLP_BATCH, "zero2", dict(fsdp=8))
+    layer_bytes = param_bytes(make_mlp) // MLP_CONFIG.layers
+    assert traffic(compiled, inside_loop_of=MLP_CONFIG.layers) == {"reduce-scatter": MLP_CONFIG.layers * layer_bytes}
+
+
+def test_lecture_mlp_tensor_parallel_gathers_each_layer():
+    """The lecture's TP: each layer's output all-gathered (forward), reduce-scattered (backward)."""
+    compiled = compiled_step(make_mlp, mlp_loss, MLP_BATCH, "tp", dict(tensor=8))
+    activation = MLP_BATCH.nbytes
+    assert traffic(compiled) == {"all-gather": MLP_CONFIG.layers * activation, "reduce-scatter": MLP_CONFIG.layers * activation}
+
+
+GPT_CONFIG = GPTConfig(vocab=64, seq_len=16, embed=32, heads=4, mlp=64, layers=2)
+GPT_BATCH = np.ones((8, 17), np.int32)
+
+
+def make_gpt():
+    return GPT(GPT_CONFIG, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize(
+    "preset, expected",
+    [
+        ("tp", {"all-reduce": 4}),  # per block: attention and MLP, forward and backward
+        ("tp+sp", {"all-gather": 4, "reduce-scatter": 4}),  # each all-reduce as a pair
+    ],
+)
+def test_tensor_parallel_block_traffic_is_textbook(preset, expected):
+    compiled = compiled_step(make_gpt, gpt_loss, GPT_BATCH, preset, dict(tensor=4), devices=jax.devices()[:4])
+    activation = GPT_BATCH.shape[0] * (GPT_BATCH.shape[1] - 1) * GPT_CONFIG.embed * 4  # (batch, seq, embed) f32
+    per_layer = traffic(compiled, min_bytes=activation - 1, inside_loop_of=GPT_CONFIG.layers)
+    assert per_layer == {kind: n * activation * GPT_CONFIG.layers for kind, n in expected.items()}
+
+
+def test_memory_falls_with_each_zero_stage():
+    """Per device: DP > ZeRO-1 > ZeRO-2 > ZeRO-3, and ZeRO-3 within 10% of its textbook size."""
+    config = MLPConfig(dim=256, layers=8)
+    batch = np.ones((16, config.dim), np.float32)
+
+    def make():
+        return DeepMLP(config, rngs=nnx.Rngs(0))
+
+    def per_device(preset, sizes):
+        memory = compiled_step(make, mlp_loss, batch, preset, sizes).memory_analysis()
+        return memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes + memory.temp_size_in_bytes
+
+    sizes = [per_device("dp", dict(data=8))] + [per_device(f"zero{s}", dict(fsdp=8)) for s in (1, 2, 3)]
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == 4, sizes
+    psi, layer, n = param_bytes(make), config.dim**2 * 4, 8
+    # params, grads and Adam's two moments split 8 ways; two gathered layers alive at once
+    # (one in use, the next being gathered); each layer's saved input and pre-activation.
+    activations = config.layers * 2 * (batch.shape[0] // n) * config.dim * 4
+    textbook = 4 * psi / n + 2 * layer + activations
+    assert abs(sizes[3] - textbook) <= 0.1 * textbook, (sizes[3], textbook)
