@@ -5,11 +5,12 @@
     rules = jshard.preset("dp+fsdp+tp")
     model = jshard.init(lambda: GPT(GPTConfig(), rngs=nnx.Rngs(0)), mesh, rules)
     print(jshard.describe(model, mesh, rules))
+    step = jshard.parallel.build_step(model, optax.adamw(3e-4), jshard.models.gpt_loss, mesh, rules)
 """
 
 from flax import nnx as _nnx
 
-from jshard import collectives, models
+from jshard import collectives, models, nn, parallel
 from jshard.collectives import CollectiveError
 from jshard.mesh import STANDARD_AXES, MeshError, make_mesh, mesh_shape, use_fake_cpu_devices
 from jshard.placement import Placement, Report, describe, init, shard, shardings, specs
@@ -31,5 +32,5 @@ _nnx.use_eager_sharding(False)
 __all__ = [
     "CollectiveError", "LOGICAL_NAMES", "PRESET_PARTS", "STANDARD_AXES", "MeshError", "Placement", "Report", "Rules",
     "ShardingError", "activate", "collectives", "constrain", "describe", "init", "make_mesh", "mesh_shape", "models",
-    "named", "preset", "shard", "shardings", "specs", "use_fake_cpu_devices",
+    "named", "nn", "parallel", "preset", "shard", "shardings", "specs", "use_fake_cpu_devices",
 ]

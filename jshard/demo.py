@@ -3,23 +3,22 @@
 The main job until `jshard train` lands. It builds the mesh (8 fake CPU devices when no
 accelerator is present), places the model and the AdamW state by the preset's rules, and
 trains on a generated task (continue an arithmetic sequence mod 256) so the loss visibly
-falls. The collectives here are still the compiler's (jit over sharded arrays), not
-jshard's explicit shard_map strategies.
+falls. The step is `jshard.parallel.build_step`: jit(shard_map) with the strategy's
+collectives written out, derived from the rules.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding
 
 import jshard
 from jshard.models import GPT, GPTConfig, gpt_loss
+from jshard.parallel import build_step
 
 
 def add_parser(commands) -> None:
@@ -56,40 +55,21 @@ def run(args) -> int:
     print(rules)
     model = jshard.init(make_model, mesh, rules)
     print(jshard.describe(model, mesh, rules))
-    optimizer = nnx.Optimizer(model, optax.adamw(args.lr), wrt=nnx.Param)
-    jshard.shard(optimizer, mesh, rules, kind="opt")
+    step = build_step(model, optax.adamw(args.lr), gpt_loss, mesh, rules)
 
-    model_def, optimizer_def = nnx.graphdef(model), nnx.graphdef(optimizer)
-    out_shardings = (jshard.shardings(model, mesh, rules), jshard.shardings(optimizer, mesh, rules, kind="opt"), None)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1), out_shardings=out_shardings)
-    def train_step(model_state, optimizer_state, tokens):
-        model, optimizer = nnx.merge(model_def, model_state), nnx.merge(optimizer_def, optimizer_state)
-        loss, grads = nnx.value_and_grad(gpt_loss)(model, tokens)
-        optimizer.update(model, grads)
-        return nnx.state(model), nnx.state(optimizer), loss
-
-    token_shape = (args.batch_size, args.seq_len + 1)
-    token_sharding = NamedSharding(mesh, rules.spec(("batch", "seq"), token_shape, mesh, "activation"))
     keys = jax.random.split(jax.random.key(args.seed + 1), args.steps)
-
+    batches = (sequence_batch(key, args.batch_size, args.seq_len + 1) for key in keys)
     # The same first batch on one device, unsharded: the sharded loss must match it.
-    first = sequence_batch(keys[0], *token_shape)
-    reference_loss = float(gpt_loss(make_model(), first))
+    reference_loss = float(gpt_loss(make_model(), sequence_batch(keys[0], args.batch_size, args.seq_len + 1)))
 
-    model_state, optimizer_state = nnx.state(model), nnx.state(optimizer)
-    losses = []
-    with jshard.activate(mesh, rules):
-        for step, key in enumerate(keys):
-            tokens = jax.device_put(sequence_batch(key, *token_shape), token_sharding)
-            start = time.perf_counter()
-            model_state, optimizer_state, loss = train_step(model_state, optimizer_state, tokens)
-            losses.append(float(loss))
-            elapsed = time.perf_counter() - start
-            if step % 5 == 0 or step == args.steps - 1:
-                print(f"step {step:3d}  loss {losses[-1]:.4f}  {elapsed * 1e3:8.1f} ms")
+    state, losses = step.state, []
+    for i, tokens in enumerate(batches):
+        start = time.perf_counter()
+        state, loss = step(state, step.shard_batch(tokens))
+        losses.append(float(loss))  # waits for the step
+        if i % 5 == 0 or i == args.steps - 1:
+            print(f"step {i:3d}  loss {losses[-1]:.4f}  {(time.perf_counter() - start) * 1e3:8.1f} ms")
     print(f"step-0 loss: sharded {losses[0]:.6f}, one device {reference_loss:.6f} "
           f"(relative difference {abs(losses[0] - reference_loss) / reference_loss:.1e})")
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {args.steps} steps")
     return 0 if losses[-1] < losses[0] else 1
-

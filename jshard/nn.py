@@ -70,13 +70,16 @@ def relayout_local(x: jax.Array, src: Layout, dst: Layout, partial: Sequence[str
     not differentiated (updated params).
     """
     src = [tuple(a) for a in src]
-    for axis in partial:
+    summed = []
+    for axis in partial:  # reduce-scatters first: the all-reduces then move smaller blocks
         dims = [d for d, axes in enumerate(dst) if axis in axes and axis not in src[d]]
         if dims and src[dims[0]] + (axis,) == tuple(dst[dims[0]]):
             x = lax.psum_scatter(x, axis, scatter_dimension=dims[0], tiled=True)
             src[dims[0]] = src[dims[0]] + (axis,)
         else:
-            x = lax.psum(x, axis)
+            summed.append(axis)
+    if summed:
+        x = lax.psum(x, tuple(summed))
     for dim, (have, want) in enumerate(zip(src, dst)):
         want = tuple(want)
         if have == want:

@@ -13,25 +13,11 @@ from flax import nnx
 
 import jshard
 from jshard.models import GPT, DeepMLP, GPTConfig, MLPConfig
+from plans import PLACEMENTS
 
 GPT_CONFIG = GPTConfig(vocab=64, seq_len=16, embed=32, heads=4, mlp=64, layers=4)
 MLP_CONFIG = MLPConfig(dim=32, layers=4)
 
-# Every preset part, alone (with the batch split where it has no axis of its own) and combined.
-PLANS = [
-    ("dp", dict(data=8)),
-    ("zero1", dict(fsdp=8)),
-    ("zero2", dict(fsdp=8)),
-    ("zero3", dict(fsdp=8)),
-    ("dp+tp", dict(data=2, tensor=4)),
-    ("dp+tp+sp", dict(data=2, tensor=4)),
-    ("dp+pp", dict(data=2, stage=4)),
-    ("dp+fsdp", dict(data=2, fsdp=4)),
-    ("fsdp+tp", dict(fsdp=4, tensor=2)),
-    ("dp+fsdp+tp", dict(data=2, fsdp=2, tensor=2)),
-    ("dp+fsdp+tp+sp", dict(data=2, fsdp=2, tensor=2)),
-    ("fsdp+tp+pp", dict(fsdp=2, tensor=2, stage=2)),
-]
 
 
 def run_sharded(factory, loss_and_output, inputs, preset, sizes):
@@ -44,7 +30,7 @@ def run_sharded(factory, loss_and_output, inputs, preset, sizes):
         return nnx.jit(loss_and_output)(model, inputs)
 
 
-@pytest.mark.parametrize("preset, sizes", PLANS, ids=[p for p, _ in PLANS])
+@pytest.mark.parametrize("preset, sizes", PLACEMENTS, ids=[p for p, _ in PLACEMENTS])
 def test_gpt_forward_matches_one_device(preset, sizes):
     def factory():
         return GPT(GPT_CONFIG, rngs=nnx.Rngs(0))
@@ -58,7 +44,7 @@ def test_gpt_forward_matches_one_device(preset, sizes):
     np.testing.assert_allclose(np.asarray(sharded), np.asarray(reference), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("preset, sizes", PLANS[:5] + PLANS[6:], ids=[p for p, _ in PLANS[:5] + PLANS[6:]])
+@pytest.mark.parametrize("preset, sizes", PLACEMENTS, ids=[p for p, _ in PLACEMENTS])
 def test_mlp_forward_matches_one_device(preset, sizes):
     def factory():
         return DeepMLP(MLP_CONFIG, rngs=nnx.Rngs(0))

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 from flax import nnx
 from jax import lax
@@ -37,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding
 from jshard import nn
 from jshard.mesh import mesh_shape
 from jshard.placement import specs
-from jshard.rules import Rules, axes_of, use_rules
+from jshard.rules import Rules, ShardingError, axes_of, use_rules
 
 
 @jax.tree_util.register_dataclass
@@ -99,6 +100,13 @@ class ShardedStep:
 
     def shard_batch(self, batch):
         """Put a global batch on the mesh, split along dim 0 over the batch axes."""
+        for leaf in jax.tree.leaves(batch):
+            if not np.ndim(leaf) or np.shape(leaf)[0] % self.batch_shards:
+                raise ShardingError(
+                    f"a batch of {np.shape(leaf)[0] if np.ndim(leaf) else 'scalar'} rows (leaf shape "
+                    f"{np.shape(leaf)}) does not split into {self.batch_shards} batch shards over "
+                    f"{' × '.join(self.batch_axes)}. Fix: make the batch size a multiple of {self.batch_shards}."
+                )
         return jax.device_put(batch, NamedSharding(self.mesh, jax.P(self.batch_axes)))
 
     def __call__(self, state: TrainState, batch) -> tuple[TrainState, jax.Array]:

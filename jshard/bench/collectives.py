@@ -1,9 +1,6 @@
-"""Benchmarks: `jshard bench <what>`.
+"""`jshard bench collectives`: algbw / busbw of each collective, nccl-tests conventions.
 
-`add_parser` registers `jshard bench` and one sub-command per benchmark; each sets
-`run=` to the function that `jshard.cli` calls with the parsed arguments.
-
-`jshard bench collectives` is the first; `docs/collectives.md` shows what it prints.
+`docs/collectives.md` shows what it prints.
 """
 
 from __future__ import annotations
@@ -59,16 +56,7 @@ COLLECTIVES = {
 }
 
 
-def add_parser(commands) -> None:
-    parser = commands.add_parser("bench", help="benchmark collectives and steps")
-    benches = parser.add_subparsers(dest="bench", required=True)
-    _add_collectives_parser(benches)
-
-
-# --- jshard bench collectives ------------------------------------------------------------
-
-
-def _add_collectives_parser(benches) -> None:
+def add_parser(benches) -> None:
     parser = benches.add_parser(
         "collectives",
         help="algbw / busbw of each collective over a mesh axis (nccl-tests conventions)",
