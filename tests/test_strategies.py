@@ -243,3 +243,18 @@ def test_batch_not_divisible_by_batch_shards():
     step = build_step(make_mlp(), OPTIMIZER, mlp_loss, jshard.make_mesh(data=8), jshard.preset("dp"))
     with pytest.raises(jshard.ShardingError, match="batch of 12 .* 8 batch shards"):
         step.shard_batch(np.ones((12, MLP_CONFIG.dim), np.float32))
+
+
+def test_pipeline_rules_are_refused_until_the_step_pipelines():
+    with pytest.raises(jshard.ShardingError, match="pipeline schedules are not part of this step"):
+        build_step(make_mlp(), OPTIMIZER, mlp_loss, jshard.make_mesh(data=2, stage=4), jshard.preset("dp+pp"))
+
+
+def test_non_param_state_is_refused():
+    class WithCounter(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(np.ones((8, 8), np.float32), out_sharding=("embed", "mlp"))
+            self.calls = nnx.BatchStat(np.zeros((), np.int32))
+
+    with pytest.raises(jshard.ShardingError, match="non-Param Variable.*'calls' \\(BatchStat\\)"):
+        build_step(WithCounter(), OPTIMIZER, lambda m, b: (b @ m.w).mean(), jshard.make_mesh(data=8), jshard.preset("dp"))

@@ -57,6 +57,37 @@ def _axes_in(layout: nn.Layout) -> set[str]:
     return {a for axes in layout for a in axes}
 
 
+def _check_supported(params: nnx.State, mesh: Mesh, rules: Rules) -> None:
+    """What this step does not do yet fails here, before any device work."""
+    others = [("/".join(map(str, path)), type(v).__name__) for path, v in nnx.to_flat_state(params)
+              if not isinstance(v, nnx.Param)]
+    if others:
+        path, kind = others[0]
+        raise ShardingError(
+            f"build_step: the model holds {len(others)} non-Param Variable(s), e.g. {path!r} ({kind}); "
+            "the explicit step trains Params only and would drop updates to other state (dropout RNGs, "
+            "batch statistics). Fix: keep such state out of the model, or train it with plain jax.jit."
+        )
+    stage = mesh_shape(mesh).get("stage", 1)
+    if stage > 1 and any("stage" in axes for _, axes in rules.params + rules.activations):
+        raise ShardingError(
+            f"build_step: rules {rules.name!r} split layers over stage={stage}, but pipeline schedules "
+            "are not part of this step yet: each stage would run only its own layers. Fix: use a preset "
+            "without 'pp' (jshard.preset('dp+fsdp+tp')) and stage=1."
+        )
+
+
+def _check_one_zero_dim(params, param_layouts, opt_layouts) -> None:
+    """ZeRO-2 scatters each gradient along one dim; rules that split a param over ZeRO axes
+    on two dims would need two."""
+    for (path, _), have, want in zip(nnx.to_flat_state(params), param_layouts, opt_layouts):
+        if sum(h != w for h, w in zip(have, want)) > 1:
+            raise ShardingError(
+                f"build_step: ZeRO-2 param {'/'.join(map(str, path))!r} is split over ZeRO axes on more than "
+                f"one dim ({want}); it reduce-scatters along one. Fix: map the ZeRO axis to one logical name."
+            )
+
+
 class ShardedStep:
     """`state, loss = step(state, batch)`: one optimizer step of `loss_fn(model, batch)`.
 
@@ -68,9 +99,12 @@ class ShardedStep:
                  loss_fn: Callable[[nnx.Module, Any], jax.Array], mesh: Mesh, rules: Rules):
         self.mesh, self.rules, self.tx, self.loss_fn = mesh, rules, tx, loss_fn
         self.graphdef, params = nnx.split(model)
+        _check_supported(params, mesh, rules)
         param_specs = specs(params, mesh, rules, "param")  # every bad input raises here
         self.param_layouts = _layouts(param_specs)
         self.opt_layouts = _layouts(specs(params, mesh, rules, "opt"))
+        if rules.zero == 2:
+            _check_one_zero_dim(params, self.param_layouts, self.opt_layouts)
         self.batch_axes = axes_of(rules.spec(("batch",), None, mesh, "activation")[0])
         self.batch_shards = math.prod(mesh_shape(mesh)[a] for a in self.batch_axes)
         opt_specs = specs(jax.eval_shape(tx.init, params), mesh, rules, "opt")
