@@ -105,8 +105,10 @@ def textbook_memory(step: ShardedStep, config: GPTConfig) -> int:
     moments = 2 * sum(local(x, o) for x, o in zip(leaves, step.opt_layouts))
     gathered = 0
     if step.rules.zero == 3 and any(sizes[a] > 1 for a in step.rules.zero_axes):
-        block = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(GPT(config, rngs=nnx.Rngs(0)).blocks)))
-        gathered = 2 * block // config.layers // sizes.get("tensor", 1)
+        stacked = [v.get_value() for _, v in nnx.to_flat_state(step.state.params)
+                   if (v.get_metadata().get("out_sharding") or (None,))[0] == "layers"]
+        one_layer = sum(x.size * x.dtype.itemsize for x in stacked) // config.layers
+        gathered = 2 * one_layer // sizes.get("tensor", 1)  # in use, and the next arriving
     return params + grads + moments + gathered
 
 
