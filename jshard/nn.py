@@ -88,20 +88,12 @@ def relayout_local(x: jax.Array, src: Layout, dst: Layout, partial: Sequence[str
         while keep < min(len(have), len(want)) and have[keep] == want[keep]:
             keep += 1
         if have[keep:]:
-            x = (_all_gather_invariant if invariant else lax.all_gather)(x, have[keep:], axis=dim, tiled=True)
+            x = lax.all_gather(x, have[keep:], axis=dim, tiled=True, to="invarying" if invariant else "varying")
         if want[keep:]:
             n = lax.axis_size(want[keep:])
             size = x.shape[dim] // n
             x = lax.dynamic_slice_in_dim(x, lax.axis_index(want[keep:]) * size, size, axis=dim)
     return x
-
-
-def _all_gather_invariant(x, axes, *, axis: int, tiled: bool):
-    """An all-gather whose result is typed replicated ('invarying' in JAX 0.10)."""
-    try:
-        return lax.all_gather(x, axes, axis=axis, tiled=tiled, to="invarying")
-    except ValueError:  # a JAX that spells it otherwise
-        return lax.all_gather(x, axes, axis=axis, tiled=tiled, to="invariant")
 
 
 def relayout(x: jax.Array, src_names, dst_names, partial: Sequence[str] = ()) -> jax.Array:
