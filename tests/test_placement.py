@@ -20,50 +20,41 @@ MLP_CONFIG = MLPConfig(dim=32, layers=4)
 
 
 
-def run_sharded(factory, loss_and_output, inputs, preset, sizes):
+def run_sharded(factory, inputs, preset, sizes):
+    """The model's output on `inputs`, with params placed by the preset (checked) and jit."""
     mesh, rules = jshard.make_mesh(**sizes), jshard.preset(preset)
     model = jshard.init(factory, mesh, rules)
     expected = jshard.shardings(model, mesh, rules)
     for (path, array), (_, sharding) in zip(nnx.to_flat_state(nnx.state(model)), nnx.to_flat_state(expected)):
         assert array.get_value().sharding.is_equivalent_to(sharding.get_value(), array.get_value().ndim), path
     with jshard.activate(mesh, rules):
-        return nnx.jit(loss_and_output)(model, inputs)
+        return nnx.jit(lambda model, inputs: model(inputs))(model, inputs)
 
 
-@pytest.mark.parametrize("preset, sizes", PLACEMENTS, ids=[p for p, _ in PLACEMENTS])
-def test_gpt_forward_matches_one_device(preset, sizes):
-    def factory():
-        return GPT(GPT_CONFIG, rngs=nnx.Rngs(0))
-
-    def logits(model, tokens):
-        return model(tokens)
-
-    tokens = np.random.default_rng().integers(0, GPT_CONFIG.vocab, (8, 16))
-    reference = logits(factory(), tokens)
-    sharded = run_sharded(factory, logits, tokens, preset, sizes)
+def assert_matches_one_device(factory, inputs, preset, sizes):
+    reference = factory()(inputs)
+    sharded = run_sharded(factory, inputs, preset, sizes)
     np.testing.assert_allclose(np.asarray(sharded), np.asarray(reference), rtol=1e-5, atol=1e-6)
 
 
+MODELS = {
+    "gpt": (lambda: GPT(GPT_CONFIG, rngs=nnx.Rngs(0)), lambda rng: rng.integers(0, GPT_CONFIG.vocab, (8, 16))),
+    "mlp": (lambda: DeepMLP(MLP_CONFIG, rngs=nnx.Rngs(0)),
+            lambda rng: rng.standard_normal((16, MLP_CONFIG.dim), dtype=np.float32)),
+}
+
+
+@pytest.mark.parametrize("model_name", MODELS)
 @pytest.mark.parametrize("preset, sizes", PLACEMENTS, ids=[p for p, _ in PLACEMENTS])
-def test_mlp_forward_matches_one_device(preset, sizes):
-    def factory():
-        return DeepMLP(MLP_CONFIG, rngs=nnx.Rngs(0))
-
-    def output(model, x):
-        return model(x)
-
-    x = np.random.default_rng().standard_normal((16, MLP_CONFIG.dim), dtype=np.float32)
-    reference = output(factory(), x)
-    sharded = run_sharded(factory, output, x, preset, sizes)
-    np.testing.assert_allclose(np.asarray(sharded), np.asarray(reference), rtol=1e-5, atol=1e-6)
+def test_forward_matches_one_device(model_name, preset, sizes):
+    factory, make_inputs = MODELS[model_name]
+    assert_matches_one_device(factory, make_inputs(np.random.default_rng()), preset, sizes)
 
 
 def test_untied_head_matches_one_device():
     config = GPTConfig(**{**GPT_CONFIG.__dict__, "tied_head": False})
     tokens = np.random.default_rng().integers(0, config.vocab, (8, 16))
-    reference = GPT(config, rngs=nnx.Rngs(0))(tokens)
-    sharded = run_sharded(lambda: GPT(config, rngs=nnx.Rngs(0)), lambda m, t: m(t), tokens, "dp+fsdp+tp+sp", dict(data=2, fsdp=2, tensor=2))
-    np.testing.assert_allclose(np.asarray(sharded), np.asarray(reference), rtol=1e-5, atol=1e-6)
+    assert_matches_one_device(lambda: GPT(config, rngs=nnx.Rngs(0)), tokens, "dp+fsdp+tp+sp", dict(data=2, fsdp=2, tensor=2))
 
 
 def test_shard_moves_an_existing_model():
@@ -89,9 +80,7 @@ class UserModel(nnx.Module):
 
 def test_user_module_matches_one_device():
     x = np.random.default_rng().standard_normal((8, 16), dtype=np.float32)
-    reference = UserModel(nnx.Rngs(1))(x)
-    sharded = run_sharded(lambda: UserModel(nnx.Rngs(1)), lambda m, x: m(x), x, "dp+fsdp+tp", dict(data=2, fsdp=2, tensor=2))
-    np.testing.assert_allclose(np.asarray(sharded), np.asarray(reference), rtol=1e-5, atol=1e-6)
+    assert_matches_one_device(lambda: UserModel(nnx.Rngs(1)), x, "dp+fsdp+tp", dict(data=2, fsdp=2, tensor=2))
 
 
 def test_demo_trains(capsys):
