@@ -46,6 +46,7 @@ def run(args) -> int:
     jshard.mesh.use_fake_cpu_devices_unless_accelerated(args.fake_devices)
     mesh = jshard.make_mesh(**jshard.mesh.parse_axis_sizes(args.mesh))
     rules = jshard.preset(args.preset)
+    jshard.parallel.check_plan(mesh, rules)
     config = GPTConfig(seq_len=args.seq_len)
 
     def make_model():

@@ -245,9 +245,14 @@ def test_batch_not_divisible_by_batch_shards():
         step.shard_batch(np.ones((12, MLP_CONFIG.dim), np.float32))
 
 
-def test_pipeline_rules_are_refused_until_the_step_pipelines():
+def test_pipeline_rules_are_refused_until_the_step_pipelines(capsys):
     with pytest.raises(jshard.ShardingError, match="pipeline schedules are not part of this step"):
         build_step(make_mlp(), OPTIMIZER, mlp_loss, jshard.make_mesh(data=2, stage=4), jshard.preset("dp+pp"))
+    from jshard.cli import main
+
+    assert main(["demo", "--preset", "dp+pp", "--mesh", "data=2,stage=4"]) == 2
+    captured = capsys.readouterr()
+    assert "pipeline schedules are not part of this step" in captured.err and "params under" not in captured.out
 
 
 def test_non_param_state_is_refused():

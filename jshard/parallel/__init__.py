@@ -1,5 +1,5 @@
 """Training steps whose collectives are explicit and derived from the rules."""
 
-from jshard.parallel.step import ShardedStep, TrainState, build_step
+from jshard.parallel.step import ShardedStep, TrainState, build_step, check_plan
 
-__all__ = ["ShardedStep", "TrainState", "build_step"]
+__all__ = ["ShardedStep", "TrainState", "build_step", "check_plan"]

@@ -57,8 +57,19 @@ def _axes_in(layout: nn.Layout) -> set[str]:
     return {a for axes in layout for a in axes}
 
 
-def _check_supported(params: nnx.State, mesh: Mesh, rules: Rules) -> None:
-    """What this step does not do yet fails here, before any device work."""
+def check_plan(mesh: Mesh, rules: Rules) -> None:
+    """Whether this step can run `rules` on `mesh`: call it before placing anything."""
+    rules.check_mesh(mesh)
+    stage = mesh_shape(mesh).get("stage", 1)
+    if stage > 1 and any("stage" in axes for _, axes in rules.params + rules.activations):
+        raise ShardingError(
+            f"build_step: rules {rules.name!r} split layers over stage={stage}, but pipeline schedules "
+            "are not part of this step yet: each stage would run only its own layers. Fix: use a preset "
+            "without 'pp' (jshard.preset('dp+fsdp+tp')) and stage=1."
+        )
+
+
+def _check_params(params: nnx.State) -> None:
     others = [("/".join(map(str, path)), type(v).__name__) for path, v in nnx.to_flat_state(params)
               if not isinstance(v, nnx.Param)]
     if others:
@@ -67,13 +78,6 @@ def _check_supported(params: nnx.State, mesh: Mesh, rules: Rules) -> None:
             f"build_step: the model holds {len(others)} non-Param Variable(s), e.g. {path!r} ({kind}); "
             "the explicit step trains Params only and would drop updates to other state (dropout RNGs, "
             "batch statistics). Fix: keep such state out of the model, or train it with plain jax.jit."
-        )
-    stage = mesh_shape(mesh).get("stage", 1)
-    if stage > 1 and any("stage" in axes for _, axes in rules.params + rules.activations):
-        raise ShardingError(
-            f"build_step: rules {rules.name!r} split layers over stage={stage}, but pipeline schedules "
-            "are not part of this step yet: each stage would run only its own layers. Fix: use a preset "
-            "without 'pp' (jshard.preset('dp+fsdp+tp')) and stage=1."
         )
 
 
@@ -99,7 +103,8 @@ class ShardedStep:
                  loss_fn: Callable[[nnx.Module, Any], jax.Array], mesh: Mesh, rules: Rules):
         self.mesh, self.rules, self.tx, self.loss_fn = mesh, rules, tx, loss_fn
         self.graphdef, params = nnx.split(model)
-        _check_supported(params, mesh, rules)
+        check_plan(mesh, rules)
+        _check_params(params)
         param_specs = specs(params, mesh, rules, "param")  # every bad input raises here
         self.param_layouts = _layouts(param_specs)
         self.opt_layouts = _layouts(specs(params, mesh, rules, "opt"))
