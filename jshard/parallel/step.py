@@ -97,6 +97,7 @@ class ShardedStep:
 
     `loss_fn` returns the mean loss over the batch it is given (inside the step: this
     device's share, split along dim 0 of every batch leaf over the batch axes).
+    `.state` is the initial state, placed by the rules; a step donates the state it is given.
     """
 
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation,
@@ -133,9 +134,9 @@ class ShardedStep:
         opt_state = jax.jit(self.tx.init, out_shardings=self._shardings.opt_state)(params)
         return TrainState(params, opt_state)
 
-    def model(self, state: TrainState | None = None) -> nnx.Module:
-        """The model with the params of `state` (default: the latest)."""
-        return nnx.merge(self.graphdef, (state or self.state).params)
+    def model(self, state: TrainState) -> nnx.Module:
+        """The model with the params of `state`."""
+        return nnx.merge(self.graphdef, state.params)
 
     def shard_batch(self, batch):
         """Put a global batch on the mesh, split along dim 0 over the batch axes."""
