@@ -25,6 +25,7 @@ def add_parser(commands) -> None:
     parser = commands.add_parser("demo", help="train a small GPT for a few sharded steps")
     parser.add_argument("--mesh", default="data=2,fsdp=2,tensor=2", help="axis sizes, e.g. data=2,fsdp=2,tensor=2")
     parser.add_argument("--preset", default="dp+fsdp+tp", help="strategy preset, e.g. dp, fsdp, tp+sp, dp+fsdp+tp")
+    parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per step when the preset pipelines (pp)")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=64)
@@ -46,7 +47,8 @@ def run(args) -> int:
     jshard.mesh.use_fake_cpu_devices_unless_accelerated(args.fake_devices)
     mesh = jshard.make_mesh(**jshard.mesh.parse_axis_sizes(args.mesh))
     rules = jshard.preset(args.preset)
-    jshard.parallel.check_plan(mesh, rules)
+    microbatches = args.microbatches if jshard.parallel.stage_axes(mesh, rules) else None
+    jshard.parallel.check_plan(mesh, rules, gpt_loss, microbatches)
     config = GPTConfig(seq_len=args.seq_len)
 
     def make_model():
@@ -56,7 +58,7 @@ def run(args) -> int:
     print(rules)
     model = jshard.init(make_model, mesh, rules)
     print(jshard.describe(model, mesh, rules))
-    step = build_step(model, optax.adamw(args.lr), gpt_loss, mesh, rules)
+    step = build_step(model, optax.adamw(args.lr), gpt_loss, mesh, rules, microbatches)
 
     keys = jax.random.split(jax.random.key(args.seed + 1), args.steps)
     batches = (sequence_batch(key, args.batch_size, args.seq_len + 1) for key in keys)

@@ -241,18 +241,19 @@ def test_user_module_matches_one_device(preset):
 
 def test_batch_not_divisible_by_batch_shards():
     step = build_step(make_mlp(), OPTIMIZER, mlp_loss, jshard.make_mesh(data=8), jshard.preset("dp"))
-    with pytest.raises(jshard.ShardingError, match="batch of 12 .* 8 batch shards"):
+    with pytest.raises(jshard.ShardingError, match="batch of 12 .* 8 shards over data"):
         step.shard_batch(np.ones((12, MLP_CONFIG.dim), np.float32))
 
 
-def test_pipeline_rules_are_refused_until_the_step_pipelines(capsys):
-    with pytest.raises(jshard.ShardingError, match="pipeline schedules are not part of this step"):
-        build_step(make_mlp(), OPTIMIZER, mlp_loss, jshard.make_mesh(data=2, stage=4), jshard.preset("dp+pp"))
+def test_demo_pipelines_and_refuses_bad_plans_before_placing(capsys):
     from jshard.cli import main
 
-    assert main(["demo", "--preset", "dp+pp", "--mesh", "data=2,stage=4"]) == 2
+    assert main(["demo", "--preset", "dp+pp", "--mesh", "data=2,stage=4", "--microbatches", "2", "--steps", "3",
+                 "--batch-size", "8", "--seq-len", "16"]) == 0
+    capsys.readouterr()
+    assert main(["demo", "--preset", "dp", "--mesh", "data=2,stage=4"]) == 2
     captured = capsys.readouterr()
-    assert "pipeline schedules are not part of this step" in captured.err and "params under" not in captured.out
+    assert "mesh axis 'stage' has size 4, but no rule" in captured.err and "params under" not in captured.out
 
 
 def test_non_param_state_is_refused():

@@ -85,7 +85,7 @@ def textbook_bytes(step: ShardedStep, config: GPTConfig, batch_shape) -> int:
             total += size // shards(opt)  # all-reduce over the plain data-parallel axes
     tensor = sizes.get("tensor", 1)
     if tensor > 1:
-        local_batch = batch_shape[0] // step.batch_shards
+        local_batch = batch_shape[0] // step.data_shards
         activation = local_batch * (batch_shape[1] - 1) * config.embed * np.dtype(config.dtype).itemsize
         sequence_parallel = step.rules.spec(("seq",), None, step.mesh, "activation") != jax.P(None)
         total += config.layers * activation * (8 if sequence_parallel else 4)

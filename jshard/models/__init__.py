@@ -2,6 +2,6 @@
 
 from jshard.models.gpt import GPT, GPTConfig, gpt_loss
 from jshard.models.mlp import DeepMLP, MLPConfig, mlp_loss
-from jshard.models.stack import scan_layers, stack_layers
+from jshard.models.stack import StagedLoss, scan_layers, stack_layers
 
-__all__ = ["GPT", "GPTConfig", "gpt_loss", "DeepMLP", "MLPConfig", "mlp_loss", "scan_layers", "stack_layers"]
+__all__ = ["GPT", "GPTConfig", "gpt_loss", "DeepMLP", "MLPConfig", "mlp_loss", "StagedLoss", "scan_layers", "stack_layers"]

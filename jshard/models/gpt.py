@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jshard import nn
-from jshard.models.stack import scan_layers, stack_layers
+from jshard.models.stack import StagedLoss, scan_layers, stack_layers
 
 RESIDUAL = ("batch", "seq", "embed")
 QKV = ("batch", "seq", None, "heads", "kv")  # None: the query / key / value dim
@@ -111,19 +111,27 @@ class GPT(nnx.Module):
                 kernel_init=_init(config), dtype=config.dtype, rngs=rngs,
             )
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        """Logits (batch, seq, vocab) for int tokens (batch, seq)."""
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """Token + position embeddings (batch, seq, embed) of int tokens (batch, seq)."""
         length = tokens.shape[1]
         if length > self.config.seq_len:
             raise ValueError(f"sequence of {length} tokens is longer than seq_len={self.config.seq_len}")
         x = self.token_embed(tokens, ("batch", "seq"), RESIDUAL)
-        x = x + self.pos_embed(jnp.arange(length), ("seq",), RESIDUAL[1:])
-        x = self.final_norm(scan_layers(self.blocks, x))
-        if self.config.tied_head:
-            return self.token_embed.attend(x, RESIDUAL)
-        return self.head(x, RESIDUAL)
+        return x + self.pos_embed(jnp.arange(length), ("seq",), RESIDUAL[1:])
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """(batch, seq, vocab) logits of the last block's output."""
+        x = self.final_norm(x)
+        return self.token_embed.attend(x, RESIDUAL) if self.config.tied_head else self.head(x, RESIDUAL)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """Logits (batch, seq, vocab) for int tokens (batch, seq)."""
+        return self.logits(scan_layers(self.blocks, self.embed(tokens)))
 
 
-def gpt_loss(model: GPT, tokens: jax.Array) -> jax.Array:
-    """Next-token cross-entropy on (batch, seq+1) tokens, in float32."""
-    return nn.cross_entropy(model(tokens[:, :-1]), tokens[:, 1:], LOGITS)
+# Next-token cross-entropy on (batch, seq+1) tokens, in float32; staged for pipelines.
+gpt_loss = StagedLoss(
+    first=lambda model, tokens: model.embed(tokens[:, :-1]),
+    layers=lambda model: model.blocks,
+    last=lambda model, x, tokens: nn.cross_entropy(model.logits(x), tokens[:, 1:], LOGITS),
+)

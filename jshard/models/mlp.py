@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jshard import nn
-from jshard.models.stack import scan_layers, stack_layers
+from jshard.models.stack import StagedLoss, scan_layers, stack_layers
 from jshard.rules import constrain
 
 
@@ -43,10 +43,12 @@ class DeepMLP(nnx.Module):
         self.layers = stack_layers(lambda rngs: Layer(config, rngs=rngs), config.layers, rngs)
 
     def __call__(self, x):
-        x = constrain(x.astype(self.config.dtype), ("batch", "embed"))
-        return scan_layers(self.layers, x)
+        return scan_layers(self.layers, constrain(x.astype(self.config.dtype), ("batch", "embed")))
 
 
-def mlp_loss(model: DeepMLP, x: jax.Array) -> jax.Array:
-    """The lectures' loss: the mean squared magnitude of the output, in float32."""
-    return jnp.mean(jnp.square(model(x).astype(jnp.float32)))
+# The lectures' loss: the mean squared magnitude of the output, in float32; staged for pipelines.
+mlp_loss = StagedLoss(
+    first=lambda model, x: constrain(x.astype(model.config.dtype), ("batch", "embed")),
+    layers=lambda model: model.layers,
+    last=lambda model, y, x: jnp.mean(jnp.square(y.astype(jnp.float32))),
+)

@@ -6,7 +6,9 @@ grows, and the `layers` dim of every stacked param is what pipeline stages split
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 from flax import nnx
@@ -64,3 +66,22 @@ def _as_carry(apply, layers, x: jax.Array) -> jax.Array:
 
     missing = nn.varying_axes(nnx.eval_shape(each, x, layers)) - nn.varying_axes(x)
     return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedLoss:
+    """A loss split around a model's stack of layers, so that a pipeline can cut it:
+
+        loss(model, batch) = last(model, scan_layers(layers(model), first(model, batch)), batch)
+
+    `first` runs on the first pipeline stage (embeddings), `last` on the last (head and
+    loss); the stacked layers in between are split over the stages. Called directly it
+    is the ordinary, unpipelined loss.
+    """
+
+    first: Callable[[nnx.Module, Any], jax.Array]
+    layers: Callable[[nnx.Module], nnx.Module]
+    last: Callable[[nnx.Module, jax.Array, Any], jax.Array]
+
+    def __call__(self, model: nnx.Module, batch) -> jax.Array:
+        return self.last(model, scan_layers(self.layers(model), self.first(model, batch)), batch)

@@ -18,6 +18,9 @@ the batch axes (activation rule `batch`). The body:
 Per step, with Ψ the param bytes: DP all-reduces Ψ; ZeRO-1/2 reduce-scatter Ψ and
 all-gather Ψ; ZeRO-3 all-gathers Ψ twice (forward, and again in backward: gathered
 weights are not saved) and reduce-scatters Ψ.
+
+Rules that split `layers` over a stage axis make step 2 a GPipe pipeline over
+micro-batches (`pipeline.py`); nothing else changes.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from jshard import nn
 from jshard.mesh import mesh_shape
+from jshard.models.stack import StagedLoss
+from jshard.parallel.pipeline import gpipe_loss
 from jshard.placement import specs
 from jshard.rules import Rules, ShardingError, axes_of, use_rules
 
@@ -57,15 +62,31 @@ def _axes_in(layout: nn.Layout) -> set[str]:
     return {a for axes in layout for a in axes}
 
 
-def check_plan(mesh: Mesh, rules: Rules) -> None:
+def stage_axes(mesh: Mesh, rules: Rules) -> tuple[str, ...]:
+    """The mesh axes (of size > 1) that the rules split the stacked `layers` over."""
+    sizes = mesh_shape(mesh)
+    return tuple(a for a in axes_of(rules.spec(("layers",), None, mesh, "param")[0]) if sizes[a] > 1)
+
+
+def check_plan(mesh: Mesh, rules: Rules, loss_fn=None, microbatches: int | None = None) -> None:
     """Whether this step can run `rules` on `mesh`: call it before placing anything."""
     rules.check_mesh(mesh)
-    stage = mesh_shape(mesh).get("stage", 1)
-    if stage > 1 and any("stage" in axes for _, axes in rules.params + rules.activations):
+    stages = stage_axes(mesh, rules)
+    if not stages:
+        if microbatches is not None:
+            raise ShardingError(
+                f"build_step: microbatches={microbatches} but rules {rules.name!r} put no layers on a stage "
+                "axis of size > 1, so there is no pipeline to feed. Fix: drop microbatches, or use 'pp' with stage=N."
+            )
+        return
+    if len(stages) > 1:
+        raise ShardingError(f"build_step: layers split over several stage axes {stages}; the pipeline uses one.")
+    if not isinstance(microbatches, int) or microbatches < 1 or not isinstance(loss_fn, (StagedLoss, type(None))):
         raise ShardingError(
-            f"build_step: rules {rules.name!r} split layers over stage={stage}, but pipeline schedules "
-            "are not part of this step yet: each stage would run only its own layers. Fix: use a preset "
-            "without 'pp' (jshard.preset('dp+fsdp+tp')) and stage=1."
+            f"build_step: rules {rules.name!r} split layers over {stages[0]}={mesh_shape(mesh)[stages[0]]}, "
+            f"which pipelines them (GPipe): it needs microbatches=M >= 1 (got {microbatches!r}) and a "
+            "jshard.models.StagedLoss that says where the stack of layers starts and ends "
+            "(jshard.models.gpt_loss and mlp_loss are). Fix: build_step(..., microbatches=4)."
         )
 
 
@@ -101,10 +122,13 @@ class ShardedStep:
     """
 
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation,
-                 loss_fn: Callable[[nnx.Module, Any], jax.Array], mesh: Mesh, rules: Rules):
+                 loss_fn: Callable[[nnx.Module, Any], jax.Array], mesh: Mesh, rules: Rules,
+                 microbatches: int | None = None):
         self.mesh, self.rules, self.tx, self.loss_fn = mesh, rules, tx, loss_fn
         self.graphdef, params = nnx.split(model)
-        check_plan(mesh, rules)
+        check_plan(mesh, rules, loss_fn, microbatches)
+        self.stage_axis = next(iter(stage_axes(mesh, rules)), None)
+        self.microbatches = microbatches
         _check_params(params)
         param_specs = specs(params, mesh, rules, "param")  # every bad input raises here
         self.param_layouts = _layouts(param_specs)
@@ -112,7 +136,8 @@ class ShardedStep:
         if rules.zero == 2:
             _check_one_zero_dim(params, self.param_layouts, self.opt_layouts)
         self.batch_axes = axes_of(rules.spec(("batch",), None, mesh, "activation")[0])
-        self.batch_shards = math.prod(mesh_shape(mesh)[a] for a in self.batch_axes)
+        self.data_shards = math.prod(mesh_shape(mesh)[a] for a in self.batch_axes)
+        self.batch_shards = self.data_shards * (microbatches or 1)  # what a global batch splits into
         opt_specs = specs(jax.eval_shape(tx.init, params), mesh, rules, "opt")
         self.state_specs = TrainState(param_specs, opt_specs)
         self._shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), self.state_specs)
@@ -142,10 +167,11 @@ class ShardedStep:
         """Put a global batch on the mesh, split along dim 0 over the batch axes."""
         for leaf in jax.tree.leaves(batch):
             if not np.ndim(leaf) or np.shape(leaf)[0] % self.batch_shards:
+                over = " × ".join(self.batch_axes + (("micro-batches",) if self.microbatches else ()))
                 raise ShardingError(
                     f"a batch of {np.shape(leaf)[0] if np.ndim(leaf) else 'scalar'} rows (leaf shape "
-                    f"{np.shape(leaf)}) does not split into {self.batch_shards} batch shards over "
-                    f"{' × '.join(self.batch_axes)}. Fix: make the batch size a multiple of {self.batch_shards}."
+                    f"{np.shape(leaf)}) does not split into {self.batch_shards} shards over {over}. "
+                    f"Fix: make the batch size a multiple of {self.batch_shards}."
                 )
         return jax.device_put(batch, NamedSharding(self.mesh, jax.P(self.batch_axes)))
 
@@ -200,7 +226,11 @@ class ShardedStep:
 
         def loss_of(diff):
             model_params = self._with_replicas(diff, params) if self.rules.zero == 2 else diff
-            loss = self.loss_fn(nnx.merge(self.graphdef, model_params), batch)
+            model = nnx.merge(self.graphdef, model_params)
+            if self.stage_axis:
+                loss = gpipe_loss(self.loss_fn, model, batch, self.stage_axis, self.microbatches)
+            else:
+                loss = self.loss_fn(model, batch)
             # Equal on every device of a non-batch axis, but typed varying (it came from
             # gathered activations): average to make it one value, and its gradient once.
             spread = tuple(sorted(nn.varying_axes(loss) - set(self.batch_axes)))
@@ -212,7 +242,7 @@ class ShardedStep:
 
         def reduce(g, have, want):
             pending = [a for a in self.batch_axes if a not in _axes_in(have)]
-            return nn.relayout_local(g, have, want, pending) / self.batch_shards
+            return nn.relayout_local(g, have, want, pending) / self.data_shards
 
         return lax.pmean(loss, self.batch_axes), self._per_leaf(reduce, grads, grad_layouts, self.opt_layouts)
 
@@ -231,6 +261,10 @@ class ShardedStep:
             return self._loss_and_grads(params, batch)
 
 
-def build_step(model, tx, loss_fn, mesh: Mesh, rules: Rules) -> ShardedStep:
-    """A sharded train step for `model` under `rules` on `mesh`; `.state` holds its start."""
-    return ShardedStep(model, tx, loss_fn, mesh, rules)
+def build_step(model, tx, loss_fn, mesh: Mesh, rules: Rules, microbatches: int | None = None) -> ShardedStep:
+    """A sharded train step for `model` under `rules` on `mesh`; `.state` holds its start.
+
+    Rules that split `layers` over a stage axis pipeline the step (GPipe) over
+    `microbatches` micro-batches; `loss_fn` must then be a `jshard.models.StagedLoss`.
+    """
+    return ShardedStep(model, tx, loss_fn, mesh, rules, microbatches)
