@@ -28,7 +28,8 @@ from jshard.models.stack import StagedLoss, scan_layers
 def gpipe_loss(loss: StagedLoss, model: nnx.Module, batch, stage_axis: str, microbatches: int) -> jax.Array:
     """Mean loss over this device's batch, pipelined over `stage_axis` in `microbatches`."""
     stages, stage = lax.axis_size(stage_axis), lax.axis_index(stage_axis)
-    micro = [jax.tree.map(lambda a: jnp.split(a, microbatches)[i], batch) for i in range(microbatches)]
+    stacked = jax.tree.map(lambda a: a.reshape(microbatches, a.shape[0] // microbatches, *a.shape[1:]), batch)
+    micro = [jax.tree.map(lambda a: a[i], stacked) for i in range(microbatches)]
     inputs = [loss.first(model, mb) for mb in micro]
     layers = loss.layers(model)
     forward = [(i, i + 1) for i in range(stages - 1)]  # stage i -> i + 1; stage 0 receives zeros
