@@ -109,16 +109,7 @@ class Rules:
     def check_mesh(self, mesh: Mesh) -> None:
         """Every mesh axis the rules name exists, and every axis of size > 1 is used."""
         sizes = mesh_shape(mesh)
-        problems = []
-        for label, table in (("param", self.params), ("activation", self.activations)):
-            for name, axes in table:
-                for axis in axes:
-                    if axis not in sizes:
-                        problems.append(
-                            f"{label} rule {name!r} -> {axis!r} names a mesh axis the mesh does not "
-                            f"have (axes: {', '.join(sizes)}). Fix: build the mesh with {axis}=N "
-                            "(jshard.make_mesh always has data, stage, fsdp, tensor) or change the rule."
-                        )
+        problems = _unknown_axes(self.params, sizes, "param rule") + _unknown_axes(self.activations, sizes, "activation rule")
         used = {a for _, axes in self.params + self.activations for a in axes}
         for axis, size in sizes.items():
             if size > 1 and axis not in used:
@@ -158,6 +149,15 @@ class Rules:
         )
 
 
+def _unknown_axes(table, sizes: dict[str, int], label: str) -> list[str]:
+    return [
+        f"{label} {name!r} -> {axis!r} names a mesh axis the mesh does not have (axes: "
+        f"{', '.join(sizes)}). Fix: build the mesh with {axis}=N (jshard.make_mesh always has "
+        "data, stage, fsdp, tensor) or change the rule."
+        for name, axes in table for axis in axes if axis not in sizes
+    ]
+
+
 def raise_problems(problems: list[str]) -> None:
     if len(problems) == 1:
         raise ShardingError(problems[0])
@@ -181,13 +181,7 @@ def resolve(table, names, shape, sizes, where):
             f"has no rule. Fix: add one, e.g. rules.add(params=[({unknown[0]!r}, None)]) to "
             "replicate it on purpose, or map it to a mesh axis."
         )
-    for name, axes in table:
-        for axis in axes:
-            if axis not in sizes and name in names:
-                raise ShardingError(
-                    f"{where}: rule {name!r} -> {axis!r} names a mesh axis the mesh does not have "
-                    f"(axes: {', '.join(sizes)}). Fix: add {axis}=N to the mesh or change the rule."
-                )
+    raise_problems(_unknown_axes([(n, a) for n, a in table if n in names], sizes, f"{where}: rule"))
     assigned: list[tuple[str, ...] | None] = [() if n is None else None for n in names]
     owner: dict[str, int] = {}  # mesh axis -> the dim it shards
     clashes: dict[int, str] = {}

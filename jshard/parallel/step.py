@@ -132,7 +132,8 @@ class ShardedStep:
         _check_params(params)
         param_specs = specs(params, mesh, rules, "param")  # every bad input raises here
         self.param_layouts = _layouts(param_specs)
-        self.opt_layouts = _layouts(specs(params, mesh, rules, "opt"))
+        grad_specs = specs(params, mesh, rules, "opt")  # gradients leave the body in the opt layout
+        self.opt_layouts = _layouts(grad_specs)
         if rules.zero == 2:
             _check_one_zero_dim(params, self.param_layouts, self.opt_layouts)
         self.batch_axes = axes_of(rules.spec(("batch",), None, mesh, "activation")[0])
@@ -148,7 +149,7 @@ class ShardedStep:
         self._step = jax.jit(body, donate_argnums=0)
         self._grads = jax.jit(jax.shard_map(
             self._grads_body, mesh=mesh, in_specs=(param_specs, jax.P(self.batch_axes)),
-            out_specs=(jax.P(), specs(params, mesh, rules, "opt")), check_vma=True,
+            out_specs=(jax.P(), grad_specs), check_vma=True,
         ))
         self.state = self.init_state(params)
 
