@@ -1,11 +1,11 @@
 # Two entry points, both self-contained from a fresh clone with only python3:
-#   make demo   - the main job on its default (a sharded GPT run on 8 fake CPU devices)
+#   make train  - the main job on its default: `jshard train`, a sharded GPT run on 8 fake CPU devices
 #   make test   - the test suite (8 fake CPU devices)
 PYTHON ?= python3
 VENV   := .venv
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test venv clean
+.PHONY: train test venv clean
 
 # Re-install only when the package definition changes.
 $(STAMP): pyproject.toml
@@ -16,8 +16,8 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-demo: $(STAMP)
-	$(VENV)/bin/jshard demo
+train: $(STAMP)
+	$(VENV)/bin/jshard train
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest

@@ -134,12 +134,16 @@ def _replica_with_scattered_grad(shard, replica, dim, axes, vary):
 
 
 def _replica_fwd(shard, replica, dim, axes, vary):
-    return _replica_with_scattered_grad(shard, replica, dim, axes, vary), None
+    # The shard is kept only for its type (a param: alive anyway).
+    return _replica_with_scattered_grad(shard, replica, dim, axes, vary), shard
 
 
-def _replica_bwd(dim, axes, vary, _, cotangent):
+def _replica_bwd(dim, axes, vary, shard, cotangent):
+    grad = lax.psum_scatter(cotangent, axes, scatter_dimension=dim % cotangent.ndim, tiled=True)
+    # Typed as the shard, which may vary where the replica does not (a pipeline's stage axis).
+    missing = tuple(sorted(varying_axes(shard) - varying_axes(grad)))
     # The replica is not differentiated (None: a zero cotangent, never materialised).
-    return lax.psum_scatter(cotangent, axes, scatter_dimension=dim % cotangent.ndim, tiled=True), None
+    return (lax.pcast(grad, missing, to="varying") if missing else grad), None
 
 
 _replica_with_scattered_grad.defvjp(_replica_fwd, _replica_bwd)

@@ -65,5 +65,5 @@ def test_parse_axis_sizes():
 def test_cli_reports_bad_mesh_without_traceback(capsys):
     from jshard.cli import main
 
-    assert main(["demo", "--mesh", "data=3"]) == 2
-    assert "jshard demo: mesh data=3 needs 3 devices, but JAX sees 8" in capsys.readouterr().err
+    assert main(["train", "--mesh", "data=3"]) == 2
+    assert "jshard train: mesh data=3 needs 3 devices, but JAX sees 8" in capsys.readouterr().err

@@ -1,8 +1,8 @@
-"""GPipe inside the explicit step: against the unpipelined single-device reference, alone and
-with FSDP, TP and SP on the other axes; its activation traffic counted from HLO; bad input."""
+"""The pipeline executor, every schedule: against the unpipelined single-device reference,
+alone and with FSDP, TP and SP on the other axes; its buffers and sends counted; bad input."""
 
+import jax
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
@@ -10,15 +10,18 @@ import jshard
 from jshard import hlo
 from jshard.models import GPT, DeepMLP, GPTConfig, MLPConfig, gpt_loss, mlp_loss
 from jshard.parallel import build_step
+from jshard.parallel.pipeline import compile_program
+from jshard.parallel.schedules import SCHEDULES, ScheduleError, make_schedule
 from test_strategies import OPTIMIZER, SEED, TOLERANCE, assert_trees_close, relative_error
 
 MLP_CONFIG = MLPConfig(dim=32, layers=8)
 GPT_CONFIG = GPTConfig(vocab=64, seq_len=16, embed=32, heads=4, mlp=64, layers=4)
 
 
-def assert_matches_one_device(make, loss_fn, batch, preset, sizes, microbatches, steps=0):
+def assert_matches_one_device(make, loss_fn, batch, preset, sizes, microbatches, schedule, steps=0):
     """Loss and gradients of the pipelined step equal one device's; then `steps` AdamW steps."""
-    step = build_step(make(), OPTIMIZER, loss_fn, jshard.make_mesh(**sizes), jshard.preset(preset), microbatches)
+    step = build_step(make(), OPTIMIZER, loss_fn, jshard.make_mesh(**sizes), jshard.preset(preset), microbatches,
+                      schedule)
     loss, grads = step.value_and_grad(step.state, step.shard_batch(batch))
     reference = make()
     expected_loss, expected_grads = nnx.value_and_grad(loss_fn)(reference, batch)
@@ -33,39 +36,100 @@ def assert_matches_one_device(make, loss_fn, batch, preset, sizes, microbatches,
         assert_trees_close(nnx.state(step.model(state)), nnx.state(reference), f"param after {steps} steps")
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("stages", [2, 4])
 @pytest.mark.parametrize("per_stage", [1, 2, 4])
-def test_gpipe_mlp(stages, per_stage):
+def test_schedule_mlp(schedule, stages, per_stage):
     microbatches = per_stage * stages  # m in {p, 2p, 4p}
     batch = np.random.default_rng(SEED).standard_normal((8 * microbatches, MLP_CONFIG.dim), dtype=np.float32)
     assert_matches_one_device(lambda: DeepMLP(MLP_CONFIG, rngs=nnx.Rngs(SEED)), mlp_loss, batch, "dp+pp",
-                              dict(data=8 // stages, stage=stages), microbatches, steps=2 if per_stage == 1 else 0)
+                              dict(data=8 // stages, stage=stages), microbatches, schedule,
+                              steps=2 if per_stage == 1 else 0)
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize(
     "preset, sizes, microbatches",
     [
-        ("dp+pp", dict(data=2, stage=4), 4),
         ("fsdp+tp+pp", dict(fsdp=2, tensor=2, stage=2), 2),  # ZeRO-3 × TP × PP on one 2×2×2 mesh
         ("dp+tp+sp+pp", dict(data=2, tensor=2, stage=2), 4),
         ("zero2+pp", dict(fsdp=4, stage=2), 2),
     ],
 )
-def test_gpipe_gpt_with_other_strategies(preset, sizes, microbatches):
+def test_schedule_gpt_with_other_strategies(schedule, preset, sizes, microbatches):
     batch = np.random.default_rng(SEED).integers(0, GPT_CONFIG.vocab, (16, 17))
-    assert_matches_one_device(lambda: GPT(GPT_CONFIG, rngs=nnx.Rngs(SEED)), gpt_loss, batch, preset, sizes, microbatches)
+    make = lambda: GPT(GPT_CONFIG, rngs=nnx.Rngs(SEED))  # noqa: E731
+    steps = 1 if schedule == "1f1b" else 0  # the update itself is schedule-independent: one is enough
+    assert_matches_one_device(make, gpt_loss, batch, preset, sizes, microbatches, schedule, steps)
 
 
-@pytest.mark.parametrize("stages, microbatches", [(2, 2), (4, 8)])
-def test_gpipe_activation_traffic(stages, microbatches):
-    """Each tick but the last sends one micro-batch's activation forward; backward mirrors it."""
-    step = build_step(DeepMLP(MLP_CONFIG, rngs=nnx.Rngs(0)), OPTIMIZER, mlp_loss,
-                      jshard.make_mesh(data=8 // stages, stage=stages), jshard.preset("dp+pp"), microbatches)
+def mlp_step(schedule, stages, microbatches, dim=MLP_CONFIG.dim):
+    model = DeepMLP(MLPConfig(dim=dim, layers=8), rngs=nnx.Rngs(0))
+    return build_step(model, OPTIMIZER, mlp_loss, jshard.make_mesh(data=8 // stages, stage=stages),
+                      jshard.preset("dp+pp"), microbatches, schedule)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_sends_one_activation_per_tick_only_when_needed(schedule):
+    """Two ppermutes per tick, forward and backward, of one micro-batch's activation each;
+    a tick sends only if some stage has something to send, and each micro-batch crosses
+    every one of the p·v - 1 boundaries once each way."""
+    stages, microbatches = 2, 4
+    step = mlp_step(schedule, stages, microbatches)
     batch = np.ones((8 * microbatches, MLP_CONFIG.dim), np.float32)
     compiled = step.lower(step.state, step.shard_batch(batch)).compile()
-    sent = sum(c.bytes * c.count for c in hlo.collectives(compiled.as_text()) if c.kind == "collective-permute")
+    permutes = [c for c in hlo.collectives(compiled.as_text()) if c.kind == "collective-permute"]
     activation = batch.shape[0] // (8 // stages) // microbatches * MLP_CONFIG.dim * 4
-    assert sent == 2 * (microbatches + stages - 2) * activation
+    assert [c.bytes for c in permutes] == [activation, activation]
+    program, s = compile_program(step.schedule), step.schedule
+    assert program.sends_forward.sum() <= microbatches * (stages * s.virtual - 1)
+    for tick, row in enumerate(s.table()):  # a send, exactly where a non-final forward ran
+        forwards = [a for stage, a in enumerate(row) if a and a.kind == "F" and s.work(a, stage)[2] < stages * s.virtual - 1]
+        assert program.sends_forward[tick] == bool(forwards)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_buffers_sized_by_peak_in_flight(schedule):
+    """Activation slots hold a stage input from its arrival to its last backward: never more
+    than the schedule keeps in flight (position 0 recomputes its input from the batch)."""
+    for stages, microbatches in [(2, 8), (4, 16)]:
+        s = make_schedule(schedule, stages, microbatches)
+        assert 1 <= compile_program(s).act_slots <= s.peak_in_flight()
+
+
+def test_one_f_one_b_needs_less_memory_than_gpipe():
+    """At m = 4p, GPipe holds m stage inputs per device and 1F1B p: the compiled step's
+    temporary memory differs by exactly the buffer slots saved, one activation each."""
+    stages, microbatches, dim = 2, 8, 256
+    batch = np.ones(((8 // stages) * microbatches * 64, dim), np.float32)  # 64 rows per micro-batch and device
+    temp, slots = {}, {}
+    for schedule in ("gpipe", "1f1b"):
+        step = mlp_step(schedule, stages, microbatches, dim)
+        compiled = step.lower(step.state, step.shard_batch(batch)).compile()
+        temp[schedule] = compiled.memory_analysis().temp_size_in_bytes
+        program = compile_program(step.schedule)
+        slots[schedule] = program.act_slots + program.grad_slots
+    activation = 64 * dim * 4
+    assert slots["gpipe"] - slots["1f1b"] == microbatches - stages
+    assert temp["gpipe"] - temp["1f1b"] == (slots["gpipe"] - slots["1f1b"]) * activation
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "1f1b"])
+def test_model_comes_back_in_model_order(schedule):
+    """The interleaved step stores chunks d, p+d, ... on device d; what it hands out is in model order."""
+    make = lambda: DeepMLP(MLPConfig(dim=8, layers=8), rngs=nnx.Rngs(3))  # noqa: E731
+    step = build_step(make(), OPTIMIZER, mlp_loss, jshard.make_mesh(data=4, stage=2), jshard.preset("dp+pp"), 4,
+                      schedule)
+    expected = dict(nnx.to_flat_state(nnx.state(make())))
+    for path, param in nnx.to_flat_state(nnx.state(step.model(step.state))):
+        np.testing.assert_array_equal(param.get_value(), expected[path].get_value(), err_msg=str(path))
+    portable = step.to_model_order(step.state)  # what a checkpoint holds
+    for path, param in nnx.to_flat_state(portable.params):
+        np.testing.assert_array_equal(param.get_value(), expected[path].get_value(), err_msg=str(path))
+    back = step.from_model_order(portable)
+    for have, want in zip(jax.tree.leaves(back), jax.tree.leaves(step.state)):
+        np.testing.assert_array_equal(have, want)
+        assert have.sharding == want.sharding
 
 
 def make_mlp():
@@ -91,3 +155,26 @@ def test_batch_not_divisible_by_microbatches():
     step = build_step(make_mlp(), OPTIMIZER, mlp_loss, jshard.make_mesh(data=2, stage=4), jshard.preset("dp+pp"), 4)
     with pytest.raises(jshard.ShardingError, match="batch of 12 .* 8 shards over data × micro-batches"):
         step.shard_batch(np.ones((12, MLP_CONFIG.dim), np.float32))
+
+
+@pytest.mark.parametrize(
+    "layers, sizes, microbatches, schedule, virtual, fragment",
+    [
+        (8, dict(data=2, stage=4), 2, "zb-h1", None, r"m >= p.*got m=2 with p=4"),
+        (8, dict(data=2, stage=4), 2, "interleaved", None, r"m >= p"),
+        (8, dict(data=2, stage=4), 4, "interleaved", 3, r"8 layers do not split evenly over stages=4 x virtual=3"),
+        (8, dict(data=2, stage=4), 4, "1f1b", 2, "virtual=2 applies to the interleaved schedule only"),
+        (8, dict(data=2, stage=4), 4, "pipedream", None, "unknown schedule 'pipedream'"),
+    ],
+)
+def test_bad_schedule_input(layers, sizes, microbatches, schedule, virtual, fragment):
+    """Each refused before any device work, with the sizes and a fix."""
+    model = DeepMLP(MLPConfig(dim=32, layers=layers), rngs=nnx.Rngs(0))
+    with pytest.raises(ScheduleError, match=fragment):
+        build_step(model, OPTIMIZER, mlp_loss, jshard.make_mesh(**sizes), jshard.preset("dp+pp"), microbatches,
+                   schedule, virtual)
+
+
+def test_schedule_without_pipeline():
+    with pytest.raises(jshard.ShardingError, match="schedule='1f1b' but rules 'dp'.*no pipeline to feed"):
+        build_step(make_mlp(), OPTIMIZER, mlp_loss, jshard.make_mesh(data=8), jshard.preset("dp"), schedule="1f1b")

@@ -245,15 +245,12 @@ def test_batch_not_divisible_by_batch_shards():
         step.shard_batch(np.ones((12, MLP_CONFIG.dim), np.float32))
 
 
-def test_demo_pipelines_and_refuses_bad_plans_before_placing(capsys):
+def test_train_refuses_bad_plans_before_placing(capsys):
     from jshard.cli import main
 
-    assert main(["demo", "--preset", "dp+pp", "--mesh", "data=2,stage=4", "--microbatches", "2", "--steps", "3",
-                 "--batch-size", "8", "--seq-len", "16"]) == 0
-    capsys.readouterr()
-    assert main(["demo", "--preset", "dp", "--mesh", "data=2,stage=4"]) == 2
+    assert main(["train", "--strategy", "dp", "--mesh", "data=2,stage=4"]) == 2
     captured = capsys.readouterr()
-    assert "mesh axis 'stage' has size 4, but no rule" in captured.err and "params under" not in captured.out
+    assert "mesh axis 'stage' has size 4, but no rule" in captured.err and "per device" not in captured.out
 
 
 def test_non_param_state_is_refused():

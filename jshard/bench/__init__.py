@@ -4,7 +4,7 @@ Each module's `add_parser(benches)` registers its sub-command with `set_defaults
 `jshard.cli` calls `run` with the parsed arguments.
 """
 
-from jshard.bench import collectives, strategies
+from jshard.bench import collectives, pipeline, strategies
 
 
 def add_parser(commands) -> None:
@@ -12,3 +12,4 @@ def add_parser(commands) -> None:
     benches = parser.add_subparsers(dest="bench", required=True)
     collectives.add_parser(benches)
     strategies.add_parser(benches)
+    pipeline.add_parser(benches)

@@ -39,6 +39,7 @@ class GPTConfig:
     layers: int = 4
     tied_head: bool = True
     dtype: jnp.dtype = jnp.float32  # compute dtype; params stay float32
+    remat: str = "none"  # activation checkpointing of each block: none, full or selective (see stack.py)
 
     @property
     def head_dim(self) -> int:
@@ -103,7 +104,7 @@ class GPT(nnx.Module):
         embed = dict(embedding_init=_init(config), dtype=config.dtype, rngs=rngs)
         self.token_embed = nn.Embed(config.vocab, config.embed, names=("vocab", "embed"), **embed)
         self.pos_embed = nn.Embed(config.seq_len, config.embed, names=("seq", "embed"), **embed)
-        self.blocks = stack_layers(lambda rngs: Block(config, rngs=rngs), config.layers, rngs)
+        self.blocks = stack_layers(lambda rngs: Block(config, rngs=rngs), config.layers, rngs, config.remat)
         self.final_norm = nn.LayerNorm(config.embed, dtype=config.dtype)
         if not config.tied_head:
             self.head = nn.Linear(

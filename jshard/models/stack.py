@@ -18,30 +18,66 @@ from jshard import nn
 # Adds (and on use removes) `layers` as the first logical name of every stacked Variable.
 _LAYERS_METADATA = {nnx.PARTITION_NAME: "layers"}
 
+# Activation checkpointing: what each layer keeps for backward (the rest is recomputed).
+#   none       everything (under ZeRO-3: everything but gathered weights, see scan_layers)
+#   full       only the layer's input: backward reruns the whole layer
+#   selective  the outputs of matmuls without batch dims, i.e. of the linear layers; the
+#              attention core (scores, softmax: batched matmuls) is recomputed, as in
+#              Megatron's selective recomputation
+# Neither `full` nor `selective` saves all-gather outputs, so both include ZeRO-3's
+# policy of gathering weights again in backward. A checkpoint around the caller decides
+# for everything inside it, these layers included: the ZeRO-3 step's applies
+# `layer_policy(model)` too.
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
-def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs) -> nnx.Module:
-    """`count` independently initialised copies of `make_layer(rngs)`, stacked on `layers`."""
+
+def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs,
+                 remat: str = "none") -> nnx.Module:
+    """`count` independently initialised copies of `make_layer(rngs)`, stacked on `layers`.
+
+    `remat` (a key of `REMAT_POLICIES`) is how `scan_layers` checkpoints each layer's
+    activations. The stack carries it, so every caller of `scan_layers` (the model, a
+    pipeline stage) runs the layers the same way.
+    """
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat={remat!r}; choose one of {', '.join(REMAT_POLICIES)}")
 
     @nnx.split_rngs(splits=count)
     @nnx.vmap(in_axes=0, out_axes=0, transform_metadata=_LAYERS_METADATA)
     def make(rngs):
         return make_layer(rngs)
 
-    return make(rngs)
+    layers = make(rngs)
+    layers.remat = remat  # static: part of the graphdef, so it survives nnx.split / merge
+    return layers
+
+
+def layer_policy(model: nnx.Module):
+    """The checkpoint policy of the stacked layers in `model` (None: save everything)."""
+    found = {node.remat for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Module) and hasattr(node, "remat")}
+    return REMAT_POLICIES[found.pop()] if len(found) == 1 else None
 
 
 def scan_layers(layers: nnx.Module, x: jax.Array) -> jax.Array:
     """x <- layer(x) for each layer of a stack, in order.
 
-    In a step that gathers weights (ZeRO-3) each layer is rematerialised without its
+    Each layer is rematerialised as the stack's `remat` policy says (`stack_layers`). In
+    a step that gathers weights (ZeRO-3) it is rematerialised at least without its
     gathered weights: backward gathers them again instead of keeping all layers' alive.
     """
 
     def apply(layer, x):
         return layer(x)
 
-    if nn.gathers_weights():
-        apply = nnx.remat(apply, policy=nn.remat_policy)
+    policy = REMAT_POLICIES[getattr(layers, "remat", "none")]
+    if policy is None and nn.gathers_weights():
+        policy = nn.remat_policy
+    if policy is not None:
+        apply = nnx.remat(apply, policy=policy)
 
     @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=_LAYERS_METADATA)
     def run(x, layer):

@@ -19,8 +19,9 @@ Per step, with Ψ the param bytes: DP all-reduces Ψ; ZeRO-1/2 reduce-scatter Ψ
 all-gather Ψ; ZeRO-3 all-gathers Ψ twice (forward, and again in backward: gathered
 weights are not saved) and reduce-scatters Ψ.
 
-Rules that split `layers` over a stage axis make step 2 a GPipe pipeline over
-micro-batches (`pipeline.py`); nothing else changes.
+Rules that split `layers` over a stage axis make step 2 a pipeline over micro-batches:
+`pipeline.py` runs a schedule's tick table (`schedules.py`: GPipe, 1F1B, interleaved,
+ZB-H1) and returns the loss and gradients itself; nothing else changes.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ from jax.sharding import Mesh, NamedSharding
 
 from jshard import nn
 from jshard.mesh import mesh_shape
-from jshard.models.stack import StagedLoss
-from jshard.parallel.pipeline import gpipe_loss
+from jshard.models.stack import StagedLoss, layer_policy
+from jshard.parallel import pipeline
+from jshard.parallel.schedules import Schedule, check_layers, make_schedule
 from jshard.placement import specs
 from jshard.rules import Rules, ShardingError, axes_of, use_rules
 
@@ -68,26 +70,33 @@ def stage_axes(mesh: Mesh, rules: Rules) -> tuple[str, ...]:
     return tuple(a for a in axes_of(rules.spec(("layers",), None, mesh, "param")[0]) if sizes[a] > 1)
 
 
-def check_plan(mesh: Mesh, rules: Rules, loss_fn=None, microbatches: int | None = None) -> None:
-    """Whether this step can run `rules` on `mesh`: call it before placing anything."""
+def check_plan(mesh: Mesh, rules: Rules, loss_fn=None, microbatches: int | None = None,
+               schedule: str | None = None, virtual: int | None = None) -> Schedule | None:
+    """Whether this step can run `rules` on `mesh`: call it before placing anything.
+
+    Returns the pipeline schedule (None when the rules put no layers on a stage axis).
+    """
     rules.check_mesh(mesh)
     stages = stage_axes(mesh, rules)
     if not stages:
-        if microbatches is not None:
+        if microbatches is not None or schedule is not None or virtual is not None:
+            given = ", ".join(f"{k}={v!r}" for k, v in dict(microbatches=microbatches, schedule=schedule,
+                                                            virtual=virtual).items() if v is not None)
             raise ShardingError(
-                f"build_step: microbatches={microbatches} but rules {rules.name!r} put no layers on a stage "
-                "axis of size > 1, so there is no pipeline to feed. Fix: drop microbatches, or use 'pp' with stage=N."
+                f"build_step: {given} but rules {rules.name!r} put no layers on a stage axis of size > 1, so "
+                "there is no pipeline to feed. Fix: drop them, or use 'pp' with stage=N."
             )
-        return
+        return None
     if len(stages) > 1:
         raise ShardingError(f"build_step: layers split over several stage axes {stages}; the pipeline uses one.")
     if not isinstance(microbatches, int) or microbatches < 1 or not isinstance(loss_fn, (StagedLoss, type(None))):
         raise ShardingError(
             f"build_step: rules {rules.name!r} split layers over {stages[0]}={mesh_shape(mesh)[stages[0]]}, "
-            f"which pipelines them (GPipe): it needs microbatches=M >= 1 (got {microbatches!r}) and a "
+            f"which pipelines them: it needs microbatches=M >= 1 (got {microbatches!r}) and a "
             "jshard.models.StagedLoss that says where the stack of layers starts and ends "
             "(jshard.models.gpt_loss and mlp_loss are). Fix: build_step(..., microbatches=4)."
         )
+    return make_schedule(schedule or "gpipe", mesh_shape(mesh)[stages[0]], microbatches, virtual)
 
 
 def _check_params(params: nnx.State) -> None:
@@ -123,16 +132,21 @@ class ShardedStep:
 
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation,
                  loss_fn: Callable[[nnx.Module, Any], jax.Array], mesh: Mesh, rules: Rules,
-                 microbatches: int | None = None):
+                 microbatches: int | None = None, schedule: str | None = None, virtual: int | None = None):
         self.mesh, self.rules, self.tx, self.loss_fn = mesh, rules, tx, loss_fn
         self.graphdef, params = nnx.split(model)
-        check_plan(mesh, rules, loss_fn, microbatches)
+        self.schedule = check_plan(mesh, rules, loss_fn, microbatches, schedule, virtual)
         self.stage_axis = next(iter(stage_axes(mesh, rules)), None)
         self.microbatches = microbatches
         _check_params(params)
+        self._layer_policy = layer_policy(model)
         param_specs = specs(params, mesh, rules, "param")  # every bad input raises here
         self.param_layouts = _layouts(param_specs)
-        grad_specs = specs(params, mesh, rules, "opt")  # gradients leave the body in the opt layout
+        if self.schedule:
+            stacked = [leaf.shape[0] for leaf, layout in zip(jax.tree.leaves(params), self.param_layouts)
+                       if layout and self.stage_axis in layout[0]]
+            check_layers(stacked[0], self.schedule.stages, self.schedule.virtual)
+        self.grad_specs = grad_specs = specs(params, mesh, rules, "opt")  # gradients leave in the opt layout
         self.opt_layouts = _layouts(grad_specs)
         if rules.zero == 2:
             _check_one_zero_dim(params, self.param_layouts, self.opt_layouts)
@@ -156,13 +170,44 @@ class ShardedStep:
     # -- state -------------------------------------------------------------------------
 
     def init_state(self, params: nnx.State) -> TrainState:
-        params = jax.device_put(params, self._shardings.params)
+        params = jax.device_put(self._pipeline_order(params, self.state_specs.params), self._shardings.params)
         opt_state = jax.jit(self.tx.init, out_shardings=self._shardings.opt_state)(params)
         return TrainState(params, opt_state)
 
     def model(self, state: TrainState) -> nnx.Module:
         """The model with the params of `state`."""
-        return nnx.merge(self.graphdef, state.params)
+        return nnx.merge(self.graphdef, self._pipeline_order(state.params, self.state_specs.params, inverse=True))
+
+    def to_model_order(self, state: TrainState) -> TrainState:
+        """`state` with the stacked layers in the model's order: what a checkpoint holds, so
+        that it restores under any schedule. The identity unless the schedule is interleaved."""
+        return self._state_order(state, inverse=True)
+
+    def from_model_order(self, state: TrainState) -> TrainState:
+        """The inverse of `to_model_order`: a state in the model's order, as this step holds it."""
+        if not self._interleaved:
+            return state
+        return jax.device_put(self._state_order(state), self._shardings)
+
+    def _state_order(self, state: TrainState, inverse: bool = False) -> TrainState:
+        return TrainState(self._pipeline_order(state.params, self.state_specs.params, inverse),
+                          self._pipeline_order(state.opt_state, self.state_specs.opt_state, inverse))
+
+    @property
+    def _interleaved(self) -> bool:
+        return bool(self.schedule) and self.schedule.virtual > 1
+
+    def _pipeline_order(self, tree, spec_tree, inverse: bool = False):
+        """An interleaved pipeline holds the stacked layers in its own order (`pipeline.interleave`);
+        the step's state is in that order, what it hands out in the model's."""
+        if not self._interleaved:
+            return tree
+        p, v = self.schedule.stages, self.schedule.virtual
+
+        def reorder(x, layout):
+            return pipeline.interleave(x, p, v, inverse) if layout and self.stage_axis in layout[0] else x
+
+        return self._per_leaf(reorder, tree, _layouts(spec_tree))
 
     def shard_batch(self, batch):
         """Put a global batch on the mesh, split along dim 0 over the batch axes."""
@@ -181,7 +226,8 @@ class ShardedStep:
 
     def value_and_grad(self, state: TrainState, batch) -> tuple[jax.Array, nnx.State]:
         """The loss and its gradient, as the step computes them (gradients in the `opt` layout)."""
-        return self._grads(state.params, batch)
+        loss, grads = self._grads(state.params, batch)
+        return loss, self._pipeline_order(grads, self.grad_specs, inverse=True)
 
     def lower(self, state: TrainState, batch):
         """The lowered step, for `.compile()`, HLO and memory analysis."""
@@ -197,6 +243,12 @@ class ShardedStep:
         """x, cast to varying over the batch axes it is not split over (no communication)."""
         missing = tuple(a for a in self.batch_axes if a not in _axes_in(layout) and a not in nn.varying_axes(x))
         return lax.pcast(x, missing, to="varying") if missing else x
+
+    def _zero3_policy(self, *args, **kwargs) -> bool:
+        """Save what ZeRO-3 keeps (all but gathered weights) and the model's layers keep: an
+        outer checkpoint decides for everything inside it, their own checkpoints included."""
+        layers = self._layer_policy
+        return nn.remat_policy(*args, **kwargs) and (layers is None or layers(*args, **kwargs))
 
     def _differentiable(self, params):
         """Step 1: what autodiff sees, and the layout its gradient comes out in."""
@@ -216,7 +268,9 @@ class ShardedStep:
             if not split:
                 return shard
             axes = tuple(a for a in want[split[0]] if a not in have[split[0]])
-            vary = tuple(a for a in self.batch_axes if a not in _axes_in(have))
+            # Varying over the stage axis too: a pipeline's branches must not psum over it.
+            own = self.batch_axes + ((self.stage_axis,) if self.stage_axis else ())
+            vary = tuple(a for a in own if a not in _axes_in(have))
             return nn.ShardWithReplica(shard, replica, split[0] - replica.ndim, axes, vary)
 
         return self._per_leaf(pair, shards, jax.tree.leaves(params), self.param_layouts, self.opt_layouts)
@@ -225,21 +279,24 @@ class ShardedStep:
         """Steps 1-3: the mean loss over the global batch, and its gradient in the `opt` layout."""
         diff, grad_layouts = self._differentiable(params)
 
-        def loss_of(diff):
-            model_params = self._with_replicas(diff, params) if self.rules.zero == 2 else diff
-            model = nnx.merge(self.graphdef, model_params)
-            if self.stage_axis:
-                loss = gpipe_loss(self.loss_fn, model, batch, self.stage_axis, self.microbatches)
-            else:
-                loss = self.loss_fn(model, batch)
+        def model_of(diff):
+            return nnx.merge(self.graphdef, self._with_replicas(diff, params) if self.rules.zero == 2 else diff)
+
+        def one_value(loss):
             # Equal on every device of a non-batch axis, but typed varying (it came from
             # gathered activations): average to make it one value, and its gradient once.
-            spread = tuple(sorted(nn.varying_axes(loss) - set(self.batch_axes)))
+            spread = tuple(sorted(nn.varying_axes(loss) - set(self.batch_axes) - {self.stage_axis}))
             return lax.pmean(loss, spread) if spread else loss
 
-        if nn.gathers_weights():  # ZeRO-3: weights used outside the layer scan are gathered again too
-            loss_of = jax.checkpoint(loss_of, policy=nn.remat_policy)
-        loss, grads = jax.value_and_grad(loss_of)(diff)
+        if self.schedule:  # the pipeline runs its own backward, micro-batch by micro-batch
+            loss, grads = pipeline.run(self.schedule, self.loss_fn, model_of, diff, batch, self.stage_axis, one_value)
+        else:
+            def loss_of(diff):
+                return one_value(self.loss_fn(model_of(diff), batch))
+
+            if nn.gathers_weights():  # ZeRO-3: weights used outside the layer scan are gathered again too
+                loss_of = jax.checkpoint(loss_of, policy=self._zero3_policy)
+            loss, grads = jax.value_and_grad(loss_of)(diff)
 
         def reduce(g, have, want):
             pending = [a for a in self.batch_axes if a not in _axes_in(have)]
@@ -262,10 +319,13 @@ class ShardedStep:
             return self._loss_and_grads(params, batch)
 
 
-def build_step(model, tx, loss_fn, mesh: Mesh, rules: Rules, microbatches: int | None = None) -> ShardedStep:
+def build_step(model, tx, loss_fn, mesh: Mesh, rules: Rules, microbatches: int | None = None,
+               schedule: str | None = None, virtual: int | None = None) -> ShardedStep:
     """A sharded train step for `model` under `rules` on `mesh`; `.state` holds its start.
 
-    Rules that split `layers` over a stage axis pipeline the step (GPipe) over
-    `microbatches` micro-batches; `loss_fn` must then be a `jshard.models.StagedLoss`.
+    Rules that split `layers` over a stage axis pipeline the step over `microbatches`
+    micro-batches with `schedule` (gpipe, the default; 1f1b; interleaved, with `virtual`
+    model chunks per device, default 2; zb-h1); `loss_fn` must then be a
+    `jshard.models.StagedLoss`.
     """
-    return ShardedStep(model, tx, loss_fn, mesh, rules, microbatches)
+    return ShardedStep(model, tx, loss_fn, mesh, rules, microbatches, schedule, virtual)

@@ -1,0 +1,91 @@
+"""What a training run measures itself against: model FLOPs per token, the devices' peak,
+and the per-step metrics file.
+
+Model FLOPs count the matmuls of forward and backward (2 + 4 FLOPs per weight and token)
+plus attention's score and value products, as in the PaLM paper's appendix B:
+
+    6 · N + 12 · layers · seq · embed   per token
+
+with N the matmul weights (attention, MLP, and the head, which is the token embedding
+when tied); the causal mask's skipped half is counted, layer norms are not. MFU is these
+FLOPs per second over the peak of all devices: rematerialisation and pipeline bubbles
+lower it, as they should.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jshard.models import GPTConfig
+
+# Dense bf16 tensor-core peaks per device (vendor datasheets, SXM parts), FLOP/s.
+# fp32 matmuls run as TF32 on these, at half the bf16 rate.
+GPU_BF16_PEAKS = {"B200": 2250e12, "H200": 989e12, "H100": 989e12, "A100": 312e12}
+CPU_MATMUL = 1024  # the square matmul that measures a CPU host's peak
+
+
+def gpt_flops_per_token(config: GPTConfig, seq_len: int) -> float:
+    """Training FLOPs per token of `config` on sequences of `seq_len` tokens."""
+    h = config.embed
+    weights = config.layers * (4 * h * h + 2 * h * config.mlp) + config.vocab * h
+    return 6 * weights + 12 * config.layers * seq_len * h
+
+
+@dataclasses.dataclass(frozen=True)
+class Peak:
+    flops: float  # FLOP/s of all the run's devices together
+    source: str  # where the number comes from, for the user
+
+
+def device_peak(devices, dtype, per_device_tflops: float | None = None) -> Peak | None:
+    """The peak FLOP/s of `devices` for matmuls in `dtype`; None where unknown.
+
+    GPUs: the datasheet table, or `per_device_tflops`. CPU: fake devices share the host's
+    cores, so the peak is the host's, measured with one matmul (XLA runs it on all cores).
+    """
+    kind, n = devices[0].device_kind, len(devices)
+    if per_device_tflops:
+        return Peak(per_device_tflops * 1e12 * n, f"--peak-tflops: {per_device_tflops:g} TFLOP/s × {n} devices")
+    if devices[0].platform == "cpu":
+        flops = _measured_matmul_flops(devices[0], dtype)
+        return Peak(flops, f"measured: a {CPU_MATMUL}² {jnp.dtype(dtype).name} matmul on this host (all its cores; "
+                           f"the {n} CPU devices share them)")
+    for name, bf16 in GPU_BF16_PEAKS.items():
+        if name in kind:
+            per_device = bf16 if jnp.dtype(dtype) == jnp.bfloat16 else bf16 / 2
+            label = "bf16" if per_device == bf16 else "TF32 (fp32 matmuls)"
+            return Peak(per_device * n, f"{name} {label} datasheet: {per_device / 1e12:.0f} TFLOP/s × {n} devices")
+    return None
+
+
+def _measured_matmul_flops(device, dtype, n: int = CPU_MATMUL, repeats: int = 10) -> float:
+    a = jax.device_put(jnp.ones((n, n), dtype), device)
+    matmul = jax.jit(jnp.matmul)
+    matmul(a, a).block_until_ready()  # compile
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+class MetricsFile:
+    """One JSON object per line: `step`, `loss`, `step_s`, `tokens_per_s`, `mfu` (null without a peak)."""
+
+    def __init__(self, path: str | None, append: bool = False):
+        self._file = open(path, "a" if append else "w") if path else None  # a resumed run continues it
+
+    def write(self, **metrics) -> None:
+        if self._file:
+            self._file.write(json.dumps(metrics) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()

@@ -1,0 +1,93 @@
+"""The optimizer of `jshard train`: AdamW on a warm-up + cosine schedule, gradients clipped
+by their global norm, optionally accumulated over several micro-steps.
+
+It is a plain `optax.GradientTransformation`, built from optax's parts, with one change
+for the explicit step: there the update runs on each device's shard of every gradient
+(the ZeRO `opt` layout, or a tensor-parallel split), so `optax.clip_by_global_norm` would
+see one shard's norm and clip each device by a different factor. `clip_by_global_norm`
+here sums each gradient's squares over the mesh axes it is split on first.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax import lax
+
+from jshard import nn
+
+
+def global_norm(updates) -> jax.Array:
+    """The L2 norm of a tree of gradients, each possibly split over manual mesh axes.
+
+    Inside `shard_map` a gradient varies over exactly the axes it is split on (the step's
+    out_specs check that), so a psum of its local sum of squares over those axes is its
+    whole sum of squares; outside `shard_map` this is `optax.tree.norm`.
+    """
+
+    def squares(g):
+        local = jnp.sum(jnp.square(g.astype(jnp.float32)))
+        axes = tuple(sorted(nn.varying_axes(local)))
+        return lax.psum(local, axes) if axes else local
+
+    return jnp.sqrt(sum(squares(g) for g in jax.tree.leaves(updates)))
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """`optax.clip_by_global_norm`, with the norm taken over every shard (`global_norm`)."""
+
+    def update(updates, state, params=None):
+        del params
+        scale = jnp.minimum(1.0, max_norm / global_norm(updates))
+        return optax.tree.scale(scale, updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)
+
+
+def _decayed(params):
+    """Weight decay on matrices only (kernels, embedding tables), not on norms' vectors.
+
+    A stacked vector is still a vector: the `layers` dim does not count.
+    """
+
+    def is_matrix(v):
+        names = v.get_metadata().get("out_sharding") if isinstance(v, nnx.Variable) else None
+        dims = [n for n in names if n != "layers"] if names is not None else jnp.shape(v)
+        return len(dims) >= 2
+
+    return jax.tree.map(is_matrix, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def schedule(lr: float, steps: int, warmup: int) -> optax.Schedule:
+    """Linear warm-up from 0 over `warmup` steps, then cosine decay to lr/10 at `steps`."""
+    return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), lr / 10)
+
+
+def adamw(lr: float, steps: int, warmup: int, *, weight_decay: float = 0.1, clip: float = 1.0,
+          grad_accum: int = 1, b2: float = 0.95) -> optax.GradientTransformation:
+    """Clip, then AdamW on `schedule(lr, steps, warmup)`.
+
+    With `grad_accum` = k > 1 it is wrapped in `optax.MultiSteps`: each call is one
+    micro-step, and every k-th applies the update of the k gradients' mean (the others
+    return zero updates). The schedule counts optimizer steps, not micro-steps.
+    """
+    tx = optax.chain(
+        clip_by_global_norm(clip),
+        optax.adamw(schedule(lr, steps, warmup), b2=b2, weight_decay=weight_decay, mask=_decayed),
+    )
+    return optax.MultiSteps(tx, every_k_schedule=grad_accum).gradient_transformation() if grad_accum > 1 else tx
+
+
+def inner_state(opt_state):
+    """The optimizer state without gradient accumulation's (which is empty between steps)."""
+    return opt_state.inner_opt_state if isinstance(opt_state, optax.MultiStepsState) else opt_state
+
+
+def with_inner_state(opt_state, inner, step: int):
+    """`opt_state` at an optimizer-step boundary, its inner state replaced by `inner`."""
+    if not isinstance(opt_state, optax.MultiStepsState):
+        return inner
+    count = jax.device_put(jnp.asarray(step, jnp.int32), opt_state.gradient_step.sharding)
+    return opt_state._replace(inner_opt_state=inner, gradient_step=count)

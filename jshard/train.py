@@ -1,0 +1,457 @@
+"""`jshard train`: a sharded GPT training run on the text shipped with jshard.
+
+    jshard train                                   # small GPT, 8 fake CPU devices (or the local GPUs)
+    jshard train --strategy zero3+tp --mesh fsdp=4,tensor=2 --precision bf16 --remat selective
+    jshard train --checkpoint-dir runs/a --checkpoint-every 50 ... ; jshard train ... --resume
+
+One run: check every input (no device work until all are valid) -> print the plan ->
+place the model and the AdamW state by the strategy's rules (`jshard.init`, `build_step`)
+-> restore a checkpoint onto them when resuming -> train: each step one global batch,
+split into `grad_accum` micro-steps (`optax.MultiSteps`), each of them split over the
+batch axes (and into pipeline micro-batches) -> save checkpoints -> print a summary.
+
+The parts live beside this module: `data.py` (corpus, order, per-process rows),
+`optim.py` (AdamW, schedule, sharded clipping), `checkpoint.py` (orbax), `metrics.py`
+(FLOPs, peak, MFU, metrics file); the step is `jshard.parallel.build_step`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import json
+import math
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+import jshard
+from jshard import data, optim
+from jshard.checkpoint import Checkpoints
+from jshard.mesh import mesh_shape, parse_axis_sizes, use_fake_cpu_devices_unless_accelerated
+from jshard.metrics import MetricsFile, device_peak, gpt_flops_per_token
+from jshard.models import GPT, GPTConfig, gpt_loss
+from jshard.models.stack import REMAT_POLICIES
+from jshard.parallel import ShardedStep, TrainState, build_step, check_plan, stage_axes
+from jshard.placement import _fmt_bytes, describe
+from jshard.rules import axes_of
+
+# Model sizes. `seq_len` is the longest sequence (position embeddings); --seq-len may be shorter.
+MODELS = {
+    "tiny": GPTConfig(seq_len=64, embed=64, heads=4, mlp=256, layers=2),
+    "small": GPTConfig(seq_len=128, embed=128, heads=4, mlp=512, layers=4),
+    "base": GPTConfig(seq_len=1024, embed=768, heads=12, mlp=3072, layers=12),  # GPT-2 small's shape
+}
+PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16}  # compute dtype; params and Adam stay fp32
+PIPELINE_MICROBATCHES = 4  # when the strategy pipelines and --microbatches is not given
+PROFILE_STEPS = 3  # traced by --profile, after the first (compiling) step
+
+
+class TrainError(ValueError):
+    """A training run that cannot start as asked."""
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything a run depends on; `jshard train`'s flags and its --config JSON mirror it."""
+
+    model: str = "small"
+    mesh: str | None = None  # None: data=2,fsdp=2,tensor=2 on 8 devices (see default_mesh)
+    strategy: str = "dp+fsdp+tp"
+    schedule: str | None = None  # pipeline schedule; None: build_step's default (GPipe)
+    virtual: int | None = None  # virtual stages per device, interleaved schedule
+    microbatches: int | None = None  # pipeline micro-batches; None: 4 when the strategy pipelines
+    steps: int = 400
+    batch_size: int = 16
+    seq_len: int | None = None  # None: 64, or the model's when shorter
+    lr: float = 3e-3
+    warmup: int | None = None  # None: steps // 10
+    precision: str = "fp32"
+    grad_accum: int = 1
+    remat: str = "none"
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None  # None: only at the end
+    resume: bool = False
+    metrics: str | None = None
+    profile: str | None = None
+    seed: int | None = None  # None: 0, or the checkpoint's when resuming
+    fake_devices: int = 8
+    peak_tflops: float | None = None  # per device, for MFU where jshard does not know the device
+    log_every: int | None = None  # None: steps // 10
+
+
+@dataclasses.dataclass
+class TrainResult:
+    losses: list[float]  # one per step run here
+    first_step: int  # the step the run started from (0, or the checkpoint's)
+    summary: str
+
+
+# -- command line ------------------------------------------------------------------------
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser(
+        "train", help="train a GPT on the shipped corpus (the main job)", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    defaults = TrainConfig()
+
+    def add(flag, help, **kw):
+        name = flag[2:].replace("-", "_")
+        shown = getattr(defaults, name, None)
+        parser.add_argument(flag, default=None, help=f"{help} (default: {shown})" if shown is not None else help, **kw)
+
+    add("--config", "JSON file of TrainConfig fields; flags given override it", metavar="FILE")
+    add("--model", "model size", choices=MODELS)
+    add("--mesh", "axis sizes, e.g. data=2,fsdp=2,tensor=2,stage=1 (default: data=2,fsdp=2,tensor=2 on 8 devices)")
+    add("--strategy", "preset name, e.g. dp, zero3+tp, dp+fsdp+tp+sp, pp+fsdp")
+    add("--schedule", "pipeline schedule (gpipe, 1f1b, interleaved, zb-h1) when the strategy has pp")
+    add("--virtual", "virtual stages per device for the interleaved schedule", type=int)
+    add("--microbatches", f"pipeline micro-batches (default: {PIPELINE_MICROBATCHES} when pipelining)", type=int)
+    add("--steps", "optimizer steps in all (a resumed run continues to this)", type=int)
+    add("--batch-size", "rows per optimizer step (global batch)", type=int)
+    add("--seq-len", "tokens per row (default: 64, or the model's longest if shorter)", type=int)
+    add("--lr", "peak learning rate", type=float)
+    add("--warmup", "linear warm-up steps before the cosine decay (default: steps // 10)", type=int)
+    add("--precision", "compute dtype; params and optimizer state stay fp32", choices=PRECISIONS)
+    add("--grad-accum", "micro-steps per optimizer step (gradient accumulation)", type=int)
+    add("--remat", "activation checkpointing of each block", choices=REMAT_POLICIES)
+    add("--checkpoint-dir", "directory of orbax checkpoints", metavar="DIR")
+    add("--checkpoint-every", "save every N steps (default: at the end only)", type=int, metavar="N")
+    parser.add_argument("--resume", action="store_true", default=None,
+                        help="continue from the latest checkpoint in --checkpoint-dir")
+    add("--metrics", "write one JSON object per step to FILE", metavar="FILE")
+    add("--profile", f"write a jax.profiler trace of {PROFILE_STEPS} steps to DIR", metavar="DIR")
+    add("--seed", "model init and data order (default: 0, or the checkpoint's on --resume)", type=int)
+    add("--fake-devices", "CPU devices to fake when no accelerator is present", type=int)
+    add("--peak-tflops", "device peak for MFU, per device (default: known GPUs; measured on CPU)", type=float)
+    add("--log-every", "print a line every N steps (default: steps // 10)", type=int, metavar="N")
+    parser.set_defaults(run=run)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """TrainConfig defaults <- the --config file <- flags given on the command line."""
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = {}
+    if args.config:
+        try:
+            with open(args.config) as f:
+                values = json.load(f)
+        except (OSError, ValueError) as e:
+            raise TrainError(f"--config {args.config}: cannot read it as JSON ({e})") from e
+        unknown = sorted(set(values) - fields) if isinstance(values, dict) else ["(not a JSON object)"]
+        if unknown:
+            raise TrainError(f"--config {args.config}: unknown field(s) {', '.join(unknown)}. "
+                             f"Known: {', '.join(sorted(fields))}")
+    values.update({k: v for k, v in vars(args).items() if k in fields and v is not None})
+    return TrainConfig(**values)
+
+
+def run(args) -> int:
+    train(config_from_args(args))
+    return 0
+
+
+# -- checks, before any device work ------------------------------------------------------
+
+
+REQUIRED_INTS = ("steps", "batch_size", "grad_accum", "fake_devices")
+OPTIONAL_INTS = ("seq_len", "microbatches", "virtual", "checkpoint_every", "log_every")
+CHOICES = {"model": MODELS, "precision": PRECISIONS, "remat": REMAT_POLICIES}
+
+
+def _check_values(config: TrainConfig) -> None:
+    """Numbers and names of `config`, as the flags name them."""
+
+    def flag(name):
+        return "--" + name.replace("_", "-")
+
+    def positive(value, kind) -> bool:
+        return isinstance(value, kind) and not isinstance(value, bool) and value > 0
+
+    for name in REQUIRED_INTS + OPTIONAL_INTS:
+        value = getattr(config, name)
+        if not positive(value, int) and (value is not None or name in REQUIRED_INTS):
+            raise TrainError(f"{flag(name)} must be a positive int, got {value!r}")
+    for name in ("lr", "peak_tflops"):
+        value = getattr(config, name)
+        if not positive(value, (int, float)) and (value is not None or name == "lr"):
+            raise TrainError(f"{flag(name)} must be a positive number, got {value!r}")
+    if config.warmup is not None and not (isinstance(config.warmup, int) and 0 <= config.warmup < config.steps):
+        raise TrainError(f"--warmup must be an int in 0..steps-1 ({config.steps - 1}), got {config.warmup!r}")
+    for name, known in CHOICES.items():
+        if getattr(config, name) not in known:
+            raise TrainError(f"unknown {flag(name)} {getattr(config, name)!r}; choose one of {', '.join(known)}")
+    if config.checkpoint_dir is None and (config.resume or config.checkpoint_every):
+        raise TrainError("--resume and --checkpoint-every need --checkpoint-dir DIR")
+
+
+def default_mesh(devices: int) -> str:
+    """data=2,fsdp=2,tensor=2 on 8 devices; on n: tensor=2, fsdp=2 and data the rest when 4 divides n."""
+    return f"data={devices // 4},fsdp=2,tensor=2" if devices % 4 == 0 else f"fsdp={devices}"
+
+
+@dataclasses.dataclass
+class Plan:
+    """A checked run: what it trains, where, on which data."""
+
+    config: TrainConfig
+    model: GPTConfig
+    seq_len: int
+    mesh: jax.sharding.Mesh
+    rules: jshard.Rules
+    microbatches: int | None
+    step_kwargs: dict
+    batch_shards: int  # what one micro-step's batch splits into: batch axes × pipeline micro-batches
+    batch_axes: tuple[str, ...]
+    checkpoints: Checkpoints | None
+    record: dict | None  # the checkpoint resumed from
+    seed: int
+
+
+def _model_identity(model: GPTConfig) -> dict:
+    """What a checkpoint must match to be this model's: the architecture, not how it computes."""
+    return {k: v for k, v in dataclasses.asdict(model).items() if k not in ("dtype", "remat")}
+
+
+def plan(config: TrainConfig) -> Plan:
+    """Check every input and the checkpoint dir; raises before any device work."""
+    _check_values(config)
+    use_fake_cpu_devices_unless_accelerated(config.fake_devices)
+    mesh = jshard.make_mesh(**parse_axis_sizes(config.mesh or default_mesh(jax.device_count())))
+    rules = jshard.preset(config.strategy)
+    model = dataclasses.replace(MODELS[config.model], dtype=PRECISIONS[config.precision], remat=config.remat)
+    seq_len = config.seq_len or min(64, model.seq_len)
+    if seq_len > model.seq_len:
+        raise TrainError(
+            f"--seq-len {seq_len} is longer than model {config.model!r} takes ({model.seq_len}, its position "
+            f"embeddings). Fix: --seq-len {model.seq_len} or less, or a larger --model."
+        )
+    pipelined = bool(stage_axes(mesh, rules))
+    microbatches = config.microbatches or (PIPELINE_MICROBATCHES if pipelined else None)
+    # The pipeline schedule, as build_step takes it (its own defaults where not given).
+    step_kwargs = {k: v for k, v in dict(schedule=config.schedule, virtual=config.virtual).items() if v is not None}
+    check_plan(mesh, rules, gpt_loss, microbatches, **step_kwargs)
+    batch_axes = axes_of(rules.spec(("batch",), None, mesh, "activation")[0])
+    sizes = mesh_shape(mesh)
+    batch_shards = math.prod(sizes[a] for a in batch_axes) * (microbatches or 1)
+    per_step = batch_shards * config.grad_accum
+    if config.batch_size % per_step:
+        over = " × ".join([f"{batch_shards // (microbatches or 1)} batch shards ({'×'.join(batch_axes) or 'none'})"]
+                          + ([f"{microbatches} pipeline micro-batches"] if microbatches else [])
+                          + [f"grad-accum {config.grad_accum}"])
+        raise TrainError(
+            f"--batch-size {config.batch_size} does not split over {over} = {per_step}. "
+            f"Fix: make --batch-size a multiple of {per_step}."
+        )
+    checkpoints, record = None, None
+    if config.checkpoint_dir:
+        checkpoints = Checkpoints(config.checkpoint_dir)
+        try:
+            record = checkpoints.check({"model": _model_identity(model)}, bool(config.resume))
+            if record and record["step"] >= config.steps:
+                raise TrainError(
+                    f"--resume: the checkpoint in {checkpoints.directory} is at step {record['step']}, and --steps "
+                    f"is {config.steps}: nothing to train. Fix: raise --steps above {record['step']}."
+                )
+        except Exception:
+            checkpoints.close()
+            raise
+    seed = config.seed if config.seed is not None else (record["seed"] if record else 0)
+    return Plan(config, model, seq_len, mesh, rules, microbatches, step_kwargs, batch_shards, batch_axes,
+                checkpoints, record, seed)
+
+
+# -- the run -----------------------------------------------------------------------------
+
+
+def _portable(state: TrainState) -> dict:
+    """What a checkpoint holds: params and the optimizer's state between steps (without
+    gradient accumulation's, empty there), so it restores under any --grad-accum; in the
+    model's layer order (`ShardedStep.to_model_order`), so under any pipeline schedule."""
+    return {"params": state.params, "opt_state": optim.inner_state(state.opt_state)}
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def _fmt_count(n: float) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f}"
+
+
+def _plan_lines(p: Plan, abstract_model, abstract_opt) -> list[str]:
+    c, m = p.config, p.model
+    params = describe(abstract_model, p.mesh, p.rules)
+    opt = describe(abstract_opt, p.mesh, p.rules, "opt")
+    count = sum(math.prod(r.shape) for r in params.rows)
+    per_device = sum(r.bytes_per_device // r.dtype.itemsize for r in params.rows)
+    mesh = " ".join(f"{k}={v}" for k, v in mesh_shape(p.mesh).items())
+    pipeline = ""
+    if p.microbatches:
+        pipeline = f", schedule {c.schedule or 'gpipe'} over {p.microbatches} micro-batches"
+    lines = [
+        f"model       GPT {c.model}: {m.layers} layers, embed {m.embed}, {m.heads} heads, mlp {m.mlp}, "
+        f"{_fmt_count(count)} params, bytes as tokens (vocab {m.vocab})",
+        f"devices     {jax.device_count()} × {jax.devices()[0].device_kind}, mesh {mesh}",
+        f"strategy    {p.rules.name} (ZeRO stage {p.rules.zero}){pipeline}",
+        f"per device  {_fmt_count(per_device)} params ({_fmt_bytes(params.bytes_per_device)} of "
+        f"{_fmt_bytes(params.total_bytes)}), optimizer state {_fmt_bytes(opt.bytes_per_device)} of "
+        f"{_fmt_bytes(opt.total_bytes)}",
+        f"batch       {c.batch_size} rows × {p.seq_len} tokens = {c.batch_size * p.seq_len} tokens per step "
+        f"over {'+'.join(p.batch_axes) or 'no axis'}" + (f", {c.grad_accum} micro-steps" if c.grad_accum > 1 else ""),
+        f"training    {c.steps} steps, AdamW lr {c.lr:g} (warm-up {_warmup(c)}, cosine to {c.lr / 10:g}), "
+        f"clip 1.0, compute {c.precision}, remat {c.remat}",
+        f"data        {len(data.corpus_tokens()) / 1e3:.1f} k tokens of public-domain text ({data.CORPUS}), "
+        f"seed {p.seed}",
+    ]
+    lines += [f"! {row.path}: {flag}" for row in params.flagged for flag in row.flags]
+    return lines
+
+
+def _warmup(config: TrainConfig) -> int:
+    return config.warmup if config.warmup is not None else config.steps // 10
+
+
+def train(config: TrainConfig, out=None) -> TrainResult:
+    """Run `config`; prints the plan, progress and a summary to `out` (default: stdout)."""
+    p = plan(config)
+    try:
+        return _train(p, out or sys.stdout)
+    finally:
+        if p.checkpoints:
+            p.checkpoints.close()  # a save in flight completes (killed, it leaves the one before)
+
+
+def _start(p: Plan, tx, say) -> tuple[ShardedStep, TrainState, int, int]:
+    """The step, and the state, step number and data position the run starts from."""
+
+    def make_model():
+        return GPT(p.model, rngs=nnx.Rngs(p.seed))
+
+    abstract = nnx.eval_shape(make_model)
+    say(f"jshard train: {p.config.model} GPT on {data.CORPUS}")
+    for line in _plan_lines(p, abstract, jax.eval_shape(tx.init, nnx.state(abstract))):
+        say("  " + line)
+    step = build_step(jshard.init(make_model, p.mesh, p.rules), tx, gpt_loss, p.mesh, p.rules,
+                      p.microbatches, **p.step_kwargs)
+    if not p.record:
+        return step, step.state, 0, 0
+    start, position = p.record["step"], p.record["data_position"]
+    saved = p.checkpoints.restore(start, _abstract(_portable(step.state)))  # into this step's layout
+    state = step.from_model_order(
+        TrainState(saved["params"], optim.with_inner_state(step.state.opt_state, saved["opt_state"], start)))
+    say(f"  resumed     step {start} from {p.checkpoints.directory} (saved under {p.record['strategy']} "
+        f"on {p.record['mesh']}), data position {position} rows")
+    return step, state, start, position
+
+
+def _train(p: Plan, out) -> TrainResult:
+    c = p.config
+    say = functools.partial(print, file=out, flush=True)
+    tx = optim.adamw(c.lr, c.steps, _warmup(c), grad_accum=c.grad_accum)
+    step, state, start, position = _start(p, tx, say)
+    stream = data.TextBatches(data.corpus_tokens(), p.seq_len, p.seed)
+    batch_sharding = jax.sharding.NamedSharding(p.mesh, jax.P(p.batch_axes))
+    micro_rows, tokens = c.batch_size // c.grad_accum, c.batch_size * p.seq_len
+    flops_per_step = gpt_flops_per_token(p.model, p.seq_len) * tokens
+    peak = device_peak(jax.devices(), p.model.dtype, c.peak_tflops)
+    log_every = c.log_every or max(1, c.steps // 10)
+    traced = _traced(c, start)
+    losses, times, saved_at = [], [], None
+    begin = time.perf_counter()
+    bar = tqdm(range(start, c.steps), initial=start, total=c.steps, desc="train", unit="step",
+               dynamic_ncols=True, mininterval=0.5, disable=None)  # None: no bar where stderr is no terminal
+    with bar, contextlib.closing(MetricsFile(c.metrics, append=bool(p.record))) as metrics, \
+            contextlib.ExitStack() as trace:
+        for index in bar:
+            if traced and index == traced.start:
+                trace.enter_context(jax.profiler.trace(c.profile, create_perfetto_trace=True))
+            tick = time.perf_counter()
+            micro = []
+            for _ in range(c.grad_accum):
+                state, loss = step(state, stream.batch(position, micro_rows, batch_sharding))
+                position += micro_rows
+                micro.append(float(loss))  # waits for the micro-step
+            loss, seconds = float(np.mean(micro)), time.perf_counter() - tick
+            if traced and index == traced[-1]:
+                trace.close()
+            done = index + 1
+            losses.append(loss)
+            times.append(seconds)
+            mfu = flops_per_step / seconds / peak.flops if peak else None
+            metrics.write(step=done, loss=loss, step_s=seconds, tokens_per_s=tokens / seconds, mfu=mfu)
+            shown = f"loss {loss:.4f}  {seconds * 1e3:8.1f} ms  {tokens / seconds / 1e3:7.1f}k tok/s" + (
+                f"  MFU {mfu:6.2%}" if peak else "")
+            bar.set_postfix_str(shown, refresh=False)
+            if done % log_every == 0 or done == c.steps or index == start:
+                bar.write(f"step {done:5d}  {shown}" + ("  (compiling)" if index == start else ""), file=out)
+            if p.checkpoints and (done == c.steps or (c.checkpoint_every and done % c.checkpoint_every == 0)):
+                p.checkpoints.save(done, _portable(step.to_model_order(state)), _record(p, done, position, loss))
+                saved_at = done
+    summary = _summary(p, losses, times, start, time.perf_counter() - begin, peak, flops_per_step, saved_at)
+    say(summary)
+    return TrainResult(losses, start, summary)
+
+
+def _traced(config: TrainConfig, start: int) -> range:
+    """The step indices --profile traces: PROFILE_STEPS after the compiling one, where there are."""
+    first = start + 1 if config.steps - start > 1 else start
+    return range(first, min(first + PROFILE_STEPS, config.steps)) if config.profile else range(0)
+
+
+def _record(p: Plan, step: int, position: int, loss: float) -> dict:
+    """The JSON saved with a checkpoint: what resuming needs, and what it was saved under."""
+    return dict(step=step, data_position=position, model=_model_identity(p.model), seed=p.seed, loss=loss,
+                strategy=p.rules.name, mesh=_mesh_str(p.mesh), batch_size=p.config.batch_size, seq_len=p.seq_len,
+                precision=p.config.precision)
+
+
+def _mesh_str(mesh) -> str:
+    return ",".join(f"{k}={v}" for k, v in mesh_shape(mesh).items() if v > 1) or "one device"
+
+
+def _summary(p: Plan, losses, times, start, wall, peak, flops_per_step, saved_at) -> str:
+    c = p.config
+    steady = times[1:] or times  # the first step compiles
+    step_s = statistics.median(steady)
+    tokens = c.batch_size * p.seq_len
+    last = losses[-min(10, len(losses)):]
+    lines = [
+        "",
+        f"summary of jshard train --model {c.model} --strategy {p.rules.name} --mesh {_mesh_str(p.mesh)}",
+        f"  steps       {start + 1}..{start + len(losses)} of {c.steps}, {len(losses) * tokens / 1e3:.1f} k tokens "
+        f"({c.batch_size} × {p.seq_len} per step)",
+        f"  loss        {losses[0]:.4f} at step {start + 1} -> {losses[-1]:.4f} at step {start + len(losses)} "
+        f"(mean of the last {len(last)}: {statistics.fmean(last):.4f}; "
+        f"uniform over bytes: {math.log(p.model.vocab):.4f})",
+        f"  time        {wall:.1f} s in all, first step (compiling) {times[0]:.2f} s, then {step_s * 1e3:.1f} ms "
+        f"per step (median), {tokens / step_s / 1e3:.1f} k tokens/s",
+    ]
+    if peak:
+        lines.append(f"  MFU         {flops_per_step / step_s / peak.flops:.2%}: {flops_per_step / step_s / 1e9:.2f} "
+                     f"GFLOP/s of model FLOPs (6·N + attention) over a peak of {peak.flops / 1e9:.1f} GFLOP/s")
+        lines.append(f"  peak        {peak.source}")
+    else:
+        lines.append("  MFU         not known for this device: give its peak with --peak-tflops")
+    if saved_at:
+        lines.append(f"  checkpoint  step {saved_at} in {p.checkpoints.directory} (resume with --resume)")
+    if c.metrics:
+        lines.append(f"  metrics     {c.metrics} (one JSON object per step)")
+    if c.profile:
+        traced = _traced(c, start)
+        lines.append(f"  profile     {c.profile} (jax.profiler trace of steps {traced.start + 1}..{traced[-1] + 1}: "
+                     "*.xplane.pb for TensorBoard's profile plugin, perfetto_trace.json.gz for ui.perfetto.dev)")
+    return "\n".join(lines)
