@@ -1,6 +1,8 @@
 """The pipeline executor, every schedule: against the unpipelined single-device reference,
 alone and with FSDP, TP and SP on the other axes; its buffers and sends counted; bad input."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -178,3 +180,18 @@ def test_bad_schedule_input(layers, sizes, microbatches, schedule, virtual, frag
 def test_schedule_without_pipeline():
     with pytest.raises(jshard.ShardingError, match="schedule='1f1b' but rules 'dp'.*no pipeline to feed"):
         build_step(make_mlp(), OPTIMIZER, mlp_loss, jshard.make_mesh(data=8), jshard.preset("dp"), schedule="1f1b")
+
+
+def test_bench_pipeline_rows(tmp_path):
+    from jshard.cli import main
+
+    out = tmp_path / "rows.json"
+    argv = ["bench", "pipeline", "--layers", "4", "--batch-size", "16", "--seq-len", "16", "--microbatches", "2",
+            "--repeats", "1", "--schedules", "1f1b,zb-h1", "--json", str(out)]
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())
+    assert [r["schedule"] for r in rows] == ["1f1b", "zb-h1"]
+    for row in rows:
+        program = compile_program(make_schedule(row["schedule"], 2, 2))
+        assert row["slots"] == program.act_slots + program.grad_slots
+        assert row["parity_rel_err"] <= TOLERANCE and row["temp_bytes"] > 0 and row["step_s"] > 0
