@@ -1,6 +1,7 @@
 """jshard: name your axes; rules map names to mesh axes; everything else is derived.
 
     jshard.use_fake_cpu_devices(8)                      # only on a laptop, before JAX starts
+    jshard.initialize()                                 # multi-process runs: join them (else a no-op)
     mesh = jshard.make_mesh(data=2, fsdp=2, tensor=2)
     rules = jshard.preset("dp+fsdp+tp")
     model = jshard.init(lambda: GPT(GPTConfig(), rngs=nnx.Rngs(0)), mesh, rules)
@@ -12,7 +13,16 @@ from flax import nnx as _nnx
 
 from jshard import collectives, models, nn, parallel
 from jshard.collectives import CollectiveError
-from jshard.mesh import STANDARD_AXES, MeshError, make_mesh, mesh_shape, use_fake_cpu_devices
+from jshard.distributed import DistributedError, initialize
+from jshard.mesh import (
+    STANDARD_AXES,
+    MeshError,
+    make_mesh,
+    mesh_shape,
+    use_fake_cpu_devices,
+    use_fake_cpu_devices_unless_accelerated,
+)
+from jshard.parallel.schedules import ScheduleError
 from jshard.placement import Placement, Report, describe, init, shard, shardings, specs
 from jshard.rules import (
     LOGICAL_NAMES,
@@ -30,7 +40,8 @@ from jshard.rules import (
 _nnx.use_eager_sharding(False)
 
 __all__ = [
-    "CollectiveError", "LOGICAL_NAMES", "PRESET_PARTS", "STANDARD_AXES", "MeshError", "Placement", "Report", "Rules",
-    "ShardingError", "activate", "collectives", "constrain", "describe", "init", "make_mesh", "mesh_shape", "models",
-    "named", "nn", "parallel", "preset", "shard", "shardings", "specs", "use_fake_cpu_devices",
+    "CollectiveError", "DistributedError", "LOGICAL_NAMES", "PRESET_PARTS", "STANDARD_AXES", "MeshError", "Placement",
+    "Report", "Rules", "ScheduleError", "ShardingError", "activate", "collectives", "constrain", "describe", "init", "initialize",
+    "make_mesh", "mesh_shape", "models", "named", "nn", "parallel", "preset", "shard", "shardings", "specs",
+    "use_fake_cpu_devices", "use_fake_cpu_devices_unless_accelerated",
 ]

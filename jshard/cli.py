@@ -8,7 +8,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     # Imported here so `jshard --help` stays fast and each module owns its own flags.
-    from jshard import bench, train
+    from jshard import bench, distributed, plan, train
     from jshard.parallel import schedules
 
     parser = argparse.ArgumentParser(prog="jshard", description=__doc__)
@@ -16,12 +16,15 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_parser(commands)
     bench.add_parser(commands)
     schedules.add_parser(commands)
+    plan.add_parser(commands)
+    distributed.add_parser(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     from jshard.checkpoint import CheckpointError
     from jshard.collectives import CollectiveError
+    from jshard.distributed import DistributedError, initialize, leave
     from jshard.mesh import MeshError
     from jshard.parallel.schedules import ScheduleError
     from jshard.rules import ShardingError
@@ -29,11 +32,17 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
+        if args.command != "launch":  # every process of a multi-process run joins it first
+            initialize()
         return int(args.run(args) or 0)
     # Bad input: the message is the help.
-    except (MeshError, ShardingError, CollectiveError, ScheduleError, TrainError, CheckpointError) as e:
+    except (MeshError, ShardingError, CollectiveError, ScheduleError, TrainError, CheckpointError,
+            DistributedError) as e:
         print(f"jshard {args.command}: {e}", file=sys.stderr)
-        return 2
+        return leave(2)  # in a multi-process run, at once: the others may wait in a collective
+    except Exception:
+        leave(1, traceback=True)  # multi-process: the traceback, then exit 1 at once
+        raise
 
 
 if __name__ == "__main__":

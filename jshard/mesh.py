@@ -11,8 +11,9 @@ Axes not asked for have size 1, so every preset in `jshard.rules` applies to eve
 The order puts `tensor` innermost: on GPUs adjacent devices share the fastest links, and
 tensor parallelism talks every layer. Extra, user-named axes follow the standard ones.
 
-In a multi-process run, `jax.devices()` is the global device list, so the same call on
-every process builds one global mesh.
+In a multi-process run (`jshard.distributed`), `jax.devices()` is the global device list,
+so the same call on every process builds one global mesh; devices are taken process by
+process, so the outer axes (`data`, then `fsdp`) cross hosts and `tensor` stays inside one.
 """
 
 from __future__ import annotations
@@ -63,8 +64,11 @@ def use_fake_cpu_devices_unless_accelerated(n: int) -> None:
 
     JAX runs on the CPU when JAX_PLATFORMS=cpu, or when it is unset and no accelerator
     plugin is installed (asked without starting JAX's backends). If JAX has already started
-    in this process (a caller's work, a test), its devices are used as they are.
+    in this process (a caller's work, a test), its devices are used as they are; so are
+    the JAX_NUM_CPU_DEVICES that `jshard launch` gives each process of a multi-process run.
     """
+    if os.environ.get("JAX_NUM_CPU_DEVICES"):
+        return
     platforms = jax.config.jax_platforms
     plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu")
     if platforms == "cpu" or (not platforms and not any(importlib.util.find_spec(p) for p in plugins)):
@@ -130,7 +134,8 @@ def make_mesh(devices=None, axis_type: AxisType = AxisType.Auto, **axis_sizes: i
     get size 1. `axis_type` defaults to Auto: outside `shard_map` the compiler propagates
     shardings, inside it jshard's collectives are explicit either way.
     """
-    devices = list(jax.devices() if devices is None else devices)
+    # Process by process: inner axes (tensor first) stay inside a host while they fit.
+    devices = list(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)) if devices is None else devices)
     platform = devices[0].platform if devices else "?"
     sizes = {name: 1 for name in STANDARD_AXES}
     sizes.update(axis_sizes)

@@ -175,13 +175,20 @@ def gathers_weights() -> bool:
     return _in_step() and rules.zero == 3 and any(lax.axis_size(a) > 1 for a in rules.zero_axes)
 
 
-def remat_policy(primitive, *_, **__) -> bool:
-    """Inside a ZeRO-3 step: save everything for backward except all-gathered values.
+def remat_policy(primitive, *_, **params) -> bool:
+    """Inside a ZeRO-3 step: save everything for backward except weights gathered over ZeRO axes.
 
     The JAX shard_map tutorial's "FSDP as a remat policy": backward gathers each weight
-    again instead of keeping every layer's gathered copy alive until then.
+    again instead of keeping every layer's gathered copy alive until then. Activations
+    gathered over other axes (sequence parallelism's, over `tensor`) are kept: gathering
+    them again would cost as much traffic as they save memory.
     """
-    return str(primitive) != "all_gather"
+    if str(primitive) != "all_gather":
+        return True
+    axes = params.get("axis_name", ())
+    rules = active_rules()
+    zero = set(rules.zero_axes) if rules is not None else None
+    return zero is not None and not zero.intersection(axes if isinstance(axes, tuple) else (axes,))
 
 
 def matmul(x: jax.Array, x_names, w: jax.Array, w_names) -> jax.Array:

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -36,6 +37,7 @@ from tqdm import tqdm
 import jshard
 from jshard import data, optim
 from jshard.checkpoint import Checkpoints
+from jshard.distributed import axes_across_processes, initialize, is_main_process
 from jshard.mesh import mesh_shape, parse_axis_sizes, use_fake_cpu_devices_unless_accelerated
 from jshard.metrics import MetricsFile, device_peak, gpt_flops_per_token
 from jshard.models import GPT, GPTConfig, gpt_loss
@@ -226,6 +228,7 @@ def _model_identity(model: GPTConfig) -> dict:
 def plan(config: TrainConfig) -> Plan:
     """Check every input and the checkpoint dir; raises before any device work."""
     _check_values(config)
+    initialize()  # a multi-process run (jshard launch, srun, mpirun): join it; one process: nothing
     use_fake_cpu_devices_unless_accelerated(config.fake_devices)
     mesh = jshard.make_mesh(**parse_axis_sizes(config.mesh or default_mesh(jax.device_count())))
     rules = jshard.preset(config.strategy)
@@ -305,7 +308,7 @@ def _plan_lines(p: Plan, abstract_model, abstract_opt) -> list[str]:
     lines = [
         f"model       GPT {c.model}: {m.layers} layers, embed {m.embed}, {m.heads} heads, mlp {m.mlp}, "
         f"{_fmt_count(count)} params, bytes as tokens (vocab {m.vocab})",
-        f"devices     {jax.device_count()} × {jax.devices()[0].device_kind}, mesh {mesh}",
+        f"devices     {jax.device_count()} × {jax.devices()[0].device_kind}, mesh {mesh}" + _processes(p.mesh),
         f"strategy    {p.rules.name} (ZeRO stage {p.rules.zero}){pipeline}",
         f"per device  {_fmt_count(per_device)} params ({_fmt_bytes(params.bytes_per_device)} of "
         f"{_fmt_bytes(params.total_bytes)}), optimizer state {_fmt_bytes(opt.bytes_per_device)} of "
@@ -321,16 +324,29 @@ def _plan_lines(p: Plan, abstract_model, abstract_opt) -> list[str]:
     return lines
 
 
+def _processes(mesh) -> str:
+    """', 2 processes × 4 devices, across processes: data' in a multi-process run."""
+    if jax.process_count() == 1:
+        return ""
+    across = axes_across_processes(mesh)
+    return (f", {jax.process_count()} processes × {jax.local_device_count()} devices, across processes: "
+            f"{', '.join(across) or 'none'}")
+
+
 def _warmup(config: TrainConfig) -> int:
     return config.warmup if config.warmup is not None else config.steps // 10
 
 
 def train(config: TrainConfig, out=None) -> TrainResult:
-    """Run `config`; prints the plan, progress and a summary to `out` (default: stdout)."""
+    """Run `config`; prints the plan, progress and a summary to `out` (default: stdout, on
+    process 0 only in a multi-process run; every process returns the result)."""
     p = plan(config)
+    quiet = open(os.devnull, "w") if out is None and not is_main_process() else None
     try:
-        return _train(p, out or sys.stdout)
+        return _train(p, out or quiet or sys.stdout)
     finally:
+        if quiet:
+            quiet.close()
         if p.checkpoints:
             p.checkpoints.close()  # a save in flight completes (killed, it leaves the one before)
 
@@ -373,12 +389,14 @@ def _train(p: Plan, out) -> TrainResult:
     losses, times, saved_at = [], [], None
     begin = time.perf_counter()
     bar = tqdm(range(start, c.steps), initial=start, total=c.steps, desc="train", unit="step",
-               dynamic_ncols=True, mininterval=0.5, disable=None)  # None: no bar where stderr is no terminal
-    with bar, contextlib.closing(MetricsFile(c.metrics, append=bool(p.record))) as metrics, \
+               dynamic_ncols=True, mininterval=0.5,  # None: no bar where stderr is no terminal
+               disable=None if is_main_process() else True)
+    metrics_file = c.metrics if is_main_process() else None  # one writer of the shared file
+    with bar, contextlib.closing(MetricsFile(metrics_file, append=bool(p.record))) as metrics, \
             contextlib.ExitStack() as trace:
         for index in bar:
             if traced and index == traced.start:
-                trace.enter_context(jax.profiler.trace(c.profile, create_perfetto_trace=True))
+                trace.enter_context(jax.profiler.trace(_profile_dir(c.profile), create_perfetto_trace=True))
             tick = time.perf_counter()
             micro = []
             for _ in range(c.grad_accum):
@@ -404,6 +422,11 @@ def _train(p: Plan, out) -> TrainResult:
     summary = _summary(p, losses, times, start, time.perf_counter() - begin, peak, flops_per_step, saved_at)
     say(summary)
     return TrainResult(losses, start, summary)
+
+
+def _profile_dir(directory: str) -> str:
+    """--profile DIR, or DIR/process_<i> for each process of a multi-process run."""
+    return directory if jax.process_count() == 1 else os.path.join(directory, f"process_{jax.process_index()}")
 
 
 def _traced(config: TrainConfig, start: int) -> range:

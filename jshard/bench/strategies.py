@@ -4,10 +4,10 @@ For every strategy and combination, on the current devices (8 fake CPU devices w
 accelerator is present), one GPT training step (AdamW) gives one row:
 
     comm_bytes         collectives compiled into the step (HLO), K bytes per device
-    textbook_bytes     what docs/strategies.md says the strategy moves (see `textbook_bytes`)
+    textbook_bytes     what the planner's formulas say the strategy moves (`jshard.plan.traffic`)
     memory_bytes_per_device  compiled.memory_analysis(): arguments + outputs - donated + temporaries
-    textbook_memory_bytes    params, grads and Adam's two moments in their layouts, plus two
-                       gathered layers under ZeRO-3 (activations are not counted)
+    textbook_memory_bytes    the planner's training state: params, grads and Adam's two moments in
+                       their layouts, plus two gathered layers under ZeRO-3 (no activations)
     parity_rel_err     worst per-param relative error of the step's gradients vs one device
     step_s             median time of the explicit step (jit of shard_map)
     gspmd_step_s       the same model, mesh and param shardings through plain jax.jit,
@@ -17,7 +17,6 @@ accelerator is present), one GPT training step (AdamW) gives one row:
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import time
 
@@ -27,7 +26,7 @@ import optax
 from flax import nnx
 
 import jshard
-from jshard import hlo
+from jshard import hlo, plan
 from jshard.mesh import mesh_shape, parse_axis_sizes, use_fake_cpu_devices_unless_accelerated
 from jshard.models import GPT, GPTConfig, gpt_loss
 from jshard.parallel import ShardedStep, build_step
@@ -58,58 +57,24 @@ def add_parser(benches) -> None:
     parser.set_defaults(run=run)
 
 
+def plan_params(step: ShardedStep) -> list[plan.ParamInfo]:
+    """The step's params with the layouts it placed them in, for the planner's formulas."""
+    return [plan.ParamInfo("/".join(map(str, path)), tuple(v.shape),
+                           tuple(v.get_metadata().get("out_sharding") or (None,) * v.ndim), layout, opt, v.dtype.itemsize)
+            for (path, v), layout, opt in zip(nnx.to_flat_state(step.state.params), step.param_layouts, step.opt_layouts)]
+
+
 def textbook_bytes(step: ShardedStep, config: GPTConfig, batch_shape) -> int:
-    """Bytes per device per step that docs/strategies.md's formulas give for this step.
-
-    Per param of S bytes: ZeRO-3 all-gathers its gathered size twice and reduce-scatters it
-    once; ZeRO-1/2 reduce-scatter and all-gather it once each; what is left of the batch
-    axes all-reduces the (possibly scattered) gradient. Per transformer block with tensor
-    parallelism over its activation A = (local batch, seq, embed): 4 all-reduces of A; with
-    sequence parallelism 4 all-gathers and 4 reduce-scatters of A.
-    """
-    sizes = mesh_shape(step.mesh)
-    zero = {a for a in step.rules.zero_axes if sizes[a] > 1}
-
-    def shards(layout, skip=frozenset()):
-        return math.prod(sizes[a] for axes in layout for a in axes if a not in skip)
-
-    total = 0
-    for leaf, param, opt in zip(jax.tree.leaves(step.state.params), step.param_layouts, step.opt_layouts):
-        size = leaf.size * leaf.dtype.itemsize
-        in_param = {a for axes in param for a in axes} & zero
-        if in_param:  # ZeRO-3: gathered forward and backward, its gradient scattered
-            total += 3 * size // shards(param, skip=in_param)
-        elif shards(opt) > shards(param):  # ZeRO-1/2
-            total += 2 * size // shards(param)
-        if any(sizes[a] > 1 and not any(a in axes for axes in opt) for a in step.batch_axes):
-            total += size // shards(opt)  # all-reduce over the plain data-parallel axes
-    tensor = sizes.get("tensor", 1)
-    if tensor > 1:
-        local_batch = batch_shape[0] // step.data_shards
-        activation = local_batch * (batch_shape[1] - 1) * config.embed * np.dtype(config.dtype).itemsize
-        sequence_parallel = step.rules.spec(("seq",), None, step.mesh, "activation") != jax.P(None)
-        total += config.layers * activation * (8 if sequence_parallel else 4)
-    return total
+    """Bytes per device per step that the planner's formulas give for this step (`jshard.plan.traffic`)."""
+    local_rows = batch_shape[0] // step.data_shards
+    comm = plan.traffic(config, plan_params(step), mesh_shape(step.mesh), step.rules, step.batch_axes,
+                        local_rows, batch_shape[1] - 1)
+    return sum(comm.values())
 
 
 def textbook_memory(step: ShardedStep, config: GPTConfig) -> int:
-    sizes = mesh_shape(step.mesh)
-
-    def local(leaf, layout):
-        return leaf.size * leaf.dtype.itemsize // math.prod(sizes[a] for axes in layout for a in axes)
-
-    leaves = jax.tree.leaves(step.state.params)
-    params = sum(local(x, p) for x, p in zip(leaves, step.param_layouts))
-    grad_layouts = step.opt_layouts if step.rules.zero >= 2 else step.param_layouts
-    grads = sum(local(x, g) for x, g in zip(leaves, grad_layouts))
-    moments = 2 * sum(local(x, o) for x, o in zip(leaves, step.opt_layouts))
-    gathered = 0
-    if step.rules.zero == 3 and any(sizes[a] > 1 for a in step.rules.zero_axes):
-        stacked = [v.get_value() for _, v in nnx.to_flat_state(step.state.params)
-                   if (v.get_metadata().get("out_sharding") or (None,))[0] == "layers"]
-        one_layer = sum(x.size * x.dtype.itemsize for x in stacked) // config.layers
-        gathered = 2 * one_layer // sizes.get("tensor", 1)  # in use, and the next arriving
-    return params + grads + moments + gathered
+    """The planner's training state per device (`jshard.plan.state_bytes`): no activations."""
+    return sum(plan.state_bytes(plan_params(step), mesh_shape(step.mesh), step.rules, config.layers).values())
 
 
 def _median_seconds(run_once, repeats: int) -> float:

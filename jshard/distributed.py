@@ -1,0 +1,336 @@
+"""Multi-process and multi-host runs: JAX's own multi-controller runtime, and a local launcher.
+
+Every process runs the same program. `initialize()` (called by every jshard entry point)
+joins them through `jax.distributed.initialize`; afterwards `jax.devices()` lists the
+devices of all processes, `jshard.make_mesh` builds one global mesh over them, and each
+process feeds only the rows of the batch its own devices hold.
+
+    one process (no cluster, no settings)         initialize() does nothing
+    JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,   jax.distributed.initialize(those)
+      JAX_PROCESS_ID (or the arguments)
+    srun with more than one task, mpirun with     jax.distributed.initialize(), which reads
+      more than one rank, JSHARD_DISTRIBUTED=1      SLURM / Open MPI / Kubernetes / TPU settings
+
+`jshard launch -n N [--devices-per-process K] -- COMMAND...` runs N processes of COMMAND
+on this machine, joined on a free port of 127.0.0.1, each with K fake CPU devices (JAX's
+gloo CPU collectives carry the cross-process traffic). Each output line is prefixed with
+its process index; when a process fails, the launcher stops the others and returns that
+process's exit code; Ctrl-C stops them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+
+# Read by jshard (JAX itself reads JAX_COORDINATOR_ADDRESS and JAX_LOCAL_DEVICE_IDS too).
+COORDINATOR_ENV, PROCESSES_ENV, PROCESS_ID_ENV = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
+FORCE_ENV = "JSHARD_DISTRIBUTED"  # "1": let jax.distributed.initialize() detect the cluster
+LAUNCH_GRACE_S = 5.0  # after SIGTERM, how long a stopped process has before SIGKILL
+
+
+class DistributedError(ValueError):
+    """A multi-process run that cannot start as asked."""
+
+
+# -- joining a multi-process run ---------------------------------------------------------
+
+
+def _cluster() -> str | None:
+    """The cluster launcher that started several processes of this program, if any.
+
+    Only launchers of more than one process count: an `sbatch` script itself (one process,
+    SLURM_JOB_ID set) or `mpirun -n 1` is a one-process run. Kubernetes and TPU pods are
+    not guessed; JSHARD_DISTRIBUTED=1 asks JAX to detect them.
+    """
+    if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1") or 1) > 1:
+        return "SLURM (srun)"
+    if int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1:
+        return "Open MPI (mpirun)"
+    if os.environ.get(FORCE_ENV, "") not in ("", "0"):
+        return f"{FORCE_ENV}={os.environ[FORCE_ENV]}"
+    return None
+
+
+def _int_setting(value, name: str, env: str) -> int | None:
+    if value is None:
+        value = os.environ.get(env) or None
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise DistributedError(f"{name} must be an int, got {value!r} (argument or {env})") from None
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, local_device_ids=None, timeout_s: int = 300) -> bool:
+    """Join this process to a multi-process run; True if it is in one (now or before).
+
+    A no-op returning False for one process. Otherwise `jax.distributed.initialize` with
+    the coordinator address, process count and process id given here or in the
+    environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID), or detected
+    from the cluster (SLURM's srun, Open MPI's mpirun; any of JAX's detectors with
+    JSHARD_DISTRIBUTED=1). Call it before any JAX computation, on every process.
+    """
+    if jax.distributed.is_initialized():
+        return True
+    address = coordinator_address or os.environ.get(COORDINATOR_ENV) or None
+    count = _int_setting(num_processes, "num_processes", PROCESSES_ENV)
+    index = _int_setting(process_id, "process_id", PROCESS_ID_ENV)
+    explicit = {"coordinator address": address, "process count": count, "process id": index}
+    given = {k: v for k, v in explicit.items() if v is not None}
+    cluster = _cluster()
+    if count == 1 and not cluster:
+        return False
+    if given and len(given) < 3 and not cluster:
+        missing = [k for k, v in explicit.items() if v is None]
+        raise DistributedError(
+            f"a multi-process run needs a coordinator address, a process count and a process id; "
+            f"got only {', '.join(f'{k} {v!r}' for k, v in given.items())}. Fix: also set "
+            f"{', '.join(missing)} ({COORDINATOR_ENV}=host:port, {PROCESSES_ENV}=N, {PROCESS_ID_ENV}=0..N-1), "
+            "or start the processes with `jshard launch`, srun or mpirun."
+        )
+    if count is not None and count < 1:
+        raise DistributedError(f"the process count must be at least 1, got {count}")
+    if count is not None and index is not None and not 0 <= index < count:
+        raise DistributedError(f"process id {index} of {count} processes: ids run 0..{count - 1}")
+    if not given and not cluster:
+        return False
+    try:
+        jax.distributed.initialize(
+            address, count, index, local_device_ids, initialization_timeout=timeout_s,
+            # All three given: use them as they are, not what a cluster's environment says.
+            cluster_detection_method="deactivate" if len(given) == 3 else None,
+        )
+    except (RuntimeError, ValueError) as e:
+        where = f"coordinator {address}" if address else f"the coordinator of {cluster}"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DistributedError(
+            f"cannot join the multi-process run through {where}: {first}. Fix: start every process "
+            f"within {timeout_s} s of the others, with the same address and process count and its own id; "
+            "process 0 must be able to listen on the address's port; call jshard.initialize() before any "
+            "JAX computation."
+        ) from e
+    return True
+
+
+def is_main_process() -> bool:
+    """True on process 0 (the one that prints and writes shared files)."""
+    return jax.process_index() == 0
+
+
+def leave(code: int, traceback: bool = False) -> int:
+    """Exit code `code` now in a multi-process run (after printing the exception being
+    handled, with `traceback`); otherwise return it.
+
+    A process that ends normally waits at JAX's shutdown barrier for the others; one that
+    fails while the others wait in a collective would wait there for minutes. Leaving at
+    once lets the launcher (or the cluster) see the failure and stop the others.
+    """
+    if jax.distributed.is_initialized() and jax.process_count() > 1:
+        if traceback:
+            import traceback as tb
+
+            tb.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+# -- meshes over processes ---------------------------------------------------------------
+
+
+def axes_across_processes(mesh: jax.sharding.Mesh) -> tuple[str, ...]:
+    """The mesh axes along which devices of different processes (hosts) meet.
+
+    `jshard.make_mesh` orders devices process by process, so inner axes (`tensor` first)
+    stay inside a process while they fit in its devices, and the outer ones cross.
+    """
+    owner = np.vectorize(lambda d: d.process_index)(mesh.devices)
+    crossing = []
+    for i, name in enumerate(mesh.axis_names):
+        first = np.take(owner, [0], axis=i)
+        if (owner != first).any():
+            crossing.append(name)
+    return tuple(crossing)
+
+
+# -- the local launcher ------------------------------------------------------------------
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that nothing listens on now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _exit_code(returncode: int) -> int:
+    """A child's status as a shell shows it: killed by signal s -> 128 + s."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _describe(code: int) -> str:
+    if code > 128:
+        try:
+            return f"exit code {code} (killed by {signal.Signals(code - 128).name})"
+        except ValueError:
+            pass
+    return f"exit code {code}"
+
+
+def _child_env(index: int, processes: int, devices: int, address: str, base: dict | None) -> dict:
+    env = dict(os.environ if base is None else base)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
+    env.update({
+        COORDINATOR_ENV: address, PROCESSES_ENV: str(processes), PROCESS_ID_ENV: str(index),
+        "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices), "XLA_FLAGS": " ".join(flags),
+        "PYTHONUNBUFFERED": "1",
+    })
+    for name in ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", FORCE_ENV):  # this launch is the cluster
+        env.pop(name, None)
+    return env
+
+
+def _command(command: list[str]) -> list[str]:
+    """`jshard ...` runs with this Python (the same jshard), wherever PATH points."""
+    return [sys.executable, "-m", "jshard.cli", *command[1:]] if command[0] == "jshard" else list(command)
+
+
+def launch(command: list[str], processes: int, devices_per_process: int | None = None, out=None, err=None,
+           env: dict | None = None, grace_s: float = LAUNCH_GRACE_S) -> int:
+    """Run `processes` copies of `command` joined as one multi-process JAX run on this machine.
+
+    Each gets JAX_COORDINATOR_ADDRESS (a free port on 127.0.0.1), JAX_NUM_PROCESSES,
+    JAX_PROCESS_ID and `devices_per_process` fake CPU devices (default 8 // processes, at
+    least 1). Their output lines go to `out` prefixed `[i] `. Returns 0 when all succeed,
+    else the first non-zero exit code (128 + signal for a killed process) after stopping
+    the others (SIGTERM, then SIGKILL after `grace_s`). Ctrl-C (or SIGTERM) stops them all
+    and returns 130 (143).
+    """
+    out, err = out or sys.stdout, err or sys.stderr
+    if not isinstance(processes, int) or processes < 1:
+        raise DistributedError(f"-n must be a positive int (processes), got {processes!r}")
+    devices = devices_per_process if devices_per_process is not None else max(1, 8 // processes)
+    if not isinstance(devices, int) or devices < 1:
+        raise DistributedError(f"--devices-per-process must be a positive int, got {devices!r}")
+    if not command:
+        raise DistributedError("no command to launch. Fix: jshard launch -n 2 -- jshard train --steps 5")
+    address = f"127.0.0.1:{free_port()}"
+    lock = threading.Lock()
+
+    def say(text: str) -> None:
+        with lock:
+            print(f"[launch] {text}", file=err, flush=True)
+
+    def relay(index: int, pipe) -> None:
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\r\n")
+            with lock:
+                print(f"[{index}] {line}", file=out, flush=True)
+        pipe.close()
+
+    say(f"{processes} process(es) × {devices} CPU device(s), coordinator {address}: {' '.join(command)}")
+    children: list[subprocess.Popen] = []
+    readers = []
+    interrupted = {"signal": None}
+    previous = {}
+
+    def on_signal(signum, _frame):
+        interrupted["signal"] = signum
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, on_signal)
+    first_failure = None
+    try:
+        for i in range(processes):
+            child = subprocess.Popen(
+                _command(command), env=_child_env(i, processes, devices, address, env), stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,  # its own group
+            )
+            children.append(child)
+            reader = threading.Thread(target=relay, args=(i, child.stdout), daemon=True)
+            reader.start()
+            readers.append(reader)
+        while True:
+            if interrupted["signal"] is not None:
+                sig = signal.Signals(interrupted["signal"])
+                say(f"{sig.name}: stopping all processes")
+                first_failure = 128 + sig.value
+                break
+            running = [c for c in children if c.poll() is None]
+            failed = [(i, _exit_code(c.returncode)) for i, c in enumerate(children)
+                      if c.returncode is not None and c.returncode != 0]
+            if failed:
+                index, first_failure = failed[0]
+                if running:
+                    say(f"process {index} failed with {_describe(first_failure)}; stopping the other(s)")
+                break
+            if not running:
+                break
+            time.sleep(0.05)
+    except OSError as e:  # the command could not be started
+        say(f"cannot start {command[0]!r}: {e}")
+        first_failure = 127
+    finally:
+        _stop(children, grace_s)
+        for reader in readers:
+            reader.join(timeout=5)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if first_failure is None:
+        return 0
+    for i, child in enumerate(children):
+        say(f"process {i}: {_describe(_exit_code(child.returncode))}")
+    return first_failure
+
+
+def _stop(children: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM to every running child's process group, SIGKILL to what is left after `grace_s`."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        running = [c for c in children if c.poll() is None]
+        for child in running:
+            try:
+                os.killpg(child.pid, sig)  # the group each child leads (start_new_session)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + wait
+        for child in running:
+            try:
+                child.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+
+
+# -- command line ------------------------------------------------------------------------
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser(
+        "launch", help="run a command as N processes of one multi-process JAX run on this machine",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="jshard launch -n N [--devices-per-process K] -- COMMAND...",
+    )
+    parser.add_argument("-n", "--processes", type=int, required=True, help="number of processes")
+    parser.add_argument("--devices-per-process", type=int, default=None, metavar="K",
+                        help="fake CPU devices per process (default: 8 // N, at least 1)")
+    parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="COMMAND",
+                        help="the command each process runs, after `--`; `jshard ...` runs with this Python")
+    parser.set_defaults(run=run)
+
+
+def run(args) -> int:
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    return launch(command, args.processes, args.devices_per_process)

@@ -1,0 +1,585 @@
+"""`jshard plan`: will this fit, and will communication hide behind compute? Answered before
+any device work, from the formulas in ../shared/SPEC.md, and checked against XLA.
+
+For a GPT (sizes or a named preset), a mesh, a strategy (rules preset), a pipeline schedule,
+precision, remat policy, micro-batch size and a hardware profile, `estimate` gives per device:
+
+    memory   params, grads, Adam's two moments in the layouts the rules give (placed exactly as
+             `build_step` places them: the layouts come from `Rules` on an abstract mesh), the
+             gathered layers of ZeRO-3, and activations: bytes per token per layer times the
+             tokens in flight (the schedule's activation buffers under a pipeline)
+    comm     bytes per collective kind and mesh axis per step (K, as `jshard/hlo.py` counts),
+             and their time at the bandwidth of the link the axis falls on (intra- or inter-node)
+    time     compute from model FLOPs (6·N + attention, plus the forward that remat and the
+             pipeline's stage recompute run again), the bubble, exposed communication, MFU
+
+`validate` builds the real step on fake CPU devices and compares memory with
+`compiled.memory_analysis()` and collective bytes with the compiled HLO (docs/planning.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jshard import metrics
+from jshard.mesh import STANDARD_AXES as AXES, parse_axis_sizes
+from jshard.models import GPT, GPTConfig
+from jshard.parallel.schedules import make_schedule
+from jshard.parallel.step import check_plan
+from jshard.rules import Rules, ShardingError, axes_of, preset, resolve
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s per device (fp32 matmuls: half, as TF32)
+    hbm_bytes: float
+    hbm_bw: float  # bytes/s
+    intra_bw: float  # bytes/s per device, one direction, inside a node (NVLink)
+    inter_bw: float  # bytes/s per device, one direction, between nodes (one NIC per GPU)
+    gpus_per_node: int
+    # Fraction of peak that large bf16 matmuls sustain (H100 cuBLAS GEMMs: about 0.7 of the
+    # datasheet); the planner's compute time divides by peak × this.
+    matmul_efficiency: float = 0.7
+    # GPUs run attention as a fused kernel (cuDNN / flash) that keeps no (seq × seq) scores;
+    # XLA:CPU materialises them, and they are kept for backward.
+    flash_attention: bool = True
+
+
+# Datasheets (SXM parts; NVLink 4 = 450 GB/s each way, 400 Gb/s InfiniBand NIC per GPU).
+# cpu: this repository's 2-core host (README: a measured 206 GFLOP/s), threads as "links".
+HARDWARE = {
+    "h100": Hardware("h100", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, 8),
+    "h200": Hardware("h200", 989e12, 141e9, 4.8e12, 450e9, 50e9, 8),
+    "a100": Hardware("a100", 312e12, 80 * GiB, 2.04e12, 300e9, 25e9, 8),
+    "cpu": Hardware("cpu", 0.206e12, 16 * GiB, 20e9, 10e9, 10e9, 8, matmul_efficiency=1.0, flash_attention=False),
+}
+
+# Llama-like shapes in jshard's GPT (two-matrix GELU MLP, full multi-head attention, tied
+# head): d-ff is 1.5 × Llama's so the MLP has SwiGLU's weight count. 8.3 B and 79 B params.
+MODELS = {
+    "gpt-125m": GPTConfig(vocab=50304, seq_len=1024, embed=768, heads=12, mlp=3072, layers=12),
+    "llama-8b-like": GPTConfig(vocab=128256, seq_len=8192, embed=4096, heads=32, mlp=21504, layers=32),
+    "llama-70b-like": GPTConfig(vocab=128256, seq_len=8192, embed=8192, heads=64, mlp=43008, layers=80),
+}
+PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+
+# Activations per token per transformer layer, in elements of the compute dtype, that
+# XLA keeps for backward for jshard's GPT block (residual stream h = embed, MLP width f,
+# attention scores heads·seq per token). Measured from compiled.memory_analysis() slopes
+# over batch size (docs/planning.md): replicated-over-tensor parts, parts split by tensor
+# parallelism, and under sequence parallelism the part that stays whole (gathered inputs).
+ACT_H_REPLICATED = 9.1  # norms, residuals, out-projection outputs
+ACT_H_SHARDED = 4.1  # q, k, v and the attention output
+ACT_F = 6.4  # up-projection output, GELU and its derivative's inputs
+ACT_SCORES = 2.33  # scores and probabilities
+ACT_H_SP_WHOLE = 2.65  # under SP: the gathered inputs of the column-parallel linears
+ACT_FULL_REMAT = 1.0  # remat full: each layer keeps its input only
+CE_FP32_PER_VOCAB = 6.0  # logits, softmax and their gradient per token, fp32 (3 × fwd/bwd)
+
+
+# --- the model's params, placed by the rules ----------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamInfo:
+    path: str
+    shape: tuple[int, ...]
+    names: tuple
+    param: tuple  # mesh axes per dim in the param layout
+    opt: tuple  # ... in the optimizer-state layout (ZeRO)
+    itemsize: int = 4  # params are float32 (the compute dtype is separate)
+
+    @property
+    def bytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def stacked_kernel(self) -> bool:
+        """A matmul weight of the layer stack: ZeRO-3 gathers it again in backward."""
+        return bool(self.names) and self.names[0] == "layers" and len(self.shape) > 2
+
+
+def _layout(spec) -> tuple:
+    return tuple(() if a is None else (a,) if isinstance(a, str) else tuple(a) for a in spec)
+
+
+def params_of(config: GPTConfig, sizes: dict[str, int], rules: Rules) -> list[ParamInfo]:
+    """Every param of the GPT with its layouts, from abstract shapes: no memory is allocated."""
+    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    out = []
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        names = tuple(var.get_metadata().get("out_sharding") or (None,) * var.ndim)
+        where = "param '" + "/".join(map(str, path)) + "'"
+        layouts = [_layout(resolve(rules.table(kind), names, var.shape, sizes, where)[0]) for kind in ("param", "opt")]
+        out.append(ParamInfo("/".join(map(str, path)), tuple(var.shape), names, *layouts))
+    return out
+
+
+def shards(layout, sizes: dict[str, int], skip=frozenset()) -> int:
+    return math.prod(sizes[a] for axes in layout for a in axes if a not in skip)
+
+
+def local(nbytes: int, layout, sizes: dict[str, int]) -> int:
+    return nbytes // shards(layout, sizes)
+
+
+def gathered_layers_bytes(params, sizes: dict[str, int], layers: int) -> int:
+    """ZeRO-3: two layers' weights gathered at once (one in use, the next arriving), still split by tensor."""
+    one_layer = sum(p.bytes for p in params if p.names and p.names[0] == "layers") // layers
+    return 2 * one_layer // sizes.get("tensor", 1)
+
+
+def state_bytes(params, sizes: dict[str, int], rules: Rules, layers: int) -> dict[str, int]:
+    """Training state per device: params, grads, Adam's moments, ZeRO-3's gathered layers."""
+    zero_on = any(sizes[a] > 1 for a in rules.zero_axes)
+    grad = (lambda p: p.opt) if rules.zero >= 2 else (lambda p: p.param)
+    return dict(
+        params=sum(local(p.bytes, p.param, sizes) for p in params),
+        grads=sum(local(p.bytes, grad(p), sizes) for p in params),
+        optimizer=2 * sum(local(p.bytes, p.opt, sizes) for p in params),
+        gathered=gathered_layers_bytes(params, sizes, layers) if rules.zero == 3 and zero_on else 0,
+    )
+
+
+# --- communication --------------------------------------------------------------------
+
+
+def _add(table: dict, kind: str, axes, nbytes: float) -> None:
+    if nbytes and axes:
+        key = (kind, axes if isinstance(axes, str) else "+".join(axes))
+        table[key] = table.get(key, 0) + nbytes
+
+
+def param_traffic(params, sizes: dict[str, int], rules: Rules, batch_axes, stage_axis=None) -> dict:
+    """{(kind, axes): bytes} of the gradient and weight collectives, per device per step.
+
+    ZeRO-3 gathers each param forward and reduce-scatters its gradient; the layer stack's
+    kernels are gathered again in backward (the remat policy frees them), the tied token
+    embedding's gradient is reduce-scattered once per use (lookup and head). ZeRO-1/2
+    reduce-scatter each gradient and gather the new params (ZeRO-2 per use, inside backward).
+    What is left of the batch axes all-reduces the gradient in its optimizer layout.
+    Under a pipeline, params on every stage (embeddings, final norm) sum over the stage axis.
+    """
+    zero = {a for a in rules.zero_axes if sizes[a] > 1}
+    plain = tuple(a for a in batch_axes if sizes[a] > 1 and a not in zero)
+    out: dict = {}
+    for p in params:
+        in_param = {a for axes in p.param for a in axes} & zero
+        tied = p.path.startswith("token_embed") and rules.zero >= 2
+        if in_param:
+            size = p.bytes // shards(p.param, sizes, skip=in_param)
+            _add(out, "all-gather", sorted(in_param), size * (2 if p.stacked_kernel else 1))
+            _add(out, "reduce-scatter", sorted(in_param), size * (2 if tied else 1))
+        elif shards(p.opt, sizes) > shards(p.param, sizes):
+            size = p.bytes // shards(p.param, sizes)
+            axes = sorted({a for axes in p.opt for a in axes} - {a for axes in p.param for a in axes})
+            _add(out, "all-gather", axes, size)
+            _add(out, "reduce-scatter", axes, size * (2 if tied else 1))
+        _add(out, "all-reduce", plain, p.bytes // shards(p.opt, sizes))
+        if stage_axis and not any(stage_axis in axes for axes in p.param):
+            _add(out, "all-reduce", (stage_axis,), p.bytes // shards(p.opt, sizes))
+    return out
+
+
+def tensor_traffic(config: GPTConfig, params, rows: int, seq: int, layers_run: int, sp: bool, tensor: int) -> dict:
+    """{(kind, 'tensor'): bytes} of Megatron TP / SP for `rows` sequences through `layers_run` layers.
+
+    Per block, A = (rows, seq, embed) in the compute dtype: TP all-reduces A 4 times (2
+    forward, 2 backward); SP all-gathers and reduce-scatters it 4 times each. The
+    vocab-parallel embedding and tied head add 2 A (forward lookup, head's input gradient),
+    the vocab-parallel cross-entropy 3 all-reduces of (rows, seq) in fp32, and under SP the
+    params that see seq-split inputs (norms, position table) all-reduce their gradients.
+    """
+    if tensor == 1:
+        return {}
+    a = rows * seq * config.embed * jnp.dtype(config.dtype).itemsize
+    out: dict = {}
+    blocks = 4 * layers_run * a + 2 * a
+    ce = 3 * rows * seq * 4
+    if sp:
+        _add(out, "all-gather", ("tensor",), blocks)
+        _add(out, "reduce-scatter", ("tensor",), blocks)
+        replicated = sum(p.bytes for p in params if "norm" in p.path or p.path.startswith("pos_embed"))
+        _add(out, "all-reduce", ("tensor",), ce + replicated)
+    else:
+        _add(out, "all-reduce", ("tensor",), blocks + ce)
+    return out
+
+
+def traffic(config: GPTConfig, params, sizes: dict[str, int], rules: Rules, batch_axes, rows: int, seq: int,
+            stage_axis: str | None = None) -> dict:
+    """{(kind, axes): bytes} per device per step, but the pipeline's sends: params, TP / SP
+    over `rows` local sequences through this stage's layers, and the loss's all-reduce."""
+    comm = param_traffic(params, sizes, rules, batch_axes, stage_axis)
+    layers_run = config.layers // (sizes[stage_axis] if stage_axis else 1)
+    sp = "sp" in rules.name.split("+")
+    for key, nbytes in tensor_traffic(config, params, rows, seq, layers_run, sp, sizes.get("tensor", 1)).items():
+        _add(comm, *key, nbytes)
+    for axes in (a for a in batch_axes if sizes[a] > 1), (stage_axis,) if stage_axis else ():
+        _add(comm, "all-reduce", tuple(axes), 4)  # the mean loss, over the batch axes, then the stages
+    return comm
+
+
+def sends(schedule) -> tuple[int, int]:
+    """Ticks of the schedule in which some stage sends forward / backward (the executor skips the rest)."""
+    table = schedule.table()
+    p, v = schedule.stages, getattr(schedule, "virtual", 1)
+    forward = backward = 0
+    for row in table:
+        kinds = [(a.kind, getattr(a, "chunk", 0), s) for s, a in enumerate(row) if a is not None]
+        forward += any(k == "F" and c * p + s < p * v - 1 for k, c, s in kinds)
+        backward += any(k in ("BW", "B") and c * p + s > 0 for k, c, s in kinds)
+    return forward, backward
+
+
+# --- the estimate -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanInput:
+    config: GPTConfig
+    sizes: dict  # mesh axis -> size, every standard axis present
+    strategy: str = "dp"
+    schedule: str | None = None
+    microbatches: int | None = None
+    virtual: int | None = None
+    micro_batch_size: int = 1  # rows per micro-batch per data shard
+    hardware: Hardware = HARDWARE["h100"]
+
+
+def _abstract_mesh(sizes: dict[str, int]):
+    return jax.sharding.AbstractMesh(tuple(sizes[a] for a in AXES), AXES)
+
+
+def _link(axes: str, sizes: dict[str, int], hw: Hardware) -> tuple[float, str]:
+    """Bandwidth of a mesh axis group: intra-node when its devices and every axis inside it
+    (mesh order data, stage, fsdp, tensor: tensor innermost) fit in one node."""
+    first = min(AXES.index(a) for a in axes.split("+"))
+    span = math.prod(sizes[a] for a in AXES[first:])
+    return (hw.intra_bw, "intra") if span <= hw.gpus_per_node else (hw.inter_bw, "inter")
+
+
+def _wire_factor(kind: str, n: int) -> float:
+    """Bytes each device puts on the wire per byte of K (ring algorithms; docs/collectives.md)."""
+    return {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(kind, (n - 1) / n)
+
+
+def activation_bytes_per_token_layer(config: GPTConfig, tensor: int, sp: bool, flash: bool) -> float:
+    itemsize = jnp.dtype(config.dtype).itemsize
+    if config.remat == "full":
+        return ACT_FULL_REMAT * config.embed * itemsize / (tensor if sp else 1)
+    return _all_activations(config, tensor, sp, flash)
+
+
+def _all_activations(config: GPTConfig, tensor: int, sp: bool, flash: bool) -> float:
+    """Bytes per token of one layer that keeps everything for its backward."""
+    h, f, scores = config.embed, config.mlp, 0 if flash else config.heads * config.seq_len
+    split = ACT_H_SHARDED * h + ACT_F * f + ACT_SCORES * scores
+    whole = ACT_H_SP_WHOLE * h + (ACT_H_REPLICATED - ACT_H_SP_WHOLE) * h / tensor if sp else ACT_H_REPLICATED * h
+    return (whole + split / tensor) * jnp.dtype(config.dtype).itemsize
+
+
+def estimate(plan: PlanInput) -> dict:
+    """Everything `jshard plan` prints, as one JSON-able dict (see the module docstring)."""
+    config, sizes, hw = plan.config, plan.sizes, plan.hardware
+    rules = preset(plan.strategy)
+    schedule = check_plan(_abstract_mesh(sizes), rules, None, plan.microbatches, plan.schedule, plan.virtual)
+    params = params_of(config, sizes, rules)
+    batch_axes = axes_of(rules.spec(("batch",), None, _abstract_mesh(sizes), "activation")[0])
+    data_shards = math.prod(sizes[a] for a in batch_axes)
+    tensor = sizes.get("tensor", 1)
+    sp = "sp" in rules.name.split("+")
+    m = plan.microbatches or 1
+    rows, seq = plan.micro_batch_size, config.seq_len
+    stages = schedule.stages if schedule else 1
+    n_devices = math.prod(sizes.values())
+
+    # memory
+    memory = state_bytes(params, sizes, rules, config.layers)
+    if rules.zero == 2:
+        # jshard's ZeRO-2 reduce-scatters each layer's gradient inside backward, but the
+        # layer scan still stacks the replicas into a full buffer first (measured: XLA keeps it).
+        memory["grads"] += sum(local(p.bytes, p.param, sizes) for p in params)
+    if schedule:
+        # The executor accumulates gradients in the scan's carry: input and output buffers.
+        memory["grads"] *= 2
+    layers_local = config.layers // stages
+    per_token_layer = activation_bytes_per_token_layer(config, tensor, sp, hw.flash_attention)
+    logits = CE_FP32_PER_VOCAB * config.vocab / tensor * 4
+    if schedule:
+        # The executor keeps stage inputs in its slots and recomputes one chunk at a time.
+        from jshard.parallel.pipeline import compile_program
+        program = compile_program(schedule)
+        a_mb = rows * seq * config.embed * jnp.dtype(config.dtype).itemsize
+        chunk_layers = layers_local // schedule.virtual if hasattr(schedule, "virtual") else layers_local
+        # Each chunk's weights are sliced out of the local stack for the branch that runs it
+        # (measured: XLA materialises the slices), so the stack counts once more.
+        memory["chunk_weights"] = sum(local(p.bytes, p.param, sizes) for p in params if p.names[:1] == ("layers",))
+        memory["activations"] = int((program.act_slots + program.grad_slots + 2) * a_mb
+                                    + rows * seq * (chunk_layers * per_token_layer + logits))
+        in_flight = schedule.peak_in_flight()
+    else:
+        # Under full remat the backward recomputes one layer at a time and holds all of it.
+        recomputed = _all_activations(config, tensor, sp, hw.flash_attention) if config.remat == "full" else 0
+        memory["activations"] = int(rows * seq * (config.layers * per_token_layer + recomputed + logits))
+        in_flight = 1
+    memory["batch"] = rows * m * (seq + 1) * 4
+    total_memory = sum(memory.values())
+
+    # communication
+    stage_axis = "stage" if schedule else None
+    comm = traffic(config, params, sizes, rules, batch_axes, rows * m, seq, stage_axis)
+    if schedule:
+        a_mb = rows * seq * config.embed * jnp.dtype(config.dtype).itemsize
+        forward, backward = sends(schedule)
+        _add(comm, "collective-permute", ("stage",), (forward + backward) * a_mb)
+
+    # time
+    tokens = rows * seq * m * data_shards
+    flops_model = metrics.gpt_flops_per_token(config, seq) * tokens
+    recompute = (config.remat == "full" or bool(schedule))  # one more forward: +1/3 of 6N
+    flops_run = flops_model * (8 / 6 if recompute else 1)
+    peak = hw.peak_flops * (1 if jnp.dtype(config.dtype) == jnp.bfloat16 else 0.5)
+    t_compute = flops_run / (n_devices * peak * hw.matmul_efficiency)
+    times, rows_out = {}, []
+    for (kind, axes), nbytes in sorted(comm.items()):
+        n = math.prod(sizes[a] for a in axes.split("+"))
+        bw, where = _link(axes, sizes, hw)
+        t = nbytes * _wire_factor(kind, n) / bw
+        times[(kind, axes)] = t
+        rows_out.append(dict(kind=kind, axes=axes, group=n, bytes=int(nbytes), link=where, seconds=t))
+
+    def t_of(pred):
+        return sum(t for (kind, axes), t in times.items() if pred(kind, axes))
+
+    zero = {a for a in rules.zero_axes if sizes[a] > 1}
+    t_tp = t_of(lambda k, a: a == "tensor")
+    t_zero = t_of(lambda k, a: set(a.split("+")) <= zero and k in ("all-gather", "reduce-scatter"))
+    plain = {a for a in batch_axes if sizes[a] > 1} - zero
+    t_dp = t_of(lambda k, a: k == "all-reduce" and set(a.split("+")) <= plain) if plain else 0.0
+    t_pp = t_of(lambda k, a: a == "stage")
+    bubble = schedule.bubble_fraction_of_step if schedule else 0.0
+    ratios = {
+        "dp": t_dp / (t_compute * 2 / 3) if t_dp else None,  # the gradient all-reduce hides behind backward
+        "zero3": t_zero / t_compute if t_zero and rules.zero == 3 else None,
+        "tp": t_tp / t_compute if t_tp else None,
+        "pp": t_pp / t_compute if t_pp else None,
+    }
+    # TP sits on the critical path (each block waits for its reduction); the others overlap
+    # compute and show only where they are longer than it.
+    step_s = t_compute / (1 - bubble) + t_tp + max(0.0, t_dp + t_zero + t_pp - t_compute)
+    mfu = flops_model / (step_s * n_devices * peak)
+
+    warnings = []
+    if total_memory > hw.hbm_bytes:
+        warnings.append(f"does not fit: {_fmt(total_memory)} per device > {_fmt(hw.hbm_bytes)} of HBM")
+    if tensor > 1 and _link("tensor", sizes, hw)[1] == "inter":
+        warnings.append(f"TP axis spans nodes: tensor={tensor} > {hw.gpus_per_node} GPUs per node")
+    for name, r in ratios.items():
+        if r is not None and r > 1:
+            warnings.append(f"{name} overlap ratio {r:.2f} > 1: its communication cannot hide behind compute")
+    if schedule and m < stages:
+        warnings.append(f"m < p: {m} micro-batches for {stages} stages leave most of the pipeline idle")
+
+    return dict(
+        model=dataclasses.asdict(config) | {"dtype": jnp.dtype(config.dtype).name,
+                                            "params": sum(math.prod(p.shape) for p in params)},
+        mesh=dict(sizes), strategy=rules.name, schedule=schedule and type(schedule).__name__,
+        microbatches=m, micro_batch_size=rows, hardware=dataclasses.asdict(hw),
+        tokens_per_step=tokens, in_flight_microbatches=in_flight,
+        memory_bytes_per_device=dict(total=int(total_memory), **{k: int(v) for k, v in memory.items()}),
+        fits=total_memory <= hw.hbm_bytes,
+        comm_bytes_per_step={k: int(sum(r["bytes"] for r in rows_out if r["kind"] == k)) for k in
+                             sorted({r["kind"] for r in rows_out})},
+        collectives=rows_out, compute_s=t_compute, overlap_ratios=ratios, bubble_fraction=bubble,
+        predicted_step_s=step_s, predicted_mfu=mfu, warnings=warnings,
+    )
+
+
+def _fmt(n: float) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def report(est: dict) -> str:
+    mem, model = est["memory_bytes_per_device"], est["model"]
+    hw = est["hardware"]
+    mesh = " ".join(f"{a}={n}" for a, n in est["mesh"].items())
+    lines = [
+        f"jshard plan: GPT {model['layers']} layers, embed {model['embed']}, heads {model['heads']}, mlp {model['mlp']}, "
+        f"vocab {model['vocab']}, seq {model['seq_len']}: {model['params'] / 1e9:.3g} B params, {model['dtype']}, remat {model['remat']}",
+        f"  mesh        {mesh} on {hw['name']} ({hw['gpus_per_node']} per node)",
+        f"  strategy    {est['strategy']}" + (f", {est['schedule']} m={est['microbatches']}" if est["schedule"] else "")
+        + f", micro-batch {est['micro_batch_size']} rows, {est['tokens_per_step']} tokens per step",
+        "memory per device",
+    ]
+    for key in ("params", "grads", "optimizer", "gathered", "chunk_weights", "activations", "batch"):
+        if key in mem:
+            lines.append(f"  {key:<14}{_fmt(mem[key]):>12}")
+    lines.append(f"  {'total':<14}{_fmt(mem['total']):>12}  of {_fmt(hw['hbm_bytes'])} HBM"
+                 + ("" if est["fits"] else "  DOES NOT FIT"))
+    lines.append("communication per step (K bytes per device; time at the link's bandwidth)")
+    for r in est["collectives"]:
+        lines.append(f"  {r['kind']:<19}{r['axes']:<12}×{r['group']:<4}{_fmt(r['bytes']):>12}  {r['link']:<6}{r['seconds'] * 1e3:10.3f} ms")
+    ratios = "  ".join(f"{k} {v:.3f}" for k, v in est["overlap_ratios"].items() if v is not None) or "none"
+    lines += [
+        f"  compute     {est['compute_s'] * 1e3:.3f} ms",
+        f"  overlap     t_comm/t_compute: {ratios}",
+        f"  bubble      {est['bubble_fraction']:.3f}",
+        f"  predicted   step {est['predicted_step_s'] * 1e3:.3f} ms, MFU {est['predicted_mfu'] * 100:.1f}%",
+    ]
+    lines += [f"warning: {w}" for w in est["warnings"]]
+    return "\n".join(lines)
+
+
+# --- validation against the compiler -----------------------------------------------------
+
+# Small configurations on 8 fake CPU devices: every strategy, every schedule.
+VALIDATION = (
+    ("dp", "data=8", None, None, "none"), ("zero1", "fsdp=8", None, None, "none"),
+    ("zero2", "fsdp=8", None, None, "none"), ("zero3", "fsdp=8", None, None, "none"),
+    ("dp+tp", "data=2,tensor=4", None, None, "none"), ("dp+tp+sp", "data=2,tensor=4", None, None, "none"),
+    ("dp+fsdp+tp", "data=2,fsdp=2,tensor=2", None, None, "none"),
+    ("dp+fsdp+tp+sp", "data=2,fsdp=2,tensor=2", None, None, "none"), ("dp", "data=8", None, None, "full"),
+    ("dp+pp", "data=2,stage=4", 4, "gpipe", "none"), ("dp+pp", "data=2,stage=4", 4, "1f1b", "none"),
+    ("dp+pp", "data=4,stage=2", 4, "interleaved", "none"), ("dp+pp", "data=2,stage=4", 4, "zb-h1", "none"),
+)
+VALIDATION_MODEL = GPTConfig(seq_len=64, embed=128, heads=4, mlp=512, layers=8)
+MEMORY_TOLERANCE = 0.10
+
+
+def compiled_pipeline_permute_bytes(schedule, config: GPTConfig, rows: int) -> int:
+    """What hlo.collectives counts for the executor's two ppermutes: they sit in a `cond`
+    inside the scan over ticks, so it counts them on every tick; the planner's figure
+    (`sends`) counts only the ticks in which some stage sends."""
+    return 2 * schedule.ticks * rows * config.seq_len * config.embed * jnp.dtype(config.dtype).itemsize
+
+
+def validate_one(strategy: str, mesh_text: str, microbatches, schedule, remat: str, rows: int = 2) -> dict:
+    import numpy as np
+    import optax
+
+    import jshard
+    from jshard import hlo
+    from jshard.models import gpt_loss
+    from jshard.parallel import build_step
+
+    config = dataclasses.replace(VALIDATION_MODEL, remat=remat)
+    sizes = {a: 1 for a in AXES} | parse_axis_sizes(mesh_text)
+    est = estimate(PlanInput(config, sizes, strategy, schedule, microbatches, micro_batch_size=rows,
+                             hardware=HARDWARE["cpu"]))
+    mesh, rules = jshard.make_mesh(**parse_axis_sizes(mesh_text)), preset(strategy)
+    step = build_step(GPT(config, rngs=nnx.Rngs(0)), optax.adamw(1e-3), gpt_loss, mesh, rules,
+                      microbatches=microbatches, schedule=schedule)
+    batch = np.zeros((est["tokens_per_step"] // config.seq_len, config.seq_len + 1), np.int32)
+    compiled = step.lower(step.state, step.shard_batch(batch)).compile()
+    ma = compiled.memory_analysis()
+    measured = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
+    counted = hlo.bytes_by_kind(compiled.as_text())
+    predicted = dict(est["comm_bytes_per_step"])
+    if step.schedule:
+        predicted["collective-permute"] = compiled_pipeline_permute_bytes(step.schedule, config, rows)
+    predicted_memory = est["memory_bytes_per_device"]["total"]
+    return dict(
+        strategy=rules.name, mesh=mesh_text, schedule=schedule or "-", remat=remat,
+        memory_predicted=predicted_memory, memory_compiled=measured,
+        memory_rel_err=predicted_memory / measured - 1,
+        comm_predicted=predicted, comm_compiled=counted, comm_exact=predicted == counted,
+    )
+
+
+def validate(rows: int = 2) -> list[dict]:
+    return [validate_one(*case, rows=rows) for case in VALIDATION]
+
+
+def format_validation(results: list[dict]) -> str:
+    lines = [f"{'strategy':<12}{'mesh':<24}{'schedule':<13}{'remat':<6}{'memory est':>12}{'compiled':>12}{'err':>8}"
+             f"  comm bytes by kind (est = compiled)"]
+    for r in results:
+        comm = ", ".join(f"{k} {v}" for k, v in sorted(r["comm_compiled"].items()))
+        mark = "exact" if r["comm_exact"] else f"MISMATCH est {r['comm_predicted']}"
+        lines.append(f"{r['strategy']:<12}{r['mesh']:<24}{r['schedule']:<13}{r['remat']:<6}{r['memory_predicted']:>12}"
+                     f"{r['memory_compiled']:>12}{r['memory_rel_err'] * 100:>7.1f}%  {mark}: {comm}")
+    return "\n".join(lines)
+
+
+# --- command line ---------------------------------------------------------------------------
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("plan", help="memory, communication and overlap estimates; --validate checks them against XLA")
+    add = parser.add_argument
+    add("--model", choices=MODELS, help="a named model; the size flags below override its fields")
+    for flag, field in (("--layers", "layers"), ("--d-model", "embed"), ("--heads", "heads"), ("--d-ff", "mlp"),
+                        ("--vocab", "vocab"), ("--seq-len", "seq_len")):
+        add(flag, dest=field, type=int, help=f"GPTConfig.{field}")
+    add("--mesh", default="data=8", help="mesh sizes, e.g. data=2,fsdp=4,tensor=8,stage=1 (no devices needed)")
+    add("--strategy", default="dp", help="rules preset, e.g. dp+fsdp+tp+sp+pp")
+    add("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb-h1"), help="pipeline schedule (with pp)")
+    add("--microbatches", type=int, help="micro-batches per step (with pp)")
+    add("--virtual", type=int, help="model chunks per device (interleaved)")
+    add("--micro-batch-size", type=int, default=1, help="rows per micro-batch per data shard")
+    add("--precision", choices=PRECISIONS, default="bf16", help="compute dtype (params and Adam stay fp32)")
+    add("--remat", choices=("none", "full"), default="none")
+    add("--hardware", choices=HARDWARE, default="h100")
+    for flag, field, unit in (("--peak-tflops", "peak_flops", 1e12), ("--hbm-gib", "hbm_bytes", GiB),
+                              ("--hbm-bw-gbs", "hbm_bw", 1e9), ("--intra-bw-gbs", "intra_bw", 1e9),
+                              ("--inter-bw-gbs", "inter_bw", 1e9)):
+        add(flag, dest=field, type=float, help=f"override the profile's {field} (in {flag.rsplit('-', 1)[-1]})")
+    add("--gpus-per-node", type=int)
+    add("--json", metavar="FILE", help="also write the estimate (or the validation rows) to FILE")
+    add("--validate", action="store_true", help="build small steps on fake CPU devices and compare with XLA")
+    parser.set_defaults(run=run, _units={"peak_flops": 1e12, "hbm_bytes": GiB, "hbm_bw": 1e9,
+                                         "intra_bw": 1e9, "inter_bw": 1e9, "gpus_per_node": 1})
+
+
+def plan_input(args) -> PlanInput:
+    config = MODELS.get(args.model, GPTConfig())
+    fields = {f: getattr(args, f) for f in ("layers", "embed", "heads", "mlp", "vocab", "seq_len") if getattr(args, f)}
+    try:
+        config = dataclasses.replace(config, **fields, dtype=PRECISIONS[args.precision], remat=args.remat)
+    except ValueError as e:  # e.g. embed not divisible by heads
+        raise ShardingError(str(e)) from None
+    hw = HARDWARE[args.hardware]
+    hw = dataclasses.replace(hw, **{f: getattr(args, f) * unit for f, unit in args._units.items()
+                                    if getattr(args, f, None) is not None})
+    sizes = {a: 1 for a in AXES} | parse_axis_sizes(args.mesh)
+    if -1 in sizes.values():
+        raise ShardingError(f"--mesh {args.mesh}: give every size; the planner has no devices to fill '-1' from")
+    return PlanInput(config, sizes, args.strategy, args.schedule, args.microbatches, args.virtual,
+                     args.micro_batch_size, hw)
+
+
+def run(args) -> int:
+    if args.validate:
+        from jshard.mesh import use_fake_cpu_devices
+
+        use_fake_cpu_devices(8)
+        results = []
+        print(format_validation([]))
+        for case in VALIDATION:
+            results.append(validate_one(*case))
+            print(format_validation(results[-1:]).splitlines()[1], flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        ok = all(r["comm_exact"] and abs(r["memory_rel_err"]) <= MEMORY_TOLERANCE for r in results)
+        print(f"{'all' if ok else 'NOT all'} within {MEMORY_TOLERANCE:.0%} of compiled memory with exact collective bytes")
+        return 0 if ok else 1
+    est = estimate(plan_input(args))
+    print(report(est))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(est, f, indent=1)
+    return 0

@@ -1,0 +1,310 @@
+"""Multi-process runs on one machine: processes on 127.0.0.1, each with fake CPU devices,
+joined by `jax.distributed` and JAX's gloo CPU collectives (`jshard launch`).
+
+Every child process has a timeout, so a hang fails a test instead of stalling CI.
+"""
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jshard import distributed
+from jshard.cli import main
+from jshard.distributed import DistributedError, initialize, launch
+from jshard.train import TrainConfig, train
+
+LAUNCH = [sys.executable, "-m", "jshard.cli", "launch"]
+TINY = dict(model="tiny", batch_size=8, seq_len=32, strategy="dp+fsdp+tp", mesh="data=2,fsdp=2,tensor=2")
+TINY_FLAGS = ["--model", "tiny", "--batch-size", "8", "--seq-len", "32", "--strategy", "dp+fsdp+tp",
+              "--mesh", "data=2,fsdp=2,tensor=2"]
+TIMEOUT_S = 240  # any one launched run; a deadlock fails the test instead of stalling CI
+
+
+def run_launch(args, timeout=TIMEOUT_S):
+    return subprocess.run(LAUNCH + args, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def losses(path) -> list[float]:
+    with open(path) as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+# -- initialize ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_STEP_NUM_TASKS",
+                 "OMPI_COMM_WORLD_SIZE", "JSHARD_DISTRIBUTED", "SLURM_JOB_ID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **kw: calls.append((a, kw)))
+    return calls
+
+
+def test_one_process_is_a_no_op(clean_env, monkeypatch):
+    assert initialize() is False
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "1")
+    assert initialize() is False
+    # An sbatch script itself is one process, though SLURM says the job has 4 tasks.
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.delenv("JAX_NUM_PROCESSES")
+    assert initialize() is False
+    assert clean_env == []
+
+
+def test_explicit_settings_go_to_jax(clean_env, monkeypatch):
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
+    monkeypatch.setenv("JAX_PROCESS_ID", "3")
+    assert initialize() is True
+    (args, kwargs), = clean_env
+    assert args == ("10.0.0.1:1234", 4, 3, None) and kwargs["cluster_detection_method"] == "deactivate"
+    clean_env.clear()
+    assert initialize("10.0.0.2:99", 2, 1) is True  # arguments win over the environment
+    assert clean_env[0][0] == ("10.0.0.2:99", 2, 1, None)
+
+
+@pytest.mark.parametrize("env", [{"SLURM_STEP_NUM_TASKS": "16"}, {"OMPI_COMM_WORLD_SIZE": "2"},
+                                 {"JSHARD_DISTRIBUTED": "1"}])
+def test_a_cluster_launcher_hands_over_to_jax_detection(clean_env, monkeypatch, env):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert initialize() is True
+    (args, kwargs), = clean_env
+    assert args == (None, None, None, None) and kwargs["cluster_detection_method"] is None
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"JAX_NUM_PROCESSES": "2"}, "got only process count 2. Fix: also set coordinator address, process id"),
+    ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"}, "ids run 0..1"),
+    ({"JAX_NUM_PROCESSES": "two"}, "num_processes must be an int, got 'two'"),
+])
+def test_bad_settings_are_one_clear_error(clean_env, monkeypatch, env, message):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(DistributedError, match=message):
+        initialize()
+    assert clean_env == []
+
+
+def test_jax_failures_become_one_error_with_the_fix(monkeypatch):
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+
+    def refuse(*a, **kw):
+        raise RuntimeError("jax.distributed.initialize() must be called before any JAX computations")
+
+    monkeypatch.setattr(jax.distributed, "initialize", refuse)
+    with pytest.raises(DistributedError, match="cannot join the multi-process run through coordinator h:1: "
+                                               "jax.distributed.initialize.. must be called before"):
+        initialize("h:1", 2, 0)
+
+
+# -- the launcher, with plain commands ---------------------------------------------------
+
+
+def test_launch_sets_each_process_up_and_prefixes_its_lines():
+    script = ("import os; e = os.environ; print('hello', e['JAX_PROCESS_ID'], e['JAX_NUM_PROCESSES'], "
+              "e['JAX_NUM_CPU_DEVICES'], e['JAX_PLATFORMS'], e['JAX_COORDINATOR_ADDRESS'].split(':')[0]); "
+              "print('second line')")
+    out, err = io.StringIO(), io.StringIO()
+    assert launch([sys.executable, "-c", script], 3, 2, out=out, err=err) == 0
+    lines = out.getvalue().splitlines()
+    for i in range(3):
+        assert f"[{i}] hello {i} 3 2 cpu 127.0.0.1" in lines and f"[{i}] second line" in lines
+    assert len(lines) == 6
+
+
+def test_a_failed_process_stops_the_others(tmp_path):
+    # Process 1 fails after a second; process 0 would sleep for 2 minutes.
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        i = os.environ['JAX_PROCESS_ID']
+        open(os.path.join({str(tmp_path)!r}, 'pid' + i), 'w').write(str(os.getpid()))
+        if i == '1':
+            time.sleep(1); sys.exit(3)
+        time.sleep(120)
+    """)
+    begin = time.monotonic()
+    run = run_launch(["-n", "2", "--", sys.executable, "-c", script], timeout=90)
+    assert run.returncode == 3, run.stderr
+    assert time.monotonic() - begin < 30
+    assert "process 1 failed with exit code 3; stopping the other(s)" in run.stderr
+    assert "process 0: exit code 143 (killed by SIGTERM)" in run.stderr
+    with pytest.raises(ProcessLookupError):
+        os.kill(int((tmp_path / "pid0").read_text()), 0)
+
+
+def test_ctrl_c_stops_every_process(tmp_path):
+    script = (f"import os, time; open(os.path.join({str(tmp_path)!r}, 'pid' + os.environ['JAX_PROCESS_ID']), 'w')"
+              ".write(str(os.getpid())); print('ready', flush=True); time.sleep(120)")
+    launcher = subprocess.Popen(LAUNCH + ["-n", "2", "--", sys.executable, "-c", script],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"pid{i}").exists() for i in range(2)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = [int((tmp_path / f"pid{i}").read_text()) for i in range(2)]
+        launcher.send_signal(signal.SIGINT)
+        out, err = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 130, err
+    assert "SIGINT: stopping all processes" in err
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["launch", "-n", "0", "--", "true"], "-n must be a positive int (processes), got 0"),
+    (["launch", "-n", "2", "--devices-per-process", "0", "--", "true"], "--devices-per-process must be a positive"),
+    (["launch", "-n", "2"], "no command to launch"),
+])
+def test_launch_refuses_bad_input(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_command_that_cannot_start_is_exit_127():
+    err = io.StringIO()
+    assert launch(["/nonexistent/jshard-command"], 2, 1, out=io.StringIO(), err=err) == 127
+    assert "cannot start '/nonexistent/jshard-command'" in err.getvalue()
+
+
+# -- real multi-process JAX runs -----------------------------------------------------------
+
+
+def test_two_processes_train_as_one_and_checkpoints_cross_process_counts(tmp_path):
+    """2 processes × 4 fake devices under dp+fsdp+tp = 1 process × 8; checkpoints both ways."""
+    # One process, 8 devices (this test process): steps 1-4, checkpoints at 2 and 4.
+    one = train(TrainConfig(**TINY, steps=4, checkpoint_dir=str(tmp_path / "one"), checkpoint_every=2),
+                out=io.StringIO()).losses
+
+    # Two processes: the same run.
+    run = run_launch(["-n", "2", "--devices-per-process", "4", "--", "jshard", "train", *TINY_FLAGS,
+                      "--steps", "4", "--checkpoint-dir", str(tmp_path / "two"), "--checkpoint-every", "2",
+                      "--metrics", str(tmp_path / "two.jsonl"), "--log-every", "1"])
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    two = losses(tmp_path / "two.jsonl")
+    np.testing.assert_allclose(two, one, rtol=1e-6)
+    lines = run.stdout.splitlines()
+    assert ("[0]   devices     8 × cpu, mesh data=2 stage=1 fsdp=2 tensor=2, 2 processes × 4 devices, "
+            "across processes: data") in lines
+    assert sum(line.startswith("[0] step ") for line in lines) == 4
+    # Process 0 alone prints the run (process 1 may log warnings of its own, and gloo's lines).
+    by = {i: {line[4:] for line in lines if line.startswith(f"[{i}] ") and line[4:].strip()} for i in (0, 1)}
+    assert not {line for line in by[0] & by[1] if "[Gloo]" not in line}, sorted(by[1])
+
+    # Written by 2 processes, resumed in 1: steps 3-4 as in the uninterrupted run.
+    shutil.copytree(tmp_path / "two", tmp_path / "two_at_2")
+    shutil.rmtree(tmp_path / "two_at_2" / "4")
+    resumed = train(TrainConfig(**TINY, steps=4, checkpoint_dir=str(tmp_path / "two_at_2"), resume=True),
+                    out=io.StringIO())
+    assert resumed.first_step == 2
+    np.testing.assert_allclose(resumed.losses, one[2:], rtol=1e-6)
+
+    # Written by 1 process, resumed in 2.
+    shutil.copytree(tmp_path / "one", tmp_path / "one_at_2")
+    shutil.rmtree(tmp_path / "one_at_2" / "4")
+    run = run_launch(["-n", "2", "--devices-per-process", "4", "--", "jshard", "train", *TINY_FLAGS,
+                      "--steps", "4", "--checkpoint-dir", str(tmp_path / "one_at_2"), "--resume",
+                      "--metrics", str(tmp_path / "one_at_2.jsonl")])
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "[0]   resumed     step 2 from" in run.stdout
+    np.testing.assert_allclose(losses(tmp_path / "one_at_2.jsonl"), one[2:], rtol=1e-6)
+
+
+def test_a_failing_process_leaves_at_once_instead_of_waiting_for_the_others():
+    # Joined processes; process 1 fails while process 0 is busy. Without `leave`, process 1
+    # would wait at JAX's shutdown barrier for process 0 (minutes) and the launch would hang.
+    script = textwrap.dedent("""
+        import os, sys, time
+        import jax
+        from jshard import distributed
+        assert distributed.initialize()
+        print('devices', jax.device_count(), 'local', jax.local_device_count(), flush=True)
+        if jax.process_index() == 1:
+            sys.exit(distributed.leave(3))
+        time.sleep(120)
+    """)
+    begin = time.monotonic()
+    run = run_launch(["-n", "2", "--devices-per-process", "2", "--", sys.executable, "-c", script], timeout=120)
+    assert run.returncode == 3, run.stdout[-2000:] + run.stderr[-2000:]
+    assert time.monotonic() - begin < 60
+    assert "[1] devices 4 local 2" in run.stdout.splitlines()
+
+
+def _children(pid: int) -> dict[int, int]:
+    """{JAX_PROCESS_ID: pid} of the processes `pid` started (Linux /proc)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != pid:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+            found[int(env[b"JAX_PROCESS_ID"])] = int(entry)
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the launched processes in /proc (Linux)")
+def test_a_process_killed_mid_run_ends_the_launch_within_60_s(tmp_path):
+    metrics, out, err = tmp_path / "m.jsonl", tmp_path / "out", tmp_path / "err"
+    with open(out, "w") as stdout, open(err, "w") as stderr:  # files: no pipe to fill up
+        launcher = subprocess.Popen(
+            LAUNCH + ["-n", "2", "--devices-per-process", "4", "--", "jshard", "train", *TINY_FLAGS,
+                      "--steps", "100000", "--metrics", str(metrics)],
+            stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL)
+    children = {}
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline and launcher.poll() is None:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+                break  # training: past the compiling step
+            time.sleep(0.2)
+        assert launcher.poll() is None, out.read_text()[-3000:] + err.read_text()[-3000:]
+        children = _children(launcher.pid)
+        assert sorted(children) == [0, 1]
+        os.kill(children[1], signal.SIGKILL)
+        killed = time.monotonic()
+        launcher.wait(timeout=60)
+        took = time.monotonic() - killed
+    finally:  # whatever failed, leave nothing running (an exited launcher has reaped its processes)
+        if launcher.poll() is None:
+            for pid in _children(launcher.pid).values():
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        launcher.kill()
+        launcher.wait(timeout=30)
+    print(f"launcher exited {took:.2f} s after process 1 was killed")
+    assert launcher.returncode != 0
+    assert took < 60
+    assert "process 1: exit code 137 (killed by SIGKILL)" in err.read_text(), err.read_text()
+    for pid in children.values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_axes_across_processes_of_a_one_process_mesh_is_empty():
+    import jshard
+
+    assert distributed.axes_across_processes(jshard.make_mesh(data=2, fsdp=2, tensor=2)) == ()

@@ -1,0 +1,51 @@
+"""The planner against the compiler: predicted per-device memory within 10% of
+compiled.memory_analysis(), predicted collective bytes equal to the compiled HLO's."""
+
+import json
+
+import pytest
+
+from jshard import plan
+from jshard.cli import main
+
+
+@pytest.mark.parametrize("case", plan.VALIDATION, ids=lambda c: f"{c[0]}@{c[1]}/{c[3] or '-'}/{c[4]}")
+def test_estimate_matches_compiler(case):
+    r = plan.validate_one(*case)
+    assert r["comm_predicted"] == r["comm_compiled"]  # bytes per collective kind: exact
+    assert abs(r["memory_rel_err"]) <= plan.MEMORY_TOLERANCE, r
+
+
+def test_plan_cli_json_and_warnings(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--model", "llama-70b-like", "--mesh", "stage=4,tensor=16", "--strategy", "tp+pp",
+            "--schedule", "1f1b", "--microbatches", "2", "--hbm-gib", "40", "--json", str(out)]
+    assert main(argv) == 0
+    est = json.loads(out.read_text())
+    for key in ("memory_bytes_per_device", "comm_bytes_per_step", "overlap_ratios", "bubble_fraction",
+                "predicted_step_s", "predicted_mfu"):
+        assert key in est
+    mem = est["memory_bytes_per_device"]
+    assert mem["total"] == sum(v for k, v in mem.items() if k != "total")
+    assert est["bubble_fraction"] == pytest.approx(3 / 5)  # 1F1B: (p-1)/(m+p-1)
+    text = capsys.readouterr().out
+    assert "does not fit" in text and "TP axis spans nodes" in text and "m < p" in text
+    assert "all-reduce         tensor" in text and "inter" in text
+
+
+def test_plan_formulas_scale_as_the_textbook():
+    # ZeRO-3 on 8 devices keeps 1/8 of the 16 bytes per param; DP all-reduces every param once.
+    config = plan.MODELS["gpt-125m"]
+    sizes = {"data": 1, "stage": 1, "fsdp": 8, "tensor": 1}
+    est = plan.estimate(plan.PlanInput(config, sizes, "fsdp"))
+    n = est["model"]["params"]
+    mem = est["memory_bytes_per_device"]
+    assert mem["params"] + mem["grads"] + mem["optimizer"] == pytest.approx(16 * n / 8, rel=1e-3)
+    dp = plan.estimate(plan.PlanInput(config, sizes | {"fsdp": 1, "data": 8}, "dp"))
+    assert dp["comm_bytes_per_step"]["all-reduce"] == 4 * n + 4
+    assert est["comm_bytes_per_step"]["all-gather"] < 2 * 4 * n  # norms and embeddings: gathered once
+
+
+def test_bad_plan_exits_2(capsys):
+    assert main(["plan", "--mesh", "tensor=3", "--strategy", "tp"]) == 2
+    assert "does not divide by tensor=3" in capsys.readouterr().err
