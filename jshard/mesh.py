@@ -70,12 +70,49 @@ def use_fake_cpu_devices_unless_accelerated(n: int) -> None:
     if os.environ.get("JAX_NUM_CPU_DEVICES"):
         return
     platforms = jax.config.jax_platforms
-    plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu")
-    if platforms == "cpu" or (not platforms and not any(importlib.util.find_spec(p) for p in plugins)):
+    if platforms == "cpu" or (not platforms and not _installed(GPU_PLUGINS + ("libtpu",))):
         try:
             use_fake_cpu_devices(n)
         except MeshError:
             pass
+
+
+GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
+
+# XLA flags jshard sets for GPU runs (JAX's GPU performance tips): the latency-hiding
+# scheduler orders collectives and copies to overlap compute, and their stream gets
+# priority so that they start at once. Both only reorder work, so results do not change;
+# on one GPU, with nothing to communicate, they cost nothing. The test suite checks that the
+# installed XLA knows every one: XLA aborts at start-up on an unknown flag.
+GPU_XLA_FLAGS = (
+    "--xla_gpu_enable_latency_hiding_scheduler=true",
+    "--xla_gpu_enable_highest_priority_async_stream=true",
+)
+
+
+def use_gpu_xla_flags() -> bool:
+    """For commands: set `GPU_XLA_FLAGS` when JAX will run on a GPU and XLA_FLAGS is unset.
+
+    A user's own XLA_FLAGS (even empty) are left exactly as they are. XLA reads the flags
+    once, when its backends start, so call this before any JAX computation. True if set.
+    """
+    if "XLA_FLAGS" in os.environ or not _gpu_expected():
+        return False
+    os.environ["XLA_FLAGS"] = " ".join(GPU_XLA_FLAGS)
+    return True
+
+
+def _gpu_expected() -> bool:
+    """Whether JAX will start on a GPU, asked without starting its backends: the first of
+    JAX_PLATFORMS if set, else whether a CUDA plugin is installed (JAX prefers it)."""
+    platforms = jax.config.jax_platforms
+    if platforms:
+        return platforms.split(",")[0].strip() in ("cuda", "gpu")
+    return _installed(GPU_PLUGINS)
+
+
+def _installed(modules) -> bool:
+    return any(importlib.util.find_spec(m) for m in modules)
 
 
 def parse_axis_sizes(text: str) -> dict[str, int]:

@@ -38,7 +38,7 @@ import jshard
 from jshard import data, optim
 from jshard.checkpoint import Checkpoints
 from jshard.distributed import axes_across_processes, initialize, is_main_process
-from jshard.mesh import mesh_shape, parse_axis_sizes, use_fake_cpu_devices_unless_accelerated
+from jshard.mesh import mesh_shape, parse_axis_sizes, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags
 from jshard.metrics import MetricsFile, device_peak, gpt_flops_per_token
 from jshard.models import GPT, GPTConfig, gpt_loss
 from jshard.models.stack import REMAT_POLICIES
@@ -228,6 +228,7 @@ def _model_identity(model: GPTConfig) -> dict:
 def plan(config: TrainConfig) -> Plan:
     """Check every input and the checkpoint dir; raises before any device work."""
     _check_values(config)
+    use_gpu_xla_flags()  # on GPUs, unless XLA_FLAGS is set: before JAX starts its backends
     initialize()  # a multi-process run (jshard launch, srun, mpirun): join it; one process: nothing
     use_fake_cpu_devices_unless_accelerated(config.fake_devices)
     mesh = jshard.make_mesh(**parse_axis_sizes(config.mesh or default_mesh(jax.device_count())))

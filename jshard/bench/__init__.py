@@ -4,7 +4,7 @@ Each module's `add_parser(benches)` registers its sub-command with `set_defaults
 `jshard.cli` calls `run` with the parsed arguments.
 """
 
-from jshard.bench import collectives, pipeline, strategies
+from jshard.bench import collectives, pipeline, step, strategies
 
 
 def add_parser(commands) -> None:
@@ -13,3 +13,4 @@ def add_parser(commands) -> None:
     collectives.add_parser(benches)
     strategies.add_parser(benches)
     pipeline.add_parser(benches)
+    step.add_parser(benches)

@@ -1,0 +1,328 @@
+"""`jshard bench step`: jshard's train step against a plain Flax step and the device's limits.
+
+One run, on the same devices:
+
+    matmul_tflops      the device's own compute ceiling: the best of repeated square matmuls
+                       in the compute dtype (8192² on a GPU, 1024² on a CPU host)
+    copy_gbps          its memory ceiling: a large copy from one device to the next where
+                       the mesh has two or more, else on one device (read + write counted)
+    step_s             jshard's train step (`build_step`: jit of shard_map) with AdamW,
+                       warmed up, then the median of `--repeats` synchronised steps, timed
+                       in alternation with the plain step's (both see the same host load)
+    plain_step_s       the same GPT written in plain Flax NNX + optax (`PlainGPT`: no jshard
+                       layer, rule or step), through `jax.jit`, timed the same way; it starts
+                       from jshard's initial weights and the first losses are compared, so it
+                       is the same model. On a mesh of more than one device it is plain data
+                       parallelism (batch split, params replicated, XLA's partitioner)
+    overhead_ratio     step_s / plain_step_s: on the default mesh of one device, what jshard
+                       costs over a hand-written step
+    tokens_per_s, tflops, mfu_*   jshard's step: model FLOPs (6·N + attention, `jshard.metrics`)
+                       over the datasheet peak (GPUs jshard knows; null elsewhere) and over
+                       the measured matmul peak
+
+On a CPU the default model is `tiny` and there is no datasheet: MFU is against the measured
+matmul peak only. On a GPU jshard sets its XLA flags (`jshard.mesh.GPU_XLA_FLAGS`) unless
+XLA_FLAGS is set, and the defaults are a ~1B-parameter GPT at seq-len 2048 in bf16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+import jshard
+from jshard import plan, train
+from jshard.mesh import GPU_XLA_FLAGS, parse_axis_sizes, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags
+from jshard.metrics import CPU_MATMUL, _measured_matmul_flops, device_peak, gpt_flops_per_token
+from jshard.models import GPT, GPTConfig, gpt_loss
+from jshard.parallel import build_step
+from jshard.train import PRECISIONS, TrainError
+
+# The issue's target on one GPU: ~1B params (1.01 B: 18 layers of 50.3 M + a 103 M tied
+# embedding), head dim 128 as fused attention kernels like it.
+MODELS = {
+    **train.MODELS, **plan.MODELS,
+    "gpt-1b": GPTConfig(vocab=50304, seq_len=2048, embed=2048, heads=16, mlp=8192, layers=18),
+}
+# Per platform: model, batch size, precision when not given.
+DEFAULTS = {"cpu": ("tiny", 16, "fp32"), "gpu": ("gpt-1b", 8, "bf16")}
+GPU_MATMUL = 8192  # large enough that one bf16 matmul runs at the tensor cores' sustained rate
+COPY_BYTES = {"cpu": 64 * 2**20, "gpu": 2**30}
+CEILING_REPEATS = 10
+JSON_KEYS = ("device", "model_params", "tokens_per_s", "tflops", "mfu_datasheet", "mfu_measured_peak",
+             "plain_step_s", "step_s", "overhead_ratio", "matmul_tflops", "copy_gbps")
+
+
+def add_parser(benches) -> None:
+    parser = benches.add_parser("step", help="jshard's train step vs a plain Flax step, MFU vs the device's peaks")
+    add = parser.add_argument
+    add("--model", choices=MODELS, help="model size (default: tiny on CPU, gpt-1b on GPU)")
+    add("--seq-len", type=int, help="tokens per row (default: the model's seq_len)")
+    add("--batch-size", type=int, help="rows per step (default: 16 on CPU, 8 on GPU)")
+    add("--precision", choices=PRECISIONS, help="compute dtype; params and AdamW stay fp32 (default: fp32 on CPU, bf16 on GPU)")
+    add("--mesh", default="data=1", help="jshard mesh (default data=1: one device, so the ratio is pure overhead)")
+    add("--strategy", default="dp", help="jshard preset for the mesh")
+    add("--repeats", type=int, default=10, help="timed steps of each, after a warm-up step, alternating; medians reported")
+    add("--json", metavar="FILE", help="also write the result to FILE")
+    add("--profile", metavar="DIR", help=f"after timing, write a jax.profiler trace of {train.PROFILE_STEPS} steps of each to DIR")
+    parser.set_defaults(run=run)
+
+
+# -- the plain Flax model: the same GPT as jshard.models.GPT, with Flax's own layers ----------
+
+
+class PlainBlock(nnx.Module):
+    """One pre-norm block; attribute names and kernel shapes are jshard's, so weights load."""
+
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
+        heads, dtype, init = (config.heads, config.head_dim), config.dtype, nnx.initializers.normal(0.02)
+        self.attn_norm = nnx.LayerNorm(config.embed, epsilon=1e-6, dtype=dtype, rngs=rngs)
+        self.qkv = nnx.LinearGeneral(config.embed, (3, *heads), use_bias=False, kernel_init=init, dtype=dtype, rngs=rngs)
+        self.out = nnx.LinearGeneral(heads, config.embed, axis=(-2, -1), use_bias=False, kernel_init=init,
+                                     dtype=dtype, rngs=rngs)
+        self.mlp_norm = nnx.LayerNorm(config.embed, epsilon=1e-6, dtype=dtype, rngs=rngs)
+        self.up = nnx.Linear(config.embed, config.mlp, use_bias=False, kernel_init=init, dtype=dtype, rngs=rngs)
+        self.down = nnx.Linear(config.mlp, config.embed, use_bias=False, kernel_init=init, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        qkv = self.qkv(self.attn_norm(x))
+        x = x + self.out(jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True))
+        return x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
+
+
+class PlainGPT(nnx.Module):
+    """jshard's GPT (`jshard.models.gpt`) as a Flax user would write it: layers stacked with
+    `nnx.vmap` and run with `nnx.scan`, Flax's pattern for deep models, as jshard's are."""
+
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
+        init, dtype = nnx.initializers.normal(0.02), config.dtype
+        self.token_embed = nnx.Embed(config.vocab, config.embed, embedding_init=init, dtype=dtype, rngs=rngs)
+        self.pos_embed = nnx.Embed(config.seq_len, config.embed, embedding_init=init, dtype=dtype, rngs=rngs)
+
+        @nnx.split_rngs(splits=config.layers)
+        @nnx.vmap(in_axes=0, out_axes=0)
+        def make_blocks(rngs):
+            return PlainBlock(config, rngs=rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = nnx.LayerNorm(config.embed, epsilon=1e-6, dtype=dtype, rngs=rngs)
+        self.head = None if config.tied_head else nnx.Linear(config.embed, config.vocab, use_bias=False,
+                                                              kernel_init=init, dtype=dtype, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.token_embed(tokens) + self.pos_embed(jnp.arange(tokens.shape[1]))
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run_blocks(x, block):
+            return block(x)
+
+        x = self.final_norm(run_blocks(x, self.blocks))
+        return self.token_embed.attend(x) if self.head is None else self.head(x)
+
+
+def plain_loss(model: PlainGPT, tokens) -> jax.Array:
+    """Next-token cross-entropy on (batch, seq+1) tokens, in float32 (as `gpt_loss`)."""
+    logits = model(tokens[:, :-1]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def plain_from(model: GPT) -> PlainGPT:
+    """A PlainGPT holding a copy of `model`'s weights. jshard's blocks nest their linears one level
+    deeper (`attn.qkv`, `mlp.up`); the plain block holds them directly."""
+    plain = PlainGPT(model.config, rngs=nnx.Rngs(0))
+    # Copies: jshard's step donates the model's arrays.
+    weights = jax.tree.map(jnp.copy, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    blocks = weights["blocks"]
+    weights["blocks"] = {**{k: v for k, v in blocks.items() if k not in ("attn", "mlp")},
+                         **blocks["attn"], **blocks["mlp"]}
+    state = nnx.state(plain, nnx.Param)
+    nnx.replace_by_pure_dict(state, weights)
+    nnx.update(plain, state)
+    return plain
+
+
+def plain_step(model: PlainGPT, tx, devices):
+    """A plain train step: `jax.jit` of split/merge (Flax's fast path: `nnx.jit` would walk
+    the object graph in Python every call, which the baseline must not pay and jshard does
+    not), donated state, batch split over `devices`, params and optimizer state replicated."""
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    # Auto: XLA's partitioner propagates the batch split (jax.make_mesh defaults to Explicit).
+    mesh = jax.make_mesh((len(devices),), ("batch",), axis_types=(AxisType.Auto,), devices=devices)
+    replicated, rows = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("batch"))
+    graph = nnx.graphdef((model, optimizer))
+    state = jax.device_put(nnx.state((model, optimizer)), replicated)
+
+    def step_fn(state, tokens):
+        model, optimizer = nnx.merge(graph, state)
+        loss, grads = nnx.value_and_grad(plain_loss)(model, tokens)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), loss
+
+    return jax.jit(step_fn, donate_argnums=0, out_shardings=(replicated, None)), state, rows
+
+
+# -- measuring ------------------------------------------------------------------------------
+
+
+def _timed_pair(steps, repeats: int, profile: str | None = None) -> list[tuple[float, float]]:
+    """Per (step_fn, state, tokens): (median seconds per step, first step's loss).
+
+    Both steps are compiled and warmed up, then timed in alternation, one step of each per
+    round: load from other processes drifts on a shared host, and alternating gives both the
+    same drift, so their ratio stays honest. Every step waits for all its outputs. With
+    `profile`, `train.PROFILE_STEPS` more of each are traced there afterwards, each step
+    annotated with its name (`jshard step`, `plain step`) and number in the trace.
+    """
+    states = [state for _, state, _ in steps]
+    first_losses, times = [], [[] for _ in steps]
+
+    def once(i):
+        step_fn, _, tokens = steps[i]
+        start = time.perf_counter()
+        states[i], loss = jax.block_until_ready(step_fn(states[i], tokens))
+        return time.perf_counter() - start, loss
+
+    for i in range(len(steps)):
+        first_losses.append(float(once(i)[1]))  # compiles
+    for _ in range(repeats):
+        for i in range(len(steps)):
+            times[i].append(once(i)[0])
+    if profile:
+        with jax.profiler.trace(profile, create_perfetto_trace=True):
+            for i, name in enumerate(("jshard", "plain")):
+                for n in range(train.PROFILE_STEPS):
+                    with jax.profiler.StepTraceAnnotation(f"{name} step", step_num=n):
+                        once(i)
+    return [(statistics.median(t), loss) for t, loss in zip(times, first_losses)]
+
+
+def copy_gbps(devices, nbytes: int) -> float:
+    """Best GB/s of a `nbytes` copy: device 0 to device 1 where there are two (bytes sent),
+    else on one device (read + write, as memory bandwidth is quoted)."""
+    x = jax.device_put(jnp.zeros(nbytes // 4, jnp.float32), devices[0])
+    if len(devices) > 1:
+        copy, moved = (lambda: jax.device_put(x, devices[1])), nbytes
+    else:
+        copy_fn = jax.jit(jnp.copy)  # compiles to one XLA copy into a new buffer
+        copy, moved = (lambda: copy_fn(x)), 2 * nbytes
+    copy().block_until_ready()
+    best = float("inf")
+    for _ in range(CEILING_REPEATS):
+        start = time.perf_counter()
+        copy().block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return moved / best / 1e9
+
+
+def _platform_defaults(args, platform: str):
+    model, batch, precision = DEFAULTS["cpu" if platform == "cpu" else "gpu"]
+    config = dataclasses.replace(MODELS[args.model or model], dtype=PRECISIONS[args.precision or precision])
+    seq = args.seq_len or config.seq_len
+    batch = args.batch_size or batch
+    if seq > config.seq_len or seq < 1:
+        raise TrainError(f"--seq-len {seq}: model {args.model or model} takes 1..{config.seq_len} tokens per row")
+    if batch < 1 or args.repeats < 1:
+        raise TrainError("--batch-size and --repeats must be positive")
+    return args.model or model, config, seq, batch, args.precision or precision
+
+
+def measure(args) -> dict:
+    """Every figure of one run: the JSON keys, plus what the report prints."""
+    sizes = parse_axis_sizes(args.mesh)
+    wanted = math.prod(sizes.values())
+    devices = jax.devices() if -1 in sizes.values() else jax.devices()[:wanted]
+    platform, kind = devices[0].platform, devices[0].device_kind
+    name, config, seq, batch, precision = _platform_defaults(args, platform)
+    mesh = jshard.make_mesh(devices=devices, **sizes)
+    devices = list(mesh.devices.flat)
+
+    matmul = _measured_matmul_flops(devices[0], config.dtype, CPU_MATMUL if platform == "cpu" else GPU_MATMUL,
+                                    CEILING_REPEATS)
+    copy = copy_gbps(devices, COPY_BYTES["cpu" if platform == "cpu" else "gpu"])
+    # Fake CPU devices share the host's cores: the host's matmul is the peak of them all.
+    measured_peak = matmul * (1 if platform == "cpu" else len(devices))
+    datasheet = None if platform == "cpu" else device_peak(devices, config.dtype)
+
+    tokens = np.random.default_rng(0).integers(0, config.vocab, (batch, seq + 1))
+    tx = optax.adamw(1e-4)
+    model = GPT(config, rngs=nnx.Rngs(0))
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    plain = plain_from(model)  # before build_step takes the model's arrays
+
+    step = build_step(model, tx, gpt_loss, mesh, jshard.preset(args.strategy))
+    plain_fn, plain_state, rows = plain_step(plain, tx, devices)
+    del model, plain  # the steps hold their own state now
+    (step_s, loss), (plain_s, plain_first_loss) = _timed_pair(
+        [(step, step.state, step.shard_batch(tokens)), (plain_fn, plain_state, jax.device_put(tokens, rows))],
+        args.repeats, args.profile)
+
+    flops = gpt_flops_per_token(config, seq) * batch * seq / step_s
+    return dict(
+        device=f"{len(devices)} x {kind}", model_params=int(params), tokens_per_s=batch * seq / step_s,
+        tflops=flops / 1e12, mfu_datasheet=flops / datasheet.flops if datasheet else None,
+        mfu_measured_peak=flops / measured_peak, plain_step_s=plain_s, step_s=step_s,
+        overhead_ratio=step_s / plain_s, matmul_tflops=matmul / 1e12, copy_gbps=copy,
+        # for the report only
+        platform=platform, model=name, config=config, seq=seq, batch=batch, precision=precision,
+        datasheet_source=datasheet.source if datasheet else None, loss=loss, plain_loss=plain_first_loss,
+        plain_tokens_per_s=batch * seq / plain_s, plain_tflops=flops * step_s / plain_s / 1e12,
+        plain_mfu_measured_peak=flops * step_s / plain_s / measured_peak, n_devices=len(devices),
+    )
+
+
+def _mfu(value) -> str:
+    return "n/a" if value is None else f"{value:.2%}"
+
+
+def report(r: dict, args, flags: str) -> str:
+    c = r["config"]
+    copy_what = "device 0 -> device 1" if r["n_devices"] > 1 else "on one device, read + write"
+    matmul_n = CPU_MATMUL if r["platform"] == "cpu" else GPU_MATMUL
+    lines = [
+        f"# jshard bench step: {r['device']} ({r['platform']}), jax {jax.__version__}, XLA flags: {flags}",
+        f"  model       GPT {r['model']}: {c.layers} layers, embed {c.embed}, {c.heads} heads, mlp {c.mlp}, "
+        f"vocab {c.vocab}, {r['model_params'] / 1e6:.3f} M params",
+        f"  step        batch {r['batch']} x seq {r['seq']}, {r['precision']} compute, AdamW, {args.strategy} on "
+        f"{args.mesh}; warm-up, then median of {args.repeats}, alternating with plain",
+        f"  ceilings    matmul {matmul_n}² {jnp.dtype(c.dtype).name}: {r['matmul_tflops']:.3f} TFLOP/s per device; "
+        f"copy ({copy_what}): {r['copy_gbps']:.1f} GB/s",
+        f"  jshard      {r['step_s'] * 1e3:9.2f} ms  {r['tokens_per_s'] / 1e3:9.1f} k tok/s  {r['tflops']:8.4f} TFLOP/s  "
+        f"MFU {_mfu(r['mfu_datasheet'])} of datasheet, {_mfu(r['mfu_measured_peak'])} of measured matmul",
+        f"  plain Flax  {r['plain_step_s'] * 1e3:9.2f} ms  {r['plain_tokens_per_s'] / 1e3:9.1f} k tok/s  "
+        f"{r['plain_tflops']:8.4f} TFLOP/s  MFU {_mfu(r['plain_mfu_measured_peak'])} of measured matmul",
+        f"  overhead    jshard / plain step time = {r['overhead_ratio']:.3f}",
+        f"  same model  first-step loss jshard {r['loss']:.6f}, plain {r['plain_loss']:.6f} (same initial weights)",
+    ]
+    if r["platform"] == "cpu":
+        lines.append("  note        CPU: no datasheet peak; MFU is against the measured matmul peak only")
+    else:
+        lines.append(f"  datasheet   {r['datasheet_source'] or 'none known for this device: MFU against measured only'}")
+    if args.profile:
+        lines.append(f"  profile     {args.profile}: jax.profiler trace of {train.PROFILE_STEPS} more steps of each")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    # Both before JAX starts: XLA reads its flags, and the CPU its device count, only then.
+    flags = "set by jshard: " + " ".join(GPU_XLA_FLAGS) if use_gpu_xla_flags() else None
+    sizes = parse_axis_sizes(args.mesh)
+    if -1 not in sizes.values() and math.prod(sizes.values()) > 1:
+        use_fake_cpu_devices_unless_accelerated(math.prod(sizes.values()))
+    flags = flags or (f"XLA_FLAGS={os.environ['XLA_FLAGS']!r}" if os.environ.get("XLA_FLAGS") else "none")
+    result = measure(args)
+    print(report(result, args, flags))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({key: result[key] for key in JSON_KEYS}, f, indent=1)
+    return 0

@@ -1,0 +1,89 @@
+"""`jshard bench step` on CPU: the JSON it writes, the plain model it compares against, and
+the XLA flags it sets on GPUs."""
+
+import dataclasses
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from jshard import mesh
+from jshard.bench import step as bench_step
+from jshard.cli import main
+from jshard.models import GPT, gpt_loss
+
+TINY = ["--model", "tiny", "--batch-size", "8", "--seq-len", "32", "--repeats", "2"]
+
+
+def _bench(tmp_path, *flags) -> dict:
+    out = tmp_path / "step.json"
+    assert main(["bench", "step", *TINY, *flags, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_json_on_one_cpu_device(tmp_path, capsys):
+    result = _bench(tmp_path)
+    assert list(result) == list(bench_step.JSON_KEYS)
+    assert result["device"] == "1 x cpu"
+    params = nnx.state(GPT(bench_step.MODELS["tiny"], rngs=nnx.Rngs(0)), nnx.Param)
+    assert result["model_params"] == sum(x.size for x in nnx.to_flat_state(params).leaves)
+    for key in ("tokens_per_s", "tflops", "plain_step_s", "step_s", "overhead_ratio", "matmul_tflops", "copy_gbps"):
+        assert math.isfinite(result[key]) and result[key] > 0, key
+    assert result["mfu_datasheet"] is None  # no datasheet for a CPU
+    assert 0 < result["mfu_measured_peak"] <= 1
+    assert result["overhead_ratio"] == pytest.approx(result["step_s"] / result["plain_step_s"])
+    text = capsys.readouterr().out
+    assert "MFU is against the measured matmul peak only" in text
+    jshard_loss, plain_loss = re.search(r"first-step loss jshard ([\d.]+), plain ([\d.]+)", text).groups()
+    assert jshard_loss == plain_loss  # both start from the same weights, to 6 decimals
+
+
+def test_two_devices_copy_between_them_and_a_profile(tmp_path, capsys):
+    result = _bench(tmp_path, "--mesh", "data=2", "--profile", str(tmp_path / "trace"))
+    assert result["device"] == "2 x cpu" and result["copy_gbps"] > 0
+    assert "device 0 -> device 1" in capsys.readouterr().out
+    assert list((tmp_path / "trace").rglob("*.xplane.pb"))
+
+
+@pytest.mark.parametrize("tied_head", [True, False])
+def test_plain_model_is_jshards_model(tied_head):
+    config = dataclasses.replace(bench_step.MODELS["tiny"], tied_head=tied_head)
+    model = GPT(config, rngs=nnx.Rngs(1))
+    tokens = np.random.default_rng(0).integers(0, config.vocab, (4, 33))
+    plain = bench_step.plain_from(model)
+    np.testing.assert_allclose(float(bench_step.plain_loss(plain, tokens)), float(gpt_loss(model, tokens)), rtol=1e-6)
+
+
+def test_bad_seq_len_is_refused(capsys):
+    assert main(["bench", "step", "--model", "tiny", "--seq-len", "65"]) == 2
+    assert "takes 1..64 tokens per row" in capsys.readouterr().err
+
+
+def _xla_starts(flags: str) -> bool:
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    code = "import jax; jax.numpy.ones(2).block_until_ready()"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True).returncode == 0
+
+
+def test_gpu_xla_flags_are_known_to_this_xla():
+    # XLA parses every flag (GPU ones too) at start-up and aborts on one it does not know.
+    assert _xla_starts(" ".join(mesh.GPU_XLA_FLAGS))
+    assert not _xla_starts("--xla_gpu_no_such_flag=true")
+
+
+def test_gpu_xla_flags_only_on_gpu_and_never_over_the_users(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    assert not mesh.use_gpu_xla_flags()  # the suite runs on CPU
+    assert "XLA_FLAGS" not in os.environ
+    monkeypatch.setattr(mesh, "_gpu_expected", lambda: True)
+    assert mesh.use_gpu_xla_flags()
+    assert os.environ["XLA_FLAGS"] == " ".join(mesh.GPU_XLA_FLAGS)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/mine")
+    assert not mesh.use_gpu_xla_flags()
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/mine"
