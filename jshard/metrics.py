@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 import time
 
 import jax
@@ -52,7 +53,7 @@ def device_peak(devices, dtype, per_device_tflops: float | None = None) -> Peak 
     if per_device_tflops:
         return Peak(per_device_tflops * 1e12 * n, f"--peak-tflops: {per_device_tflops:g} TFLOP/s × {n} devices")
     if devices[0].platform == "cpu":
-        flops = _measured_matmul_flops(devices[0], dtype)
+        flops = measured_matmul_flops(devices[0], dtype)
         return Peak(flops, f"measured: a {CPU_MATMUL}² {jnp.dtype(dtype).name} matmul on this host (all its cores; "
                            f"the {n} CPU devices share them)")
     for name, bf16 in GPU_BF16_PEAKS.items():
@@ -63,16 +64,45 @@ def device_peak(devices, dtype, per_device_tflops: float | None = None) -> Peak 
     return None
 
 
-def _measured_matmul_flops(device, dtype, n: int = CPU_MATMUL, repeats: int = 10) -> float:
+def measured_matmul_flops(device, dtype, n: int = CPU_MATMUL, repeats: int = 10) -> float:
     a = jax.device_put(jnp.ones((n, n), dtype), device)
     matmul = jax.jit(jnp.matmul)
-    matmul(a, a).block_until_ready()  # compile
-    best = float("inf")
+    return 2 * n**3 / best_seconds(lambda: matmul(a, a).block_until_ready(), repeats)
+
+
+# -- timing: `run_once` waits for its results; its first call (compiling) is not timed ------
+
+
+def _seconds(run_once, repeats: int) -> list[float]:
+    run_once()
+    times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        matmul(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
+        run_once()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def best_seconds(run_once, repeats: int) -> float:
+    """The fastest of `repeats` calls: a ceiling (what the hardware can do at best)."""
+    return min(_seconds(run_once, repeats))
+
+
+def median_seconds(run_once, repeats: int) -> float:
+    """The median of `repeats` calls: a typical step."""
+    return statistics.median(_seconds(run_once, repeats))
+
+
+def median_step_seconds(step, batch, repeats: int) -> float:
+    """The median time of a jshard `ShardedStep` on `batch`, from its own initial state."""
+    state = step.state
+
+    def once():
+        nonlocal state
+        state, loss = step(state, batch)
+        loss.block_until_ready()
+
+    return median_seconds(once, repeats)
 
 
 class MetricsFile:

@@ -161,7 +161,7 @@ class Report:
         mesh = " ".join(f"{k}={v}" for k, v in self.mesh_sizes.items())
         header = ("path", "logical names", "shape", "spec", "per device")
         table = [header] + [
-            (p.path, _fmt_names(p.names), "×".join(map(str, p.shape)) or "()", _fmt_spec(p.spec), _fmt_bytes(p.bytes_per_device))
+            (p.path, _fmt_names(p.names), "×".join(map(str, p.shape)) or "()", _fmt_spec(p.spec), format_bytes(p.bytes_per_device))
             for p in self.rows
         ]
         widths = [max(len(row[i]) for row in table) for i in range(len(header))]
@@ -169,7 +169,7 @@ class Report:
         for row in table:
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
         lines.append(
-            f"total {_fmt_bytes(self.total_bytes)}, per device {_fmt_bytes(self.bytes_per_device)} "
+            f"total {format_bytes(self.total_bytes)}, per device {format_bytes(self.bytes_per_device)} "
             f"({self.total_bytes / max(self.bytes_per_device, 1):.2f}× smaller)"
         )
         for p in self.flagged:
@@ -191,8 +191,9 @@ def _fmt_spec(spec: jax.P) -> str:
     return "P(" + ", ".join("+".join(axes_of(e)) if e else "-" for e in spec) + ")"
 
 
-def _fmt_bytes(n: int) -> str:
+def format_bytes(n: float, digits: int = 1) -> str:
+    """1536 -> '1.5 KiB': binary units up to GiB, whole bytes below 1 KiB."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
         n /= 1024

@@ -25,13 +25,16 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 from flax import nnx
 
-from jshard import metrics
-from jshard.mesh import STANDARD_AXES as AXES, parse_axis_sizes
-from jshard.models import GPT, GPTConfig
-from jshard.parallel.schedules import make_schedule
-from jshard.parallel.step import check_plan
+from jshard import hlo, metrics
+from jshard.mesh import STANDARD_AXES as AXES, make_mesh, parse_axis_sizes, use_fake_cpu_devices
+from jshard.models import GPT, GPTConfig, gpt_loss
+from jshard.parallel.pipeline import compile_program
+from jshard.parallel.step import build_step, check_plan
+from jshard.placement import format_bytes
 from jshard.rules import Rules, ShardingError, axes_of, preset, resolve
 
 GiB = 2**30
@@ -317,7 +320,6 @@ def estimate(plan: PlanInput) -> dict:
     logits = CE_FP32_PER_VOCAB * config.vocab / tensor * 4
     if schedule:
         # The executor keeps stage inputs in its slots and recomputes one chunk at a time.
-        from jshard.parallel.pipeline import compile_program
         program = compile_program(schedule)
         a_mb = rows * seq * config.embed * jnp.dtype(config.dtype).itemsize
         chunk_layers = layers_local // schedule.virtual if hasattr(schedule, "virtual") else layers_local
@@ -381,7 +383,7 @@ def estimate(plan: PlanInput) -> dict:
 
     warnings = []
     if total_memory > hw.hbm_bytes:
-        warnings.append(f"does not fit: {_fmt(total_memory)} per device > {_fmt(hw.hbm_bytes)} of HBM")
+        warnings.append(f"does not fit: {format_bytes(total_memory, 2)} per device > {format_bytes(hw.hbm_bytes, 2)} of HBM")
     if tensor > 1 and _link("tensor", sizes, hw)[1] == "inter":
         warnings.append(f"TP axis spans nodes: tensor={tensor} > {hw.gpus_per_node} GPUs per node")
     for name, r in ratios.items():
@@ -405,13 +407,6 @@ def estimate(plan: PlanInput) -> dict:
     )
 
 
-def _fmt(n: float) -> str:
-    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
 def report(est: dict) -> str:
     mem, model = est["memory_bytes_per_device"], est["model"]
     hw = est["hardware"]
@@ -426,12 +421,12 @@ def report(est: dict) -> str:
     ]
     for key in ("params", "grads", "optimizer", "gathered", "chunk_weights", "activations", "batch"):
         if key in mem:
-            lines.append(f"  {key:<14}{_fmt(mem[key]):>12}")
-    lines.append(f"  {'total':<14}{_fmt(mem['total']):>12}  of {_fmt(hw['hbm_bytes'])} HBM"
+            lines.append(f"  {key:<14}{format_bytes(mem[key], 2):>12}")
+    lines.append(f"  {'total':<14}{format_bytes(mem['total'], 2):>12}  of {format_bytes(hw['hbm_bytes'], 2)} HBM"
                  + ("" if est["fits"] else "  DOES NOT FIT"))
     lines.append("communication per step (K bytes per device; time at the link's bandwidth)")
     for r in est["collectives"]:
-        lines.append(f"  {r['kind']:<19}{r['axes']:<12}×{r['group']:<4}{_fmt(r['bytes']):>12}  {r['link']:<6}{r['seconds'] * 1e3:10.3f} ms")
+        lines.append(f"  {r['kind']:<19}{r['axes']:<12}×{r['group']:<4}{format_bytes(r['bytes'], 2):>12}  {r['link']:<6}{r['seconds'] * 1e3:10.3f} ms")
     ratios = "  ".join(f"{k} {v:.3f}" for k, v in est["overlap_ratios"].items() if v is not None) or "none"
     lines += [
         f"  compute     {est['compute_s'] * 1e3:.3f} ms",
@@ -467,19 +462,11 @@ def compiled_pipeline_permute_bytes(schedule, config: GPTConfig, rows: int) -> i
 
 
 def validate_one(strategy: str, mesh_text: str, microbatches, schedule, remat: str, rows: int = 2) -> dict:
-    import numpy as np
-    import optax
-
-    import jshard
-    from jshard import hlo
-    from jshard.models import gpt_loss
-    from jshard.parallel import build_step
-
     config = dataclasses.replace(VALIDATION_MODEL, remat=remat)
     sizes = {a: 1 for a in AXES} | parse_axis_sizes(mesh_text)
     est = estimate(PlanInput(config, sizes, strategy, schedule, microbatches, micro_batch_size=rows,
                              hardware=HARDWARE["cpu"]))
-    mesh, rules = jshard.make_mesh(**parse_axis_sizes(mesh_text)), preset(strategy)
+    mesh, rules = make_mesh(**parse_axis_sizes(mesh_text)), preset(strategy)
     step = build_step(GPT(config, rngs=nnx.Rngs(0)), optax.adamw(1e-3), gpt_loss, mesh, rules,
                       microbatches=microbatches, schedule=schedule)
     batch = np.zeros((est["tokens_per_step"] // config.seq_len, config.seq_len + 1), np.int32)
@@ -563,8 +550,6 @@ def plan_input(args) -> PlanInput:
 
 def run(args) -> int:
     if args.validate:
-        from jshard.mesh import use_fake_cpu_devices
-
         use_fake_cpu_devices(8)
         results = []
         print(format_validation([]))

@@ -43,7 +43,7 @@ from jshard.metrics import MetricsFile, device_peak, gpt_flops_per_token
 from jshard.models import GPT, GPTConfig, gpt_loss
 from jshard.models.stack import REMAT_POLICIES
 from jshard.parallel import ShardedStep, TrainState, build_step, check_plan, stage_axes
-from jshard.placement import _fmt_bytes, describe
+from jshard.placement import describe, format_bytes
 from jshard.rules import axes_of
 
 # Model sizes. `seq_len` is the longest sequence (position embeddings); --seq-len may be shorter.
@@ -311,9 +311,9 @@ def _plan_lines(p: Plan, abstract_model, abstract_opt) -> list[str]:
         f"{_fmt_count(count)} params, bytes as tokens (vocab {m.vocab})",
         f"devices     {jax.device_count()} × {jax.devices()[0].device_kind}, mesh {mesh}" + _processes(p.mesh),
         f"strategy    {p.rules.name} (ZeRO stage {p.rules.zero}){pipeline}",
-        f"per device  {_fmt_count(per_device)} params ({_fmt_bytes(params.bytes_per_device)} of "
-        f"{_fmt_bytes(params.total_bytes)}), optimizer state {_fmt_bytes(opt.bytes_per_device)} of "
-        f"{_fmt_bytes(opt.total_bytes)}",
+        f"per device  {_fmt_count(per_device)} params ({format_bytes(params.bytes_per_device)} of "
+        f"{format_bytes(params.total_bytes)}), optimizer state {format_bytes(opt.bytes_per_device)} of "
+        f"{format_bytes(opt.total_bytes)}",
         f"batch       {c.batch_size} rows × {p.seq_len} tokens = {c.batch_size * p.seq_len} tokens per step "
         f"over {'+'.join(p.batch_axes) or 'no axis'}" + (f", {c.grad_accum} micro-steps" if c.grad_accum > 1 else ""),
         f"training    {c.steps} steps, AdamW lr {c.lr:g} (warm-up {_warmup(c)}, cosine to {c.lr / 10:g}), "

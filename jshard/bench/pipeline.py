@@ -25,8 +25,8 @@ import optax
 from flax import nnx
 
 import jshard
-from jshard.bench.strategies import _median_seconds
 from jshard.mesh import use_fake_cpu_devices_unless_accelerated
+from jshard.metrics import median_step_seconds
 from jshard.models import GPT, GPTConfig, gpt_loss
 from jshard.parallel import build_step
 from jshard.parallel.pipeline import compile_program
@@ -51,17 +51,6 @@ def add_parser(benches) -> None:
     parser.set_defaults(run=run)
 
 
-def _time_step(step, tokens, repeats: int) -> float:
-    state = step.state
-
-    def once():
-        nonlocal state
-        state, loss = step(state, tokens)
-        loss.block_until_ready()
-
-    return _median_seconds(once, repeats)
-
-
 def run(args) -> int:
     use_fake_cpu_devices_unless_accelerated(args.fake_devices)
     config = GPTConfig(seq_len=args.seq_len, embed=args.embed, heads=4, mlp=4 * args.embed, layers=args.layers)
@@ -74,7 +63,7 @@ def run(args) -> int:
         return GPT(config, rngs=nnx.Rngs(0))
 
     flat = build_step(make_model(), tx, gpt_loss, jshard.make_mesh(data=-1), jshard.preset("dp"))
-    flat_s = _time_step(flat, flat.shard_batch(batch), args.repeats)
+    flat_s = median_step_seconds(flat, flat.shard_batch(batch), args.repeats)
     device = jax.devices()[0]
     print(f"# jshard bench pipeline: {jax.device_count()} × {device.device_kind} ({device.platform}), "
           f"mesh data={data},stage={args.stages}, m={args.microbatches}, GPT layers={config.layers} "
@@ -95,7 +84,7 @@ def run(args) -> int:
         loss, _ = step.value_and_grad(step.state, tokens)
         row = dict(schedule=schedule.name, ticks=schedule.ticks, bubble=schedule.bubble_fraction,
                    slots=program.act_slots + program.grad_slots, temp_bytes=temp,
-                   step_s=_time_step(step, tokens, args.repeats), flat_step_s=flat_s,
+                   step_s=median_step_seconds(step, tokens, args.repeats), flat_step_s=flat_s,
                    textbook_vs_flat=(1 + schedule.bubble_fraction) * RECOMPUTE,
                    parity_rel_err=abs(float(loss) - expected) / abs(expected))
         rows.append(row)

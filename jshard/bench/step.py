@@ -44,7 +44,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 import jshard
 from jshard import plan, train
 from jshard.mesh import GPU_XLA_FLAGS, parse_axis_sizes, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags
-from jshard.metrics import CPU_MATMUL, _measured_matmul_flops, device_peak, gpt_flops_per_token
+from jshard.metrics import CPU_MATMUL, best_seconds, device_peak, gpt_flops_per_token, measured_matmul_flops
 from jshard.models import GPT, GPTConfig, gpt_loss
 from jshard.parallel import build_step
 from jshard.train import PRECISIONS, TrainError
@@ -216,13 +216,7 @@ def copy_gbps(devices, nbytes: int) -> float:
     else:
         copy_fn = jax.jit(jnp.copy)  # compiles to one XLA copy into a new buffer
         copy, moved = (lambda: copy_fn(x)), 2 * nbytes
-    copy().block_until_ready()
-    best = float("inf")
-    for _ in range(CEILING_REPEATS):
-        start = time.perf_counter()
-        copy().block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return moved / best / 1e9
+    return moved / best_seconds(lambda: copy().block_until_ready(), CEILING_REPEATS) / 1e9
 
 
 def _platform_defaults(args, platform: str):
@@ -247,7 +241,7 @@ def measure(args) -> dict:
     mesh = jshard.make_mesh(devices=devices, **sizes)
     devices = list(mesh.devices.flat)
 
-    matmul = _measured_matmul_flops(devices[0], config.dtype, CPU_MATMUL if platform == "cpu" else GPU_MATMUL,
+    matmul = measured_matmul_flops(devices[0], config.dtype, CPU_MATMUL if platform == "cpu" else GPU_MATMUL,
                                     CEILING_REPEATS)
     copy = copy_gbps(devices, COPY_BYTES["cpu" if platform == "cpu" else "gpu"])
     # Fake CPU devices share the host's cores: the host's matmul is the peak of them all.

@@ -17,8 +17,6 @@ accelerator is present), one GPT training step (AdamW) gives one row:
 from __future__ import annotations
 
 import json
-import statistics
-import time
 
 import jax
 import numpy as np
@@ -28,6 +26,7 @@ from flax import nnx
 import jshard
 from jshard import hlo, plan
 from jshard.mesh import mesh_shape, parse_axis_sizes, use_fake_cpu_devices_unless_accelerated
+from jshard.metrics import median_seconds, median_step_seconds
 from jshard.models import GPT, GPTConfig, gpt_loss
 from jshard.parallel import ShardedStep, build_step
 
@@ -77,16 +76,6 @@ def textbook_memory(step: ShardedStep, config: GPTConfig) -> int:
     return sum(plan.state_bytes(plan_params(step), mesh_shape(step.mesh), step.rules, config.layers).values())
 
 
-def _median_seconds(run_once, repeats: int) -> float:
-    run_once()  # compile and warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run_once()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _gspmd_step(make_model, tx, mesh, rules):
     """The same training step through plain jax.jit: params and optimizer state placed by
     the rules, activations constrained by them, XLA's partitioner inserting collectives."""
@@ -126,13 +115,6 @@ def bench_plan(preset: str, mesh_text: str, config: GPTConfig, batch, reference,
         for path, g in nnx.to_flat_state(grads)
     )
 
-    state = step.state
-
-    def explicit_once():
-        nonlocal state
-        state, loss = step(state, tokens)
-        loss.block_until_ready()
-
     gspmd, model_state, optimizer_state = _gspmd_step(make_model, tx, mesh, rules)
     gspmd_tokens = jax.device_put(batch, step.shard_batch(batch).sharding)
 
@@ -142,7 +124,7 @@ def bench_plan(preset: str, mesh_text: str, config: GPTConfig, batch, reference,
             model_state, optimizer_state, loss = gspmd(model_state, optimizer_state, gspmd_tokens)
         loss.block_until_ready()
 
-    step_s, gspmd_s = _median_seconds(explicit_once, repeats), _median_seconds(gspmd_once, repeats)
+    step_s, gspmd_s = median_step_seconds(step, tokens, repeats), median_seconds(gspmd_once, repeats)
     return dict(
         strategy=rules.name, mesh=mesh_text, comm_bytes=comm, textbook_bytes=textbook,
         comm_ratio=comm / textbook if textbook else float("nan"),

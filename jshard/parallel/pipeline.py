@@ -70,7 +70,7 @@ def _role(position: int, positions: int) -> str:
     return "first" if position == 0 else "last" if position == positions - 1 else "middle"
 
 
-def _assign_slots(lifetimes: dict, ticks: int, stages: int) -> tuple[dict, int]:
+def _assign_slots(lifetimes: dict, stages: int) -> tuple[dict, int]:
     """Slots for values that live from the end of tick `start` to tick `end` on `stage`.
 
     A value read for the last time at tick t frees its slot for one arriving at the end of t.
@@ -103,8 +103,8 @@ def compile_program(schedule: Schedule) -> Program:
     acts = {(k % p, i, k): (done["F", i, k - 1], last_read[i, k]) for i in range(schedule.microbatches) for k in range(1, positions)}
     grads = {(k % p, i, k): (done[schedule.backward, i, k + 1], last_read[i, k])
              for i in range(schedule.microbatches) for k in range(positions - 1)}
-    act_slot_of, act_slots = _assign_slots(acts, ticks, p)
-    grad_slot_of, grad_slots = _assign_slots(grads, ticks, p)
+    act_slot_of, act_slots = _assign_slots(acts, p)
+    grad_slot_of, grad_slots = _assign_slots(grads, p)
 
     shape = (ticks, p)
     arrays = {name: np.zeros(shape, np.int32) for name in ("branch", "microbatch", "chunk")}
@@ -123,12 +123,9 @@ def compile_program(schedule: Schedule) -> Program:
         arrays["act_arrival"][start, stage] = act_slot_of[stage, i, k]
     for (stage, i, k), (start, _) in grads.items():
         arrays["grad_arrival"][start, stage] = grad_slot_of[stage, i, k]
-    sends_forward, sends_backward = np.zeros(ticks, bool), np.zeros(ticks, bool)
-    for (stage, i, k), (start, _) in acts.items():
-        sends_forward[start] = True
-    for (stage, i, k), (start, _) in grads.items():
-        sends_backward[start] = True
-    return Program(**arrays, sends_forward=sends_forward, sends_backward=sends_backward,
+    # A tick sends when something arrives at its end.
+    return Program(**arrays, sends_forward=(arrays["act_arrival"] != act_slots).any(axis=1),
+                   sends_backward=(arrays["grad_arrival"] != grad_slots).any(axis=1),
                    act_slots=act_slots, grad_slots=grad_slots)
 
 
