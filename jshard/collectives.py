@@ -175,21 +175,20 @@ def send_recv(x, axis, shift: int = 1):
     if not _is_int(shift):
         raise CollectiveError(f"shift must be an int, got {shift!r}")
     n = _size(axes)
+    # ppermute numbers a group of several axes in the mesh's axis order (JAX 0.10 by sorting
+    # device ids; JAX >= 0.11 raises on any other order), whereas axis_index, all_gather and
+    # all_to_all rank it in the tuple's order. So name the axes in mesh order and translate.
+    in_mesh_order = tuple(a for a in jax.sharding.get_abstract_mesh().axis_names if a in axes)
     ring = [(r, (r + int(shift)) % n) for r in range(n)]
-    return lax.ppermute(x, axes, perm=[(_ppermute_index(src, axes), _ppermute_index(dst, axes)) for src, dst in ring])
+    perm = [(_reorder_rank(src, axes, in_mesh_order), _reorder_rank(dst, axes, in_mesh_order)) for src, dst in ring]
+    return lax.ppermute(x, in_mesh_order, perm=perm)
 
 
-def _ppermute_index(rank: int, axes: tuple[str, ...]) -> int:
-    """The number `lax.ppermute` gives the device of this rank.
-
-    Over a tuple of axes, axis_index, all_gather and all_to_all rank devices row-major in
-    the tuple's order, but ppermute (JAX 0.10) numbers them in the mesh's axis order. The
-    two agree for one axis, or a tuple in mesh order; otherwise translate.
-    """
-    sizes = [lax.axis_size(a) for a in axes]
-    position = dict(zip(axes, np.unravel_index(rank, sizes)))
-    mesh_order = [a for a in jax.sharding.get_abstract_mesh().axis_names if a in position]
-    return int(np.ravel_multi_index([position[a] for a in mesh_order], [lax.axis_size(a) for a in mesh_order]))
+def _reorder_rank(rank: int, axes: tuple[str, ...], order: tuple[str, ...]) -> int:
+    """The rank a device has over `axes` (row-major in that order), as its rank over `order`,
+    the same axes in another order."""
+    position = dict(zip(axes, np.unravel_index(rank, [lax.axis_size(a) for a in axes])))
+    return int(np.ravel_multi_index([position[a] for a in order], [lax.axis_size(a) for a in order]))
 
 
 def barrier(axis, x=None):

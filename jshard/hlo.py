@@ -29,8 +29,20 @@ _WHILE = re.compile(r"\swhile\(.*body=%(?P<body>[\w.\-]+)")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"')
 _CALLED = re.compile(r"(?:calls|body|condition|true_computation|false_computation)=%(?P<name>[\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
-_GROUPS_LIST = re.compile(r"replica_groups=\{\{(?P<first>[\d,]*)\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[(?P<dims>[\d,]+)\]")
+# XLA prints replica groups in three forms (group size in brackets):
+#   a list           replica_groups={{0,2},{1,3}}                                  (2)
+#   an iota          replica_groups=[2,2]<=[4]  or  [2,4]<=[2,2,2]T(1,0,2)         (the last dim)
+#   mesh axes        replica_groups=mesh['data'=2,'fsdp'=4] {'fsdp'}               (4)
+#                    ... mesh['x'=8] {'x':(1)2}  (a sub-axis: pre-size 1, size 2)  (2)
+# JAX <= 0.10 emits the first two; JAX >= 0.11 the mesh form for shard_map collectives.
+_GROUPS_LIST = re.compile(r"replica_groups=\{(?P<groups>\{[\d,]*\}(?:,\{[\d,]*\})*)?\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(?P<dims>[\d,]+)\]<=")
+_GROUPS_MESH = re.compile(
+    r"replica_groups=mesh\[(?P<mesh>[^\]]*)\].*?\s\{(?P<axes>(?:'?[\w.\-]+'?(?::\(\d+\)\d+)?,?)*)\}"
+)
+_MESH_AXIS = re.compile(r"'?(?P<name>[\w.\-]+)'?=(?P<size>\d+)")
+_GROUP_AXIS = re.compile(r"'?(?P<name>[\w.\-]+)'?(?::\(\d+\)(?P<sub>\d+))?")
+_PARTITIONS = re.compile(r"\bnum_partitions=(?P<n>\d+)")
 
 
 def _bytes(shapes: str) -> int:
@@ -42,11 +54,20 @@ def _bytes(shapes: str) -> int:
     return total
 
 
-def _group_size(line: str) -> int:
-    if m := _GROUPS_LIST.search(line):
-        return len([d for d in m["first"].split(",") if d])
+def _group_size(line: str, devices: int) -> int:
+    """How many devices take part together in the collective on this HLO line.
+
+    `devices` is the program's device count, the group of an empty list (`{}`: everyone).
+    """
+    if m := _GROUPS_MESH.search(line):
+        sizes = {a["name"]: int(a["size"]) for a in _MESH_AXIS.finditer(m["mesh"])}
+        return math.prod(int(a["sub"] or sizes[a["name"]]) for a in _GROUP_AXIS.finditer(m["axes"]))
     if m := _GROUPS_IOTA.search(line):
         return int(m["dims"].split(",")[-1])
+    if m := _GROUPS_LIST.search(line):
+        if not m["groups"]:
+            return devices
+        return len([d for d in m["groups"][1:].split("}")[0].split(",") if d])
     return 1
 
 
@@ -100,12 +121,13 @@ def collectives(hlo_text: str) -> list[Collective]:
     """Every collective of a compiled HLO module, with how often it runs."""
     blocks, entry = _computations(hlo_text)
     runs = _executions(blocks, entry)
+    devices = int(m["n"]) if (m := _PARTITIONS.search(hlo_text)) else 1
     found = []
     for name, lines in blocks.items():
         for line in lines:
             if not (m := _OP.search(line)):
                 continue
-            group = _group_size(line)
+            group = _group_size(line, devices)
             buffers = [_bytes(shape.group(0)) for shape in _SHAPE.finditer(m["result"])]
             # A combined collective returns a tuple of buffers; an async start returns
             # (operand, result): keep the larger, the gathered or reduced buffer.

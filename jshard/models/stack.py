@@ -25,9 +25,7 @@ _LAYERS_METADATA = {nnx.PARTITION_NAME: "layers"}
 #              attention core (scores, softmax: batched matmuls) is recomputed, as in
 #              Megatron's selective recomputation
 # Neither `full` nor `selective` saves all-gather outputs, so both include ZeRO-3's
-# policy of gathering weights again in backward. A checkpoint around the caller decides
-# for everything inside it, these layers included: the ZeRO-3 step's applies
-# `layer_policy(model)` too.
+# policy of gathering weights again in backward.
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -56,10 +54,9 @@ def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], count: int, rngs:
     return layers
 
 
-def layer_policy(model: nnx.Module):
-    """The checkpoint policy of the stacked layers in `model` (None: save everything)."""
-    found = {node.remat for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Module) and hasattr(node, "remat")}
-    return REMAT_POLICIES[found.pop()] if len(found) == 1 else None
+def has_stack(model: nnx.Module) -> bool:
+    """Whether `model` runs layers through `scan_layers` (a module made by `stack_layers`)."""
+    return any(isinstance(node, nnx.Module) and hasattr(node, "remat") for _, node in nnx.iter_graph(model))
 
 
 def scan_layers(layers: nnx.Module, x: jax.Array) -> jax.Array:

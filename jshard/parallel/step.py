@@ -41,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jshard import nn
 from jshard.mesh import mesh_shape
-from jshard.models.stack import StagedLoss, layer_policy
+from jshard.models.stack import StagedLoss, has_stack
 from jshard.parallel import pipeline
 from jshard.parallel.schedules import Schedule, check_layers, make_schedule
 from jshard.placement import specs
@@ -139,7 +139,7 @@ class ShardedStep:
         self.stage_axis = next(iter(stage_axes(mesh, rules)), None)
         self.microbatches = microbatches
         _check_params(params)
-        self._layer_policy = layer_policy(model)
+        self._has_stack = has_stack(model)
         param_specs = specs(params, mesh, rules, "param")  # every bad input raises here
         self.param_layouts = _layouts(param_specs)
         if self.schedule:
@@ -244,12 +244,6 @@ class ShardedStep:
         missing = tuple(a for a in self.batch_axes if a not in _axes_in(layout) and a not in nn.varying_axes(x))
         return lax.pcast(x, missing, to="varying") if missing else x
 
-    def _zero3_policy(self, *args, **kwargs) -> bool:
-        """Save what ZeRO-3 keeps (all but gathered weights) and the model's layers keep: an
-        outer checkpoint decides for everything inside it, their own checkpoints included."""
-        layers = self._layer_policy
-        return nn.remat_policy(*args, **kwargs) and (layers is None or layers(*args, **kwargs))
-
     def _differentiable(self, params):
         """Step 1: what autodiff sees, and the layout its gradient comes out in."""
         if self.rules.zero != 2:
@@ -294,8 +288,13 @@ class ShardedStep:
             def loss_of(diff):
                 return one_value(self.loss_fn(model_of(diff), batch))
 
-            if nn.gathers_weights():  # ZeRO-3: weights used outside the layer scan are gathered again too
-                loss_of = jax.checkpoint(loss_of, policy=self._zero3_policy)
+            # ZeRO-3 gathers each weight again in backward. A layer stack does so layer by
+            # layer (`scan_layers`); a model without one gets it here. Weights outside a stack
+            # (embeddings, head, final norm) are gathered once and kept: their first backward
+            # use is where forward ends, and XLA merges a second gather into the first on
+            # some versions and not on others, so keeping them makes the count one on all.
+            if nn.gathers_weights() and not self._has_stack:
+                loss_of = jax.checkpoint(loss_of, policy=nn.remat_policy)
             loss, grads = jax.value_and_grad(loss_of)(diff)
 
         def reduce(g, have, want):
