@@ -1,11 +1,13 @@
 # Two entry points, both self-contained from a fresh clone with only python3:
 #   make train  - the main job on its default: `jshard train`, a sharded GPT run on 8 fake CPU devices
 #   make test   - the test suite (8 fake CPU devices)
+# Another Python gets its own virtualenv, e.g. the newest JAX (which needs Python >= 3.12):
+#   make test PYTHON=python3.12 VENV=.venv-py3.12
 PYTHON ?= python3
-VENV   := .venv
+VENV   ?= .venv
 STAMP  := $(VENV)/.installed
 
-.PHONY: train test venv clean
+.PHONY: train test venv versions clean
 
 # Re-install only when the package definition changes.
 $(STAMP): pyproject.toml
@@ -19,8 +21,13 @@ venv: $(STAMP)
 train: $(STAMP)
 	$(VENV)/bin/jshard train
 
-test: $(STAMP)
+# The versions under test come first, so every summary says what it tested.
+versions: $(STAMP)
+	@$(VENV)/bin/python -c "import sys, jax, flax, optax, orbax.checkpoint as o; \
+	print(f'python {sys.version.split()[0]}, jax {jax.__version__}, flax {flax.__version__}, optax {optax.__version__}, orbax-checkpoint {o.__version__}')"
+
+test: versions
 	$(VENV)/bin/python -m pytest
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-py* build *.egg-info

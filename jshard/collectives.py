@@ -8,7 +8,9 @@ devices are the *ranks* of the collective, numbered 0..N-1 by their position on 
 `axis` is one mesh axis name, or a tuple of names whose devices then form one group,
 ranked row-major in the order the tuple gives (as `jax.lax.axis_index` ranks them).
 
-Every op returns a new array (JAX arrays are immutable); where torch writes into an
+Each rank contributes its own x, as in torch, even where JAX types x as the same on every
+rank (invariant): the ops cast it to varying first (`jshard.vma`). Every op returns a new
+array (JAX arrays are immutable); where torch writes into an
 output buffer, here the buffer is the return value. Arguments are checked while the
 function is traced, so a bad `op`, `dim` or `root` fails before any device work.
 
@@ -31,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jshard import vma
 from jshard.mesh import make_mesh
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
@@ -122,7 +125,7 @@ def all_reduce(x, axis, op: str = "sum"):
     The result is the same on every rank (JAX types it as invariant over `axis`).
     """
     axes, op = _axes(axis), _op(op)
-    return _ACROSS_RANKS[op](x, axes)
+    return _ACROSS_RANKS[op](vma.vary(x, axes), axes)
 
 
 def reduce_scatter(x, axis, dim: int = 0, op: str = "sum"):
@@ -136,12 +139,12 @@ def reduce_scatter(x, axis, dim: int = 0, op: str = "sum"):
     axes, op = _axes(axis), _op(op)
     dim = _split_dim(x, dim, axes, "dim")
     if op in ("sum", "mean"):
-        total = lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
+        total = lax.psum_scatter(vma.vary(x, axes), axes, scatter_dimension=dim, tiled=True)
         return total / _size(axes) if op == "mean" else total
     n = _size(axes)
     shape = jnp.shape(x)
     chunks = jnp.reshape(x, shape[:dim] + (n, shape[dim] // n) + shape[dim + 1 :])
-    received = lax.all_to_all(chunks, axes, dim, dim, tiled=True)  # [..., source rank, chunk, ...]
+    received = lax.all_to_all(vma.vary(chunks, axes), axes, dim, dim, tiled=True)  # [..., source rank, chunk, ...]
     return _ALONG_DIM[op](received, axis=dim)
 
 
@@ -153,7 +156,7 @@ def all_gather(x, axis, dim: int = 0):
     """
     axes = _axes(axis)
     dim = _dim(x, dim, "dim")
-    return lax.all_gather(x, axes, axis=dim, tiled=True)
+    return lax.all_gather(vma.vary(x, axes), axes, axis=dim, tiled=True)
 
 
 def all_to_all(x, axis, split_dim: int, concat_dim: int):
@@ -162,7 +165,7 @@ def all_to_all(x, axis, split_dim: int, concat_dim: int):
     axes = _axes(axis)
     split_dim = _split_dim(x, split_dim, axes, "split_dim")
     concat_dim = _dim(x, concat_dim, "concat_dim")
-    return lax.all_to_all(x, axes, split_dim, concat_dim, tiled=True)
+    return lax.all_to_all(vma.vary(x, axes), axes, split_dim, concat_dim, tiled=True)
 
 
 def send_recv(x, axis, shift: int = 1):
@@ -181,7 +184,7 @@ def send_recv(x, axis, shift: int = 1):
     in_mesh_order = tuple(a for a in jax.sharding.get_abstract_mesh().axis_names if a in axes)
     ring = [(r, (r + int(shift)) % n) for r in range(n)]
     perm = [(_reorder_rank(src, axes, in_mesh_order), _reorder_rank(dst, axes, in_mesh_order)) for src, dst in ring]
-    return lax.ppermute(x, in_mesh_order, perm=perm)
+    return lax.ppermute(vma.vary(x, axes), in_mesh_order, perm=perm)
 
 
 def _reorder_rank(rank: int, axes: tuple[str, ...], order: tuple[str, ...]) -> int:
@@ -206,7 +209,7 @@ def barrier(axis, x=None):
     arrived = lax.psum((lax.axis_index(axes) >= 0).astype(jnp.int32), axes)
     if x is None:
         return arrived
-    return jax.tree.map(lambda leaf: jnp.where(arrived > 0, leaf, jnp.zeros_like(leaf)), x)
+    return jax.tree.map(lambda leaf: vma.where(arrived > 0, leaf, vma.zeros_like(leaf)), x)
 
 
 # --- rooted collectives ---------------------------------------------------------------------
@@ -220,7 +223,7 @@ def broadcast(x, axis, root: int = 0):
     """
     axes = _axes(axis)
     root = _root(root, axes)
-    return lax.psum(jnp.where(_is_root(axes, root), x, jnp.zeros_like(x)), axes)
+    return lax.psum(vma.where(_is_root(axes, root), x, vma.zeros_like(x)), axes)
 
 
 def scatter(x, axis, root: int = 0, dim: int = 0):
@@ -232,7 +235,7 @@ def scatter(x, axis, root: int = 0, dim: int = 0):
     axes = _axes(axis)
     root = _root(root, axes)
     dim = _split_dim(x, dim, axes, "dim")
-    from_root = jnp.where(_is_root(axes, root), x, jnp.zeros_like(x))
+    from_root = vma.where(_is_root(axes, root), x, vma.zeros_like(x))
     return lax.psum_scatter(from_root, axes, scatter_dimension=dim, tiled=True)
 
 
@@ -245,7 +248,7 @@ def gather(x, axis, root: int = 0, dim: int = 0):
     axes = _axes(axis)
     root = _root(root, axes)
     gathered = all_gather(x, axes, dim)
-    return jnp.where(_is_root(axes, root), gathered, jnp.zeros_like(gathered))
+    return vma.where(_is_root(axes, root), gathered, vma.zeros_like(gathered))
 
 
 def reduce(x, axis, root: int = 0, op: str = "sum"):
@@ -255,7 +258,7 @@ def reduce(x, axis, root: int = 0, op: str = "sum"):
     """
     axes = _axes(axis)
     root = _root(root, axes)
-    return jnp.where(_is_root(axes, root), all_reduce(x, axes, op), x)
+    return vma.where(_is_root(axes, root), all_reduce(x, axes, op), x)
 
 
 # --- the lectures' spawn ----------------------------------------------------------------------
@@ -288,4 +291,7 @@ def run(fn, world_size: int, *args, axis: str = "ranks", **kwargs):
         return jax.tree.map(lambda leaf: jnp.asarray(leaf)[None], out)  # a leading rank dim
 
     ranks = jax.shard_map(per_rank, mesh=mesh, in_specs=(), out_specs=jax.P(axis), check_vma=True)
-    return jax.device_get(jax.jit(ranks)())
+    # `fn` is written as for torch, where every value is its rank's own (`tensor + rank`):
+    # JAX's automatic casts to varying stay on for it, whatever `jax_auto_pcast` defaults to.
+    with jax.auto_pcast(True):
+        return jax.device_get(jax.jit(ranks)())

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jshard import vma
 from jshard.rules import active_rules, axes_of, constrain, manual_axes, named
 
 Layout = tuple[tuple[str, ...], ...]
@@ -44,13 +45,6 @@ def layout(names: Sequence[str | None], kind: str = "activation") -> Layout:
     """Where the active rules put each dim of a tensor called `names`, inside a step."""
     spec = active_rules().spec(tuple(names), None, jax.sharding.get_abstract_mesh(), kind)
     return tuple(axes_of(entry) for entry in spec)
-
-
-def varying_axes(x) -> frozenset[str]:
-    """The manual mesh axes over which `x` may differ between devices (its vma)."""
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)  # JAX >= 0.10; earlier: aval.vma
-    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
 
 
 def _in_step() -> bool:
@@ -130,7 +124,7 @@ class ShardWithReplica:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _replica_with_scattered_grad(shard, replica, dim, axes, vary):
     # Varying over the batch axes, so autodiff hands backward this device's own gradient.
-    return lax.pcast(replica, vary, to="varying") if vary else replica
+    return vma.vary(replica, vary)
 
 
 def _replica_fwd(shard, replica, dim, axes, vary):
@@ -141,9 +135,8 @@ def _replica_fwd(shard, replica, dim, axes, vary):
 def _replica_bwd(dim, axes, vary, shard, cotangent):
     grad = lax.psum_scatter(cotangent, axes, scatter_dimension=dim % cotangent.ndim, tiled=True)
     # Typed as the shard, which may vary where the replica does not (a pipeline's stage axis).
-    missing = tuple(sorted(varying_axes(shard) - varying_axes(grad)))
     # The replica is not differentiated (None: a zero cotangent, never materialised).
-    return (lax.pcast(grad, missing, to="varying") if missing else grad), None
+    return vma.vary(grad, vma.varying_axes(shard)), None
 
 
 _replica_with_scattered_grad.defvjp(_replica_fwd, _replica_bwd)

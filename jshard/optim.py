@@ -16,7 +16,7 @@ import optax
 from flax import nnx
 from jax import lax
 
-from jshard import nn
+from jshard import vma
 
 
 def global_norm(updates) -> jax.Array:
@@ -29,7 +29,7 @@ def global_norm(updates) -> jax.Array:
 
     def squares(g):
         local = jnp.sum(jnp.square(g.astype(jnp.float32)))
-        axes = tuple(sorted(nn.varying_axes(local)))
+        axes = tuple(sorted(vma.varying_axes(local)))
         return lax.psum(local, axes) if axes else local
 
     return jnp.sqrt(sum(squares(g) for g in jax.tree.leaves(updates)))

@@ -185,6 +185,31 @@ def test_matches_numpy(op, grouping):
                                    err_msg=f"{op} ({reduction}) over {axis}, shape {shape}, seed {seed}")
 
 
+JAX_0_10 = tuple(map(int, jax.__version__.split(".")[:2])) < (0, 11)
+WITHOUT_AUTO_PCAST = pytest.param(False, id="no_auto_pcast", marks=pytest.mark.skipif(
+    JAX_0_10, reason="JAX 0.10's own axis_index over several axes needs jax_auto_pcast"))
+
+
+@pytest.mark.parametrize("auto_pcast", [pytest.param(True, id="auto_pcast"), WITHOUT_AUTO_PCAST])
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast",
+                                "scatter", "gather", "reduce", "send_recv", "barrier"])
+def test_an_input_alike_on_every_rank_is_each_ranks_own(op, auto_pcast):
+    """x given whole to every device (in_specs P(): JAX types it invariant) takes part once per
+    rank, as in torch, whether or not JAX casts it to varying itself (`jax_auto_pcast`, which
+    JAX plans to turn off): jshard's collectives cast explicitly."""
+    seed = np.random.SeedSequence().entropy
+    rng = np.random.default_rng(seed)
+    mesh, axes = jshard.make_mesh(**MESH_3D), ("fsdp", "tensor")
+    shape, ours, reference = draw(op, 4, str(rng.choice(C.REDUCE_OPS)), rng)
+    x = rng.standard_normal(shape).astype(np.float32)
+    body = jax.shard_map(lambda x: ours(x, axes)[None], mesh=mesh, in_specs=jax.P(),
+                         out_specs=jax.P(mesh.axis_names), check_vma=True)
+    with jax.auto_pcast(auto_pcast):
+        out = jax.jit(body)(x)
+    expected = per_group(mesh, axes, np.stack([x] * mesh.size), reference)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6, err_msg=f"{op}, seed {seed}")
+
+
 # --- gradients: all_gather and reduce_scatter are each other's transpose ----------------------
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jshard import nn
+from jshard import nn, vma
 
 # Adds (and on use removes) `layers` as the first logical name of every stacked Variable.
 _LAYERS_METADATA = {nnx.PARTITION_NAME: "layers"}
@@ -97,8 +97,7 @@ def _as_carry(apply, layers, x: jax.Array) -> jax.Array:
     def each(x, layer):
         return apply(layer, x)
 
-    missing = nn.varying_axes(nnx.eval_shape(each, x, layers)) - nn.varying_axes(x)
-    return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
+    return vma.vary(x, vma.varying_axes(nnx.eval_shape(each, x, layers)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,7 +41,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from jshard import nn
+from jshard import vma
 from jshard.models.stack import StagedLoss, scan_layers
 from jshard.parallel.schedules import Schedule
 
@@ -132,13 +132,8 @@ def compile_program(schedule: Schedule) -> Program:
 # --- the executor --------------------------------------------------------------------------------
 
 
-def _vary(x, axes):
-    missing = tuple(sorted(set(axes) - nn.varying_axes(x)))
-    return lax.pcast(x, missing, to="varying") if missing else x
-
-
 def _zeros(abstract, axes):
-    return _vary(jnp.zeros(abstract.shape, abstract.dtype), axes)
+    return vma.vary(jnp.zeros(abstract.shape, abstract.dtype), axes)
 
 
 def run(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, batch, stage_axis: str,
@@ -153,8 +148,8 @@ def run(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, batch, s
     stage = lax.axis_index(stage_axis)
     micro = jax.tree.map(lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:]), batch)
     # Every param stage-varying: a branch's gradient then needs no psum over the stage axis.
-    shared = jax.tree.map(lambda w: stage_axis not in nn.varying_axes(w), diff)
-    diff = jax.tree.map(lambda w: _vary(w, (stage_axis,)), diff)
+    shared = jax.tree.map(lambda w: stage_axis not in vma.varying_axes(w), diff)
+    diff = jax.tree.map(lambda w: vma.vary(w, (stage_axis,)), diff)
 
     def take(tree, index):
         return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, keepdims=False), tree)
@@ -168,10 +163,10 @@ def run(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, batch, s
         return nnx.merge(graphdef, jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, chunk * size, size), state))
 
     def first(diff, mb):
-        return _vary(loss.first(model_of(diff), mb), act_axes)
+        return vma.vary(loss.first(model_of(diff), mb), act_axes)
 
     def layers(diff, x, chunk):
-        return _vary(scan_layers(chunk_of(model_of(diff), chunk), x), act_axes)
+        return vma.vary(scan_layers(chunk_of(model_of(diff), chunk), x), act_axes)
 
     def last(diff, y, mb):
         return one_value(loss.last(model_of(diff), y, mb))
@@ -181,17 +176,17 @@ def run(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, batch, s
     act_axes = frozenset({stage_axis})
     while True:
         x = nnx.eval_shape(first, diff, mb0)
-        grown = act_axes | nn.varying_axes(x) | nn.varying_axes(nnx.eval_shape(layers, diff, x, 0))
+        grown = act_axes | vma.varying_axes(x) | vma.varying_axes(nnx.eval_shape(layers, diff, x, 0))
         if grown == act_axes:
             break
         act_axes = grown
     loss_abstract = nnx.eval_shape(last, diff, x, mb0)
-    loss_axes = nn.varying_axes(loss_abstract) | {stage_axis}
+    loss_axes = vma.varying_axes(loss_abstract) | {stage_axis}
 
     def forward(role, diff, x, mb, chunk):
         """What the chunk at this `role` computes: an activation, or at the end, the loss."""
         y = layers(diff, first(diff, mb) if role == "first" else x, chunk)
-        return _vary(last(diff, y, mb), loss_axes) if role == "last" else y
+        return vma.vary(last(diff, y, mb), loss_axes) if role == "last" else y
 
     def branch(kind, role):
         def act(diff, grads, loss_sum, x, g, mb, chunk):
@@ -202,7 +197,7 @@ def run(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, batch, s
                 out = forward(role, diff, x, mb, chunk)
                 return (grads, loss_sum + out, zero, zero) if role == "last" else (grads, loss_sum, out, zero)
             if role == "last":  # the gradient of the mean over micro-batches
-                g = _vary(jnp.full(loss_abstract.shape, 1 / m, loss_abstract.dtype), loss_axes)
+                g = vma.vary(jnp.full(loss_abstract.shape, 1 / m, loss_abstract.dtype), loss_axes)
             wrt_weights, wrt_input = kind in ("BW", "W"), kind in ("BW", "B") and role != "first"
             if not (wrt_weights or wrt_input):  # B at position 0: no input to pass a gradient to
                 return grads, loss_sum, zero, zero

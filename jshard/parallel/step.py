@@ -39,7 +39,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
-from jshard import nn
+from jshard import nn, vma
 from jshard.mesh import mesh_shape
 from jshard.models.stack import StagedLoss, has_stack
 from jshard.parallel import pipeline
@@ -241,8 +241,7 @@ class ShardedStep:
 
     def _vary(self, x, layout: nn.Layout):
         """x, cast to varying over the batch axes it is not split over (no communication)."""
-        missing = tuple(a for a in self.batch_axes if a not in _axes_in(layout) and a not in nn.varying_axes(x))
-        return lax.pcast(x, missing, to="varying") if missing else x
+        return vma.vary(x, [a for a in self.batch_axes if a not in _axes_in(layout)])
 
     def _differentiable(self, params):
         """Step 1: what autodiff sees, and the layout its gradient comes out in."""
@@ -279,7 +278,7 @@ class ShardedStep:
         def one_value(loss):
             # Equal on every device of a non-batch axis, but typed varying (it came from
             # gathered activations): average to make it one value, and its gradient once.
-            spread = tuple(sorted(nn.varying_axes(loss) - set(self.batch_axes) - {self.stage_axis}))
+            spread = tuple(sorted(vma.varying_axes(loss) - set(self.batch_axes) - {self.stage_axis}))
             return lax.pmean(loss, spread) if spread else loss
 
         if self.schedule:  # the pipeline runs its own backward, micro-batch by micro-batch
