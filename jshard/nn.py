@@ -86,6 +86,8 @@ def relayout_local(x: jax.Array, src: Layout, dst: Layout, partial: Sequence[str
         if want[keep:]:
             n = lax.axis_size(want[keep:])
             size = x.shape[dim] // n
+            # Each device keeps its own slice: varying over those axes, even if x was alike.
+            x = vma.vary(x, want[keep:])
             x = lax.dynamic_slice_in_dim(x, lax.axis_index(want[keep:]) * size, size, axis=dim)
     return x
 
@@ -202,8 +204,8 @@ def matmul(x: jax.Array, x_names, w: jax.Array, w_names) -> jax.Array:
     w_free = [i for i in range(len(w_names)) if i not in w_contracted]
     y_names = lead + tuple(w_names[i] for i in w_free)
     dims = ((tuple(range(len(lead), len(x_names))), tuple(w_contracted)), ((), ()))
-    if not _in_step():
-        return constrain(lax.dot_general(x, w, dims), y_names)
+    if not _in_step():  # (inside a plain shard_map, x may vary where w does not)
+        return constrain(lax.dot_general(*vma.match(x, w), dims), y_names)
     w_layout = _gathered_layout(w_names)
     # Leading dims as the result wants them, less the axes the weight holds: those reach
     # the result only when a partial sum is reduce-scattered (row-parallel, sequence parallel).
@@ -213,6 +215,7 @@ def matmul(x: jax.Array, x_names, w: jax.Array, w_names) -> jax.Array:
     x = relayout_local(x, layout(x_names), x_want)
     partial = [a for i in w_contracted for a in w_layout[i]]
     y_have = y_lead + tuple(w_layout[i] for i in w_free)
+    x, w = vma.match(x, w)  # a weight alike on every device of a batch axis meets this device's rows
     return relayout_local(lax.dot_general(x, w, dims), y_have, layout(y_names), partial)
 
 
@@ -257,7 +260,8 @@ class Embed(nnx.Module):
         rows = table.shape[0]  # this device holds rows [first, first + rows)
         local = ids - (lax.axis_index(vocab_axes) * rows if vocab_axes else 0)
         inside = (local >= 0) & (local < rows)
-        out = jnp.where(inside[..., None], jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0), 0)
+        table, local = vma.match(table, local)
+        out = vma.where(inside[..., None], jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0), 0)
         return relayout_local(out, _batch_only(ids_names) + (embed_axes,), layout(out_names), vocab_axes)
 
     def attend(self, x: jax.Array, x_names: Sequence[str | None]) -> jax.Array:
@@ -310,7 +314,7 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, names: Sequence[str | No
     rows = logits.shape[-1]
     local = labels - (lax.axis_index(vocab_axes) * rows if vocab_axes else 0)
     inside = (local >= 0) & (local < rows)
-    picked = jnp.where(inside, jnp.take_along_axis(logits, jnp.clip(local, 0, rows - 1)[..., None], -1)[..., 0], 0.0)
+    picked = vma.where(inside, jnp.take_along_axis(logits, jnp.clip(local, 0, rows - 1)[..., None], -1)[..., 0], 0.0)
     if vocab_axes:
         total, picked = lax.psum(total, vocab_axes), lax.psum(picked, vocab_axes)
     losses = jnp.log(total) + peak - picked
