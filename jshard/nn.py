@@ -33,7 +33,7 @@ from flax import nnx
 from jax import lax
 
 from jshard import vma
-from jshard.rules import active_rules, axes_of, constrain, manual_axes, named
+from jshard.rules import ShardingError, active_rules, axes_of, constrain, manual_axes, named
 
 Layout = tuple[tuple[str, ...], ...]
 
@@ -106,9 +106,46 @@ def relayout(x: jax.Array, src_names, dst_names, partial: Sequence[str] = ()) ->
 # -- params -------------------------------------------------------------------------------
 
 
+class UnreadableParamError(ShardingError):
+    """A split param read, inside a step, by code that does not derive its collectives."""
+
+
+class _ReadOnlyThroughParam:
+    """A param's value inside a step that only `param` may read.
+
+    A plain Flax layer reads its kernel itself (`self.kernel[...]`) and would compute with
+    this device's block as if it were the whole weight: a wrong result without an error (a
+    plain tensor-parallel MLP's first loss: 1.019 against 1.654). So every read but
+    `param`'s (indexing, array conversion, arithmetic) raises, while the step is traced,
+    before any device work.
+    """
+
+    def _refuse(self, *_, **__):
+        raise UnreadableParamError(
+            f"{self.what}, but a layer read it directly (a plain Flax layer such as nnx.Linear, "
+            "or arithmetic on the param in the model or loss) instead of through jshard.nn.param, "
+            "so it would compute with one device's block as if it were the whole. Fix: build that "
+            "layer from jshard.nn (Linear, Embed, LayerNorm, matmul), which derive the collectives "
+            "from the names, or pick a preset that leaves this param whole on every device (dp, zero1)."
+        )
+
+    __getitem__ = __array__ = __jax_array__ = _refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _refuse
+    __truediv__ = __rtruediv__ = __matmul__ = __rmatmul__ = __neg__ = __pow__ = _refuse
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class ShardWithReplica:
+class LocalBlock(_ReadOnlyThroughParam):
+    """A split param's block on this device, as a step's model holds it (`param` gathers it)."""
+
+    block: jax.Array
+    what: str = dataclasses.field(metadata=dict(static=True))  # "param 'path' is split over ..."
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ShardWithReplica(_ReadOnlyThroughParam):
     """ZeRO-2's view of a param: its optimizer shard (differentiated) and the replica.
 
     The forward computes with the replica (no gather); the gradient is reduce-scattered
@@ -121,6 +158,7 @@ class ShardWithReplica:
     dim: int = dataclasses.field(metadata=dict(static=True))  # negative: the split dim
     axes: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))  # the ZeRO axes of that dim
     vary: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))  # batch axes to leave unreduced
+    what: str = dataclasses.field(default="a param is split for ZeRO-2", metadata=dict(static=True))  # as LocalBlock's
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -153,6 +191,8 @@ def _gathered_layout(names) -> Layout:
 def param(variable: nnx.Variable) -> jax.Array:
     """The value a layer computes with: inside a step, gathered over the ZeRO axes."""
     value = variable.get_value()
+    if isinstance(value, LocalBlock):
+        value = value.block
     if isinstance(value, ShardWithReplica):
         return _replica_with_scattered_grad(value.shard, value.replica, value.dim, value.axes, value.vary)
     if not _in_step():

@@ -44,7 +44,7 @@ from jshard.mesh import mesh_shape
 from jshard.models.stack import StagedLoss, has_stack
 from jshard.parallel import pipeline
 from jshard.parallel.schedules import Schedule, check_layers, make_schedule
-from jshard.placement import specs
+from jshard.placement import Placement, place, specs
 from jshard.rules import Rules, ShardingError, axes_of, use_rules
 
 
@@ -62,6 +62,21 @@ def _layouts(spec_tree) -> list[nn.Layout]:
 
 def _axes_in(layout: nn.Layout) -> set[str]:
     return {a for axes in layout for a in axes}
+
+
+def _split_note(p: Placement, stage_axis) -> str | None:
+    """Where a device holds only a block of this param, beyond its pipeline stage's layers:
+    the start of the error a direct read of it raises (`nn.LocalBlock`)."""
+    for dim, entry in enumerate(p.spec):
+        axes = [a for a in axes_of(entry) if a != stage_axis]
+        if axes:
+            name = p.names[dim] if p.names else None
+            return f"param {p.path!r} is split over {'+'.join(axes)} on dim {dim} ({name!r})"
+    return None
+
+
+def _guard(leaf, what: str | None):
+    return nn.LocalBlock(leaf, what) if what else leaf
 
 
 def stage_axes(mesh: Mesh, rules: Rules) -> tuple[str, ...]:
@@ -142,12 +157,14 @@ class ShardedStep:
         self._has_stack = has_stack(model)
         param_specs = specs(params, mesh, rules, "param")  # every bad input raises here
         self.param_layouts = _layouts(param_specs)
+        self._param_notes = [_split_note(p, self.stage_axis) for p in place(params, mesh, rules, "param")]
         if self.schedule:
             stacked = [leaf.shape[0] for leaf, layout in zip(jax.tree.leaves(params), self.param_layouts)
                        if layout and self.stage_axis in layout[0]]
             check_layers(stacked[0], self.schedule.stages, self.schedule.virtual)
         self.grad_specs = grad_specs = specs(params, mesh, rules, "opt")  # gradients leave in the opt layout
         self.opt_layouts = _layouts(grad_specs)
+        self._opt_notes = [_split_note(p, self.stage_axis) for p in place(params, mesh, rules, "opt")]
         if rules.zero == 2:
             _check_one_zero_dim(params, self.param_layouts, self.opt_layouts)
         self.batch_axes = axes_of(rules.spec(("batch",), None, mesh, "activation")[0])
@@ -256,24 +273,29 @@ class ShardedStep:
     def _with_replicas(self, shards, params):
         """ZeRO-2: each param that the opt layout splits, as (shard, replica) for `nn.param`."""
 
-        def pair(shard, replica, have, want):
+        def pair(shard, replica, have, want, param_note, opt_note):
             split = [d for d, (h, w) in enumerate(zip(have, want)) if h != w]
             if not split:
-                return shard
+                return _guard(shard, param_note)
             axes = tuple(a for a in want[split[0]] if a not in have[split[0]])
             # Varying over the stage axis too: a pipeline's branches must not psum over it.
             own = self.batch_axes + ((self.stage_axis,) if self.stage_axis else ())
             vary = tuple(a for a in own if a not in _axes_in(have))
-            return nn.ShardWithReplica(shard, replica, split[0] - replica.ndim, axes, vary)
+            return nn.ShardWithReplica(shard, replica, split[0] - replica.ndim, axes, vary, opt_note)
 
-        return self._per_leaf(pair, shards, jax.tree.leaves(params), self.param_layouts, self.opt_layouts)
+        return self._per_leaf(pair, shards, jax.tree.leaves(params), self.param_layouts, self.opt_layouts,
+                              self._param_notes, self._opt_notes)
 
     def _loss_and_grads(self, params, batch):
         """Steps 1-3: the mean loss over the global batch, and its gradient in the `opt` layout."""
         diff, grad_layouts = self._differentiable(params)
 
         def model_of(diff):
-            return nnx.merge(self.graphdef, self._with_replicas(diff, params) if self.rules.zero == 2 else diff)
+            # A split param reaches the model as its block, readable only through `nn.param`:
+            # a layer that reads it directly raises instead of computing with a block.
+            if self.rules.zero == 2:
+                return nnx.merge(self.graphdef, self._with_replicas(diff, params))
+            return nnx.merge(self.graphdef, self._per_leaf(_guard, diff, self._param_notes))
 
         def one_value(loss):
             # Equal on every device of a non-batch axis, but typed varying (it came from
