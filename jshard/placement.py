@@ -52,6 +52,11 @@ def _flatten(tree):
     return jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_variable)
 
 
+# Names that fit a param of each rank, for the error that asks for them.
+_EXAMPLE_NAMES = {1: "('embed',)", 2: "('embed', 'mlp')", 3: "('embed', 'heads', 'kv')",
+                  4: "(None, None, 'embed', 'mlp') (a conv kernel)"}
+
+
 def place(tree, mesh: Mesh, rules: Rules, kind: Kind = "param") -> list[Placement]:
     """Resolve every Variable (or bare array) of `tree`, in leaf order. All problems raise as one error."""
     rules.check_mesh(mesh)
@@ -67,15 +72,18 @@ def place(tree, mesh: Mesh, rules: Rules, kind: Kind = "param") -> list[Placemen
         names = leaf.get_metadata().get("out_sharding") if _is_variable(leaf) else None
         flags: list[str] = []
         if names is None:
-            if shape and sharding_axes:
+            if shape and sharding_axes and (len(shape) > 1 or rules.strict):
+                example = _EXAMPLE_NAMES.get(len(shape), repr((None,) * len(shape)))
                 problems.append(
                     f"{where} (shape {shape}) has no logical axis names, but rules {rules.name!r} "
-                    f"shard {kind}s over {', '.join(sharding_axes)}. Fix: name its dims, e.g. "
-                    "nnx.Param(value, out_sharding=('embed', 'mlp')), or "
-                    "kernel_metadata={'out_sharding': (...)} on a Flax layer."
+                    f"shard {kind}s over {', '.join(sharding_axes)}. Fix: name its {len(shape)} dim(s), e.g. "
+                    f"nnx.Param(value, out_sharding={example}), or kernel_metadata=jshard.named(...) "
+                    "on a Flax layer (None for a dim that stays whole)."
                 )
                 continue
             spec = jax.P()
+            if shape and sharding_axes:
+                flags.append("no logical names: replicated (unnamed 1-D params are; strict rules refuse them)")
         else:
             try:
                 spec, flags = resolve(table, tuple(names), shape, sizes, where)
@@ -84,7 +92,7 @@ def place(tree, mesh: Mesh, rules: Rules, kind: Kind = "param") -> list[Placemen
                 continue
         used = {a for entry in spec for a in axes_of(entry)}
         missed = [a for a in zero_axes if a not in used]
-        if missed and shape:
+        if missed and shape and names is not None:
             flags.append(f"replicated over {'+'.join(missed)}, which ZeRO stage {rules.zero} means to shard")
         nbytes = math.prod(shape) * dtype.itemsize // math.prod(sizes[a] for a in used)
         placed.append(Placement(_path_str(path), names, shape, dtype, spec, nbytes, tuple(flags)))

@@ -74,6 +74,9 @@ class Rules:
     activations: tuple = ()
     zero: int = 3
     name: str = "custom"
+    # An unnamed 1-D param (a bias, a norm scale) is replicated and flagged by `describe`;
+    # strict rules refuse it, as they refuse every unnamed param that the mesh could split.
+    strict: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "params", _normalise(self.params, "param"))
@@ -232,8 +235,8 @@ PRESET_PARTS = {
 }
 
 
-def preset(name: str) -> Rules:
-    """Rules for a strategy or a '+'-joined combination, e.g. 'dp+fsdp+tp+sp+pp'."""
+def preset(name: str, strict: bool = False) -> Rules:
+    """Rules for a strategy or a '+'-joined combination, e.g. 'dp+fsdp+tp+sp+pp' (`strict`: see Rules)."""
     parts = [p.strip() for p in name.lower().replace("fsdp", "zero3").split("+")]
     unknown = [p for p in parts if p not in PRESET_PARTS]
     if unknown:
@@ -254,7 +257,8 @@ def preset(name: str) -> Rules:
     activations = [("batch", batch_axes)] + tensor_names + ([("seq", "tensor")] if sp else [])
     replicated = [(n, None) for n in LOGICAL_NAMES]  # every other name: replicated, on purpose
     canonical = "+".join(p for p in PRESET_PARTS if p in parts or (p == "tp" and tp))
-    return Rules(params + replicated, activations + replicated, zero=zeros[0] if zeros else 0, name=canonical)
+    return Rules(params + replicated, activations + replicated, zero=zeros[0] if zeros else 0, name=canonical,
+                 strict=strict)
 
 
 # -- activations -----------------------------------------------------------------------

@@ -18,11 +18,12 @@ TOLERANCE = 1e-5
 
 
 class PlainMLP(nnx.Module):
-    """Two nnx.Linear layers whose kernels carry logical names, nothing else from jshard."""
+    """Two nnx.Linear layers whose kernels carry logical names, nothing else from jshard;
+    their biases are unnamed (replicated)."""
 
     def __init__(self, rngs: nnx.Rngs):
-        self.up = nnx.Linear(16, 64, use_bias=False, kernel_metadata=jshard.named("embed", "mlp"), rngs=rngs)
-        self.down = nnx.Linear(64, 16, use_bias=False, kernel_metadata=jshard.named("mlp", "embed"), rngs=rngs)
+        self.up = nnx.Linear(16, 64, kernel_metadata=jshard.named("embed", "mlp"), rngs=rngs)
+        self.down = nnx.Linear(64, 16, kernel_metadata=jshard.named("mlp", "embed"), rngs=rngs)
 
     def __call__(self, x):
         return self.down(jax.nn.relu(self.up(x)))

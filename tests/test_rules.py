@@ -189,14 +189,33 @@ class UserModel(nnx.Module):
         return jshard.constrain(x @ self.w + self.b, ("batch", "mlp"))
 
 
-def test_unnamed_param_fails_where_params_are_sharded():
+def test_an_unnamed_bias_is_replicated_and_flagged_unless_strict():
     model = nnx.eval_shape(lambda: UserModel(nnx.Rngs(0), named_bias=False))
+    mesh = jshard.make_mesh(fsdp=8)
+    assert spec_of(model, mesh, jshard.preset("fsdp"), "b") == P()
+    (flagged,) = jshard.describe(model, mesh, jshard.preset("fsdp")).flagged
+    assert flagged.path == "b" and flagged.flags == (
+        "no logical names: replicated (unnamed 1-D params are; strict rules refuse them)",)
     with pytest.raises(ShardingError) as e:
-        jshard.specs(model, jshard.make_mesh(fsdp=8), jshard.preset("fsdp"))
+        jshard.specs(model, mesh, jshard.preset("fsdp", strict=True))
     msg = str(e.value)
-    assert "param 'b' (shape (32,)) has no logical axis names" in msg and "out_sharding=" in msg
-    # Under plain DP nothing is sharded, so names are not needed.
-    assert spec_of(model, jshard.make_mesh(data=8), jshard.preset("dp"), "b") == P()
+    assert "param 'b' (shape (32,)) has no logical axis names" in msg and "out_sharding=('embed',)" in msg, msg
+    # Under plain DP nothing is sharded: no names needed, nothing flagged, even when strict.
+    assert spec_of(model, jshard.make_mesh(data=8), jshard.preset("dp", strict=True), "b") == P()
+    assert not jshard.describe(model, jshard.make_mesh(data=8), jshard.preset("dp")).flagged
+
+
+class UnnamedKernel(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.zeros((16, 32)))
+
+
+def test_an_unnamed_matrix_fails_where_params_are_sharded_with_names_of_its_rank():
+    with pytest.raises(ShardingError) as e:
+        jshard.specs(nnx.eval_shape(UnnamedKernel), jshard.make_mesh(fsdp=8), jshard.preset("fsdp"))
+    msg = str(e.value)
+    assert "param 'w' (shape (16, 32)) has no logical axis names" in msg, msg
+    assert "name its 2 dim(s), e.g. nnx.Param(value, out_sharding=('embed', 'mlp'))" in msg, msg
 
 
 def test_all_problems_reported_at_once():
