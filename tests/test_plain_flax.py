@@ -12,6 +12,7 @@ from flax import nnx
 import jshard
 from jshard.nn import UnreadableParamError
 from jshard.parallel import build_step
+from reference import train_on_one_device
 
 SEED = int(np.random.default_rng().integers(1 << 31))
 TOLERANCE = 1e-5
@@ -51,15 +52,7 @@ def test_whole_params_match_one_device(preset, sizes):
     """dp and ZeRO-1 leave every param whole on each device: plain layers compute as on one."""
     data = batches()
     model = PlainMLP(nnx.Rngs(SEED))
-    optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
-
-    @nnx.jit
-    def reference_step(model, optimizer, batch):
-        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-        optimizer.update(model, grads)
-        return loss
-
-    expected = [float(reference_step(model, optimizer, batch)) for batch in data]
+    expected = train_on_one_device(model, optax.adamw(1e-3), loss_fn, data)
     step = build_step(PlainMLP(nnx.Rngs(SEED)), optax.adamw(1e-3), loss_fn, jshard.make_mesh(**sizes),
                       jshard.preset(preset))
     state = step.state

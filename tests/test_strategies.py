@@ -19,6 +19,7 @@ from jshard import hlo
 from jshard.models import GPT, DeepMLP, GPTConfig, MLPConfig, gpt_loss, mlp_loss
 from jshard.parallel import build_step
 from plans import STRATEGIES
+from reference import train_on_one_device
 
 SEED = int(np.random.default_rng().integers(1 << 31))
 TOLERANCE = 1e-5
@@ -58,15 +59,7 @@ def reference(model_name: str):
     batches = [make_batch(rng) for _ in range(3)]
     model = make(SEED)
     loss, grads = nnx.value_and_grad(loss_fn)(model, batches[0])
-    optimizer = nnx.Optimizer(model, OPTIMIZER, wrt=nnx.Param)
-
-    @nnx.jit
-    def train_step(model, optimizer, batch):
-        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-        optimizer.update(model, grads)
-        return loss
-
-    losses = [float(train_step(model, optimizer, batch)) for batch in batches]
+    losses = train_on_one_device(model, OPTIMIZER, loss_fn, batches)
     return batches, float(loss), grads, losses, nnx.state(model)
 
 
