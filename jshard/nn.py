@@ -158,7 +158,7 @@ class ShardWithReplica(_ReadOnlyThroughParam):
     dim: int = dataclasses.field(metadata=dict(static=True))  # negative: the split dim
     axes: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))  # the ZeRO axes of that dim
     vary: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))  # batch axes to leave unreduced
-    what: str = dataclasses.field(default="a param is split for ZeRO-2", metadata=dict(static=True))  # as LocalBlock's
+    what: str = dataclasses.field(metadata=dict(static=True))  # as LocalBlock's
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))

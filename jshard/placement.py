@@ -108,8 +108,12 @@ def specs(tree, mesh: Mesh, rules: Rules, kind: Kind = "param"):
     or 'opt' (optimizer state, whose Variables carry the names of their params). Bare
     arrays need no names when they are scalars (an optimizer's step count).
     """
+    return specs_of(tree, place(tree, mesh, rules, kind))
+
+
+def specs_of(tree, placed: list[Placement]):
+    """As `specs`, from the placements `place` already resolved for `tree`."""
     flat, treedef = _flatten(tree)
-    placed = place(tree, mesh, rules, kind)
     leaves = [leaf.replace(p.spec) if _is_variable(leaf) else p.spec for (_, leaf), p in zip(flat, placed)]
     return jax.tree_util.tree_unflatten(treedef, leaves)
 

@@ -44,7 +44,7 @@ from jshard.mesh import mesh_shape
 from jshard.models.stack import StagedLoss, has_stack
 from jshard.parallel import pipeline
 from jshard.parallel.schedules import Schedule, check_layers, make_schedule
-from jshard.placement import Placement, place, specs
+from jshard.placement import Placement, place, specs, specs_of
 from jshard.rules import Rules, ShardingError, axes_of, use_rules
 
 
@@ -155,16 +155,18 @@ class ShardedStep:
         self.microbatches = microbatches
         _check_params(params)
         self._has_stack = has_stack(model)
-        param_specs = specs(params, mesh, rules, "param")  # every bad input raises here
+        placed = place(params, mesh, rules, "param")  # every bad input raises here
+        param_specs = specs_of(params, placed)
         self.param_layouts = _layouts(param_specs)
-        self._param_notes = [_split_note(p, self.stage_axis) for p in place(params, mesh, rules, "param")]
+        self._param_notes = [_split_note(p, self.stage_axis) for p in placed]
         if self.schedule:
             stacked = [leaf.shape[0] for leaf, layout in zip(jax.tree.leaves(params), self.param_layouts)
                        if layout and self.stage_axis in layout[0]]
             check_layers(stacked[0], self.schedule.stages, self.schedule.virtual)
-        self.grad_specs = grad_specs = specs(params, mesh, rules, "opt")  # gradients leave in the opt layout
+        placed = place(params, mesh, rules, "opt")
+        self.grad_specs = grad_specs = specs_of(params, placed)  # gradients leave in the opt layout
         self.opt_layouts = _layouts(grad_specs)
-        self._opt_notes = [_split_note(p, self.stage_axis) for p in place(params, mesh, rules, "opt")]
+        self._opt_notes = [_split_note(p, self.stage_axis) for p in placed]
         if rules.zero == 2:
             _check_one_zero_dim(params, self.param_layouts, self.opt_layouts)
         self.batch_axes = axes_of(rules.spec(("batch",), None, mesh, "activation")[0])
