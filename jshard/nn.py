@@ -23,6 +23,7 @@ Layouts here are specs as tuples, one tuple of mesh axes per dim: `((data, fsdp)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -33,7 +34,7 @@ from flax import nnx
 from jax import lax
 
 from jshard import vma
-from jshard.rules import ShardingError, active_rules, axes_of, constrain, manual_axes, named
+from jshard.rules import active_rules, axes_of, constrain, manual_axes, named
 
 Layout = tuple[tuple[str, ...], ...]
 
@@ -106,46 +107,74 @@ def relayout(x: jax.Array, src_names, dst_names, partial: Sequence[str] = ()) ->
 # -- params -------------------------------------------------------------------------------
 
 
-class UnreadableParamError(ShardingError):
-    """A split param read, inside a step, by code that does not derive its collectives."""
+def _whole(x: jax.Array, split: Layout, batch_axes: tuple[str, ...]) -> jax.Array:
+    """A block laid out as `split` (one tuple of axes per trailing dim of `x`), gathered whole.
+
+    Typed so that autodiff stays right: gathered over a batch axis (ZeRO's, where each
+    device computes with other rows) it stays varying, its transpose a reduce-scatter
+    that sums the devices' gradients; over another axis (tensor: every device computes
+    the same thing with it) it becomes invariant, its transpose a slice.
+    """
+    split = split[len(split) - x.ndim:]  # a scanned layer sees one layer's slice of a stack
+    for dim, axes in enumerate(split):
+        for axis in reversed(axes):  # minor axis first: tiles land in the layout's order
+            to = "varying" if axis in batch_axes else "invarying"
+            x = lax.all_gather(x, axis, axis=dim, tiled=True, to=to)
+    return x
 
 
-class _ReadOnlyThroughParam:
-    """A param's value inside a step that only `param` may read.
+class _SplitParam:
+    """A split param's value inside a step, as the model holds it.
 
-    A plain Flax layer reads its kernel itself (`self.kernel[...]`) and would compute with
-    this device's block as if it were the whole weight: a wrong result without an error (a
-    plain tensor-parallel MLP's first loss: 1.019 against 1.654). So every read but
-    `param`'s (indexing, array conversion, arithmetic) raises, while the step is traced,
-    before any device work.
+    `param` computes with it as the layer's names say (the collectives of `matmul`). Any
+    other read, such as a plain Flax layer's `self.kernel[...]`, gets the whole param,
+    gathered before use: the layer computes what it computes on one device, without
+    tensor parallelism for this param (`ShardedStep.describe` lists it).
     """
 
-    def _refuse(self, *_, **__):
-        raise UnreadableParamError(
-            f"{self.what}, but a layer read it directly (a plain Flax layer such as nnx.Linear, "
-            "or arithmetic on the param in the model or loss) instead of through jshard.nn.param, "
-            "so it would compute with one device's block as if it were the whole. Fix: build that "
-            "layer from jshard.nn (Linear, Embed, LayerNorm, matmul), which derive the collectives "
-            "from the names, or pick a preset that leaves this param whole on every device (dp, zero1)."
-        )
+    def whole(self) -> jax.Array:
+        _note_whole_read(self.path, self.split)
+        return _whole(self._local(), self.split, self.batch_axes)
 
-    __getitem__ = __array__ = __jax_array__ = _refuse
-    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _refuse
-    __truediv__ = __rtruediv__ = __matmul__ = __rmatmul__ = __neg__ = __pow__ = _refuse
+    def __getitem__(self, index):
+        return self.whole()[index]
+
+    def __jax_array__(self):
+        return self.whole()
+
+    @property
+    def shape(self):
+        return self.whole().shape
+
+    @property
+    def dtype(self):
+        return self._local().dtype
+
+    @property
+    def ndim(self):
+        return self._local().ndim
+
+    def astype(self, dtype):
+        return self.whole().astype(dtype)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class LocalBlock(_ReadOnlyThroughParam):
-    """A split param's block on this device, as a step's model holds it (`param` gathers it)."""
+class LocalBlock(_SplitParam):
+    """A split param's block on this device (`param` gathers its ZeRO axes)."""
 
     block: jax.Array
-    what: str = dataclasses.field(metadata=dict(static=True))  # "param 'path' is split over ..."
+    split: Layout = dataclasses.field(metadata=dict(static=True))  # its layout, less a pipeline's stage axis
+    batch_axes: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))
+    path: str = dataclasses.field(metadata=dict(static=True))
+
+    def _local(self):
+        return self.block
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class ShardWithReplica(_ReadOnlyThroughParam):
+class ShardWithReplica(_SplitParam):
     """ZeRO-2's view of a param: its optimizer shard (differentiated) and the replica.
 
     The forward computes with the replica (no gather); the gradient is reduce-scattered
@@ -158,7 +187,32 @@ class ShardWithReplica(_ReadOnlyThroughParam):
     dim: int = dataclasses.field(metadata=dict(static=True))  # negative: the split dim
     axes: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))  # the ZeRO axes of that dim
     vary: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))  # batch axes to leave unreduced
-    what: str = dataclasses.field(metadata=dict(static=True))  # as LocalBlock's
+    split: Layout = dataclasses.field(metadata=dict(static=True))  # the replica's layout, as LocalBlock's
+    batch_axes: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))
+    path: str = dataclasses.field(metadata=dict(static=True))
+
+    def _local(self):
+        return _replica_with_scattered_grad(self.shard, self.replica, self.dim, self.axes, self.vary)
+
+
+# Params a step's trace read whole (path -> the axes gathered), while a step records them.
+_whole_reads: dict[str, tuple[str, ...]] | None = None
+
+
+def _note_whole_read(path: str, split: Layout) -> None:
+    if _whole_reads is not None:
+        _whole_reads[path] = tuple(a for axes in split for a in axes)
+
+
+@contextlib.contextmanager
+def recording_whole_reads(into: dict[str, tuple[str, ...]]):
+    """Record, into `into`, each split param that a plain read gathers whole while tracing."""
+    global _whole_reads
+    outer, _whole_reads = _whole_reads, into
+    try:
+        yield into
+    finally:
+        _whole_reads = outer
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -191,10 +245,10 @@ def _gathered_layout(names) -> Layout:
 def param(variable: nnx.Variable) -> jax.Array:
     """The value a layer computes with: inside a step, gathered over the ZeRO axes."""
     value = variable.get_value()
+    if isinstance(value, ShardWithReplica):
+        return value._local()
     if isinstance(value, LocalBlock):
         value = value.block
-    if isinstance(value, ShardWithReplica):
-        return _replica_with_scattered_grad(value.shard, value.replica, value.dim, value.axes, value.vary)
     if not _in_step():
         return value
     names = variable.get_metadata()["out_sharding"]

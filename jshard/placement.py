@@ -31,7 +31,7 @@ class Placement:
     path: str
     names: tuple | None
     shape: tuple[int, ...]
-    dtype: np.dtype
+    dtype: np.dtype  # or a PRNG key's dtype (an RNG stream's key), which also has an itemsize
     spec: jax.P
     bytes_per_device: int
     flags: tuple[str, ...]  # why this layout may not be what the strategy wanted
@@ -68,7 +68,7 @@ def place(tree, mesh: Mesh, rules: Rules, kind: Kind = "param") -> list[Placemen
     for path, leaf in _flatten(tree)[0]:
         where = f"{kind} {_path_str(path)!r}"
         value = leaf.get_value() if _is_variable(leaf) else leaf
-        shape, dtype = tuple(np.shape(value)), np.dtype(value.dtype)
+        shape, dtype = tuple(np.shape(value)), value.dtype  # a NumPy dtype, or an RNG key's
         names = leaf.get_metadata().get("out_sharding") if _is_variable(leaf) else None
         flags: list[str] = []
         if names is None:

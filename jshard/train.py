@@ -369,7 +369,8 @@ def _start(p: Plan, tx, say) -> tuple[ShardedStep, TrainState, int, int]:
     start, position = p.record["step"], p.record["data_position"]
     saved = p.checkpoints.restore(start, _abstract(_portable(step.state)))  # into this step's layout
     state = step.from_model_order(
-        TrainState(saved["params"], optim.with_inner_state(step.state.opt_state, saved["opt_state"], start)))
+        TrainState(saved["params"], optim.with_inner_state(step.state.opt_state, saved["opt_state"], start),
+                   step.state.model_state))  # (jshard's models hold Params only)
     say(f"  resumed     step {start} from {p.checkpoints.directory} (saved under {p.record['strategy']} "
         f"on {p.record['mesh']}), data position {position} rows")
     return step, state, start, position

@@ -136,3 +136,13 @@ def test_an_example_runs_as_a_script():
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "8 ranks, batch 16 -> 2 rows per rank" in done.stdout and "Rank 7: step = 0" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("preset, mesh", [("dp+fsdp", "data=2,fsdp=4"), ("dp+tp", "data=2,tensor=4")])
+def test_flax_docs_cnn_learns_under_jshard(capsys, preset, mesh):
+    out = run_example("train_flax_cnn", ["--preset", preset, "--mesh", mesh, "--steps", "21", "--batch-size", "32"],
+                      capsys)
+    losses = [loss for (loss,) in numbers(r"step +\d+  loss (\S+)", out)]
+    (accuracy,), = numbers(r"held-out accuracy (\S+)", out)
+    assert losses[-1] < 0.2 * losses[0] and accuracy > 0.9, out  # chance: 0.1
+    assert ("read whole by a plain layer" in out) == ("tp" in preset), out  # describe says what tp leaves whole

@@ -3,15 +3,19 @@
 For every strategy and combination, on the current devices (8 fake CPU devices when no
 accelerator is present), one GPT training step (AdamW) gives one row:
 
-    comm_bytes         collectives compiled into the step (HLO), K bytes per device
+    comm_bytes         collectives compiled into the explicit step (HLO), K bytes per device
     textbook_bytes     what the planner's formulas say the strategy moves (`jshard.plan.traffic`)
     memory_bytes_per_device  compiled.memory_analysis(): arguments + outputs - donated + temporaries
     textbook_memory_bytes    the planner's training state: params, grads and Adam's two moments in
                        their layouts, plus two gathered layers under ZeRO-3 (no activations)
-    parity_rel_err     worst per-param relative error of the step's gradients vs one device
+    parity_rel_err     worst per-param relative error of the explicit step's gradients vs one device
+    xla_comm_bytes     collectives compiled into the compiler-placed step (`build_step(...,
+                       collectives="compiler")`: plain jax.jit, the same layouts, XLA's
+                       partitioner choosing the collectives), counted as comm_bytes is
+    xla_parity_rel_err as parity_rel_err, for the compiler-placed step's gradients
     step_s             median time of the explicit step (jit of shard_map)
-    gspmd_step_s       the same model, mesh and param shardings through plain jax.jit,
-                       XLA's own partitioner choosing the collectives
+    gspmd_step_s       median time of the compiler-placed step
+    speed_ratio        step_s / gspmd_step_s
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from flax import nnx
 import jshard
 from jshard import hlo, plan
 from jshard.mesh import mesh_shape, parse_axis_sizes, use_fake_cpu_devices_unless_accelerated
-from jshard.metrics import median_seconds, median_step_seconds
+from jshard.metrics import median_step_seconds
 from jshard.models import GPT, GPTConfig, gpt_loss
 from jshard.parallel import ShardedStep, build_step
 
@@ -37,7 +41,8 @@ PLANS = (
     ("dp+fsdp+tp+sp", "data=2,fsdp=2,tensor=2"),
 )
 COLUMNS = ("strategy", "mesh", "comm_bytes", "textbook_bytes", "comm_ratio", "memory_bytes_per_device",
-           "textbook_memory_bytes", "parity_rel_err", "step_s", "gspmd_step_s", "speed_ratio")
+           "textbook_memory_bytes", "parity_rel_err", "xla_comm_bytes", "xla_parity_rel_err", "step_s",
+           "gspmd_step_s", "speed_ratio")
 
 
 def add_parser(benches) -> None:
@@ -76,21 +81,21 @@ def textbook_memory(step: ShardedStep, config: GPTConfig) -> int:
     return sum(plan.state_bytes(plan_params(step), mesh_shape(step.mesh), step.rules, config.layers).values())
 
 
-def _gspmd_step(make_model, tx, mesh, rules):
-    """The same training step through plain jax.jit: params and optimizer state placed by
-    the rules, activations constrained by them, XLA's partitioner inserting collectives."""
-    model = jshard.init(make_model, mesh, rules)
-    optimizer = jshard.shard(nnx.Optimizer(model, tx, wrt=nnx.Param), mesh, rules, "opt")
-    model_def, optimizer_def = nnx.graphdef(model), nnx.graphdef(optimizer)
-    out_shardings = (jshard.shardings(model, mesh, rules), jshard.shardings(optimizer, mesh, rules, "opt"), None)
+def comm_bytes(step, tokens) -> int:
+    """K bytes per device of every collective compiled into `step` (HLO, loop trips counted)."""
+    compiled = step.lower(step.state, tokens).compile()
+    return sum(c.bytes * c.count for c in hlo.collectives(compiled.as_text()))
 
-    def train_step(model_state, optimizer_state, tokens):
-        model, optimizer = nnx.merge(model_def, model_state), nnx.merge(optimizer_def, optimizer_state)
-        loss, grads = nnx.value_and_grad(gpt_loss)(model, tokens)
-        optimizer.update(model, grads)
-        return nnx.state(model), nnx.state(optimizer), loss
 
-    return jax.jit(train_step, donate_argnums=(0, 1), out_shardings=out_shardings), nnx.state(model), nnx.state(optimizer)
+def parity(step, tokens, reference) -> float:
+    """The worst per-param relative error (Frobenius) of `step`'s gradients vs one device's."""
+    _, grads = step.value_and_grad(step.state, tokens)
+    expected = dict(nnx.to_flat_state(reference))
+    return max(
+        float(np.linalg.norm(np.asarray(g.get_value()) - np.asarray(expected[path].get_value()))
+              / np.linalg.norm(np.asarray(expected[path].get_value())))
+        for path, g in nnx.to_flat_state(grads)
+    )
 
 
 def bench_plan(preset: str, mesh_text: str, config: GPTConfig, batch, reference, repeats: int) -> dict:
@@ -107,30 +112,19 @@ def bench_plan(preset: str, mesh_text: str, config: GPTConfig, batch, reference,
     comm = sum(c.bytes * c.count for c in hlo.collectives(compiled.as_text()))
     textbook = textbook_bytes(step, config, batch.shape)
 
-    _, grads = step.value_and_grad(step.state, tokens)
-    expected = dict(nnx.to_flat_state(reference))
-    parity = max(
-        float(np.linalg.norm(np.asarray(g.get_value()) - np.asarray(expected[path].get_value()))
-              / np.linalg.norm(np.asarray(expected[path].get_value())))
-        for path, g in nnx.to_flat_state(grads)
-    )
+    explicit_parity = parity(step, tokens, reference)
 
-    gspmd, model_state, optimizer_state = _gspmd_step(make_model, tx, mesh, rules)
-    gspmd_tokens = jax.device_put(batch, step.shard_batch(batch).sharding)
-
-    def gspmd_once():
-        nonlocal model_state, optimizer_state
-        with jshard.activate(mesh, rules):
-            model_state, optimizer_state, loss = gspmd(model_state, optimizer_state, gspmd_tokens)
-        loss.block_until_ready()
-
-    step_s, gspmd_s = median_step_seconds(step, tokens, repeats), median_seconds(gspmd_once, repeats)
+    xla = build_step(make_model(), tx, gpt_loss, mesh, rules, collectives="compiler")
+    xla_comm, xla_parity = comm_bytes(xla, tokens), parity(xla, tokens, reference)
+    # Last: a timed step donates the step's initial state.
+    step_s, gspmd_s = median_step_seconds(step, tokens, repeats), median_step_seconds(xla, tokens, repeats)
     return dict(
         strategy=rules.name, mesh=mesh_text, comm_bytes=comm, textbook_bytes=textbook,
         comm_ratio=comm / textbook if textbook else float("nan"),
         memory_bytes_per_device=memory.argument_size_in_bytes + memory.output_size_in_bytes
         - memory.alias_size_in_bytes + memory.temp_size_in_bytes,
-        textbook_memory_bytes=textbook_memory(step, config), parity_rel_err=parity,
+        textbook_memory_bytes=textbook_memory(step, config), parity_rel_err=explicit_parity,
+        xla_comm_bytes=xla_comm, xla_parity_rel_err=xla_parity,
         step_s=step_s, gspmd_step_s=gspmd_s, speed_ratio=step_s / gspmd_s,
     )
 
@@ -139,12 +133,13 @@ def format_row(row: dict) -> str:
     return (
         f"{row['strategy']:<16}{row['mesh']:<24}{row['comm_bytes']:>11}{row['textbook_bytes']:>11}"
         f"{row['comm_ratio']:>7.2f}{row['memory_bytes_per_device']:>11}{row['textbook_memory_bytes']:>11}"
-        f"{row['parity_rel_err']:>10.1e}{row['step_s'] * 1e3:>9.1f}{row['gspmd_step_s'] * 1e3:>9.1f}{row['speed_ratio']:>7.2f}"
+        f"{row['parity_rel_err']:>10.1e}{row['xla_comm_bytes']:>11}{row['xla_parity_rel_err']:>10.1e}"
+        f"{row['step_s'] * 1e3:>9.1f}{row['gspmd_step_s'] * 1e3:>9.1f}{row['speed_ratio']:>7.2f}"
     )
 
 
 HEADER = (f"{'strategy':<16}{'mesh':<24}{'comm B':>11}{'textbook':>11}{'ratio':>7}{'memory B':>11}"
-          f"{'textbook':>11}{'parity':>10}{'step ms':>9}{'xla ms':>9}{'speed':>7}")
+          f"{'textbook':>11}{'parity':>10}{'xla comm B':>11}{'xla par.':>10}{'step ms':>9}{'xla ms':>9}{'speed':>7}")
 
 
 def run(args) -> int:
@@ -160,8 +155,8 @@ def run(args) -> int:
         print("# fake CPU devices: times are threads of one process; bytes and memory are exact")
     print(HEADER)
     rows = []
-    for plan in filter(None, args.plans.split(";")):
-        preset, _, mesh_text = plan.partition("@")
+    for entry in filter(None, args.plans.split(";")):
+        preset, _, mesh_text = entry.partition("@")
         rows.append(bench_plan(preset.strip(), mesh_text.strip(), config, batch, reference, args.repeats))
         print(format_row(rows[-1]), flush=True)
     if args.json:

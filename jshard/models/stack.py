@@ -50,6 +50,11 @@ def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], count: int, rngs:
         return make_layer(rngs)
 
     layers = make(rngs)
+    # An unnamed Variable of a layer (a bias, a norm scale) still has the stacked `layers`
+    # dim, which pipeline stages split; name that one and leave the rest whole.
+    for _, variable in nnx.to_flat_state(nnx.state(layers)):
+        if variable.get_metadata().get("out_sharding") is None:
+            variable.set_metadata(out_sharding=("layers",) + (None,) * (variable.get_value().ndim - 1))
     layers.remat = remat  # static: part of the graphdef, so it survives nnx.split / merge
     return layers
 

@@ -15,6 +15,11 @@ the batch axes (activation rule `batch`). The body:
     4. optax update on the `opt` shard of each param, then back to the `param` layout:
        an all-gather for ZeRO-1/2, nothing for DP and ZeRO-3.
 
+A split param reaches the model as its block (`nn.LocalBlock`): `nn.param` computes with it;
+a plain Flax layer's read gets it whole, gathered first (`step.describe` lists those). The
+model's other Variables (batch statistics, RNG streams) travel whole in
+`TrainState.model_state`; `model_state.py` syncs and checks what the forward writes to them.
+
 Per step, with Ψ the param bytes: DP all-reduces Ψ; ZeRO-1/2 reduce-scatter Ψ and
 all-gather Ψ; ZeRO-3 all-gathers Ψ twice (forward, and again in backward: gathered
 weights are not saved) and reduce-scatters Ψ.
@@ -44,7 +49,8 @@ from jshard.mesh import mesh_shape
 from jshard.models.stack import StagedLoss, has_stack
 from jshard.parallel import pipeline
 from jshard.parallel.schedules import Schedule, check_layers, make_schedule
-from jshard.placement import Placement, place, specs, specs_of
+from jshard.parallel.model_state import ModelState, check_no_pipeline, sync_batch_norms
+from jshard.placement import Report, describe, place, specs, specs_of
 from jshard.rules import Rules, ShardingError, axes_of, use_rules
 
 
@@ -53,6 +59,7 @@ from jshard.rules import Rules, ShardingError, axes_of, use_rules
 class TrainState:
     params: nnx.State  # in the `param` layout
     opt_state: Any  # optax state, in the `opt` layout
+    model_state: nnx.State  # the model's other Variables, whole on every device (`model_state.py`)
 
 
 def _layouts(spec_tree) -> list[nn.Layout]:
@@ -64,19 +71,11 @@ def _axes_in(layout: nn.Layout) -> set[str]:
     return {a for axes in layout for a in axes}
 
 
-def _split_note(p: Placement, stage_axis) -> str | None:
-    """Where a device holds only a block of this param, beyond its pipeline stage's layers:
-    the start of the error a direct read of it raises (`nn.LocalBlock`)."""
-    for dim, entry in enumerate(p.spec):
-        axes = [a for a in axes_of(entry) if a != stage_axis]
-        if axes:
-            name = p.names[dim] if p.names else None
-            return f"param {p.path!r} is split over {'+'.join(axes)} on dim {dim} ({name!r})"
-    return None
-
-
-def _guard(leaf, what: str | None):
-    return nn.LocalBlock(leaf, what) if what else leaf
+def _split(layout: nn.Layout, stage_axis) -> nn.Layout | None:
+    """The axes a direct read of this param gathers (`nn.LocalBlock`): all but a pipeline's
+    stage axis, whose layers each stage holds as its own. None where there are none."""
+    split = tuple(tuple(a for a in axes if a != stage_axis) for axes in layout)
+    return split if any(split) else None
 
 
 def stage_axes(mesh: Mesh, rules: Rules) -> tuple[str, ...]:
@@ -114,18 +113,6 @@ def check_plan(mesh: Mesh, rules: Rules, loss_fn=None, microbatches: int | None 
     return make_schedule(schedule or "gpipe", mesh_shape(mesh)[stages[0]], microbatches, virtual)
 
 
-def _check_params(params: nnx.State) -> None:
-    others = [("/".join(map(str, path)), type(v).__name__) for path, v in nnx.to_flat_state(params)
-              if not isinstance(v, nnx.Param)]
-    if others:
-        path, kind = others[0]
-        raise ShardingError(
-            f"build_step: the model holds {len(others)} non-Param Variable(s), e.g. {path!r} ({kind}); "
-            "the explicit step trains Params only and would drop updates to other state (dropout RNGs, "
-            "batch statistics). Fix: keep such state out of the model, or train it with plain jax.jit."
-        )
-
-
 def _check_one_zero_dim(params, param_layouts, opt_layouts) -> None:
     """ZeRO-2 scatters each gradient along one dim; rules that split a param over ZeRO axes
     on two dims would need two."""
@@ -149,53 +136,57 @@ class ShardedStep:
                  loss_fn: Callable[[nnx.Module, Any], jax.Array], mesh: Mesh, rules: Rules,
                  microbatches: int | None = None, schedule: str | None = None, virtual: int | None = None):
         self.mesh, self.rules, self.tx, self.loss_fn = mesh, rules, tx, loss_fn
-        self.graphdef, params = nnx.split(model)
+        self.graphdef, params, others = nnx.split(model, nnx.Param, ...)
+        self.others = ModelState(others)
+        check_no_pipeline(self.others, stage_axes(mesh, rules))
         self.schedule = check_plan(mesh, rules, loss_fn, microbatches, schedule, virtual)
         self.stage_axis = next(iter(stage_axes(mesh, rules)), None)
         self.microbatches = microbatches
-        _check_params(params)
         self._has_stack = has_stack(model)
         placed = place(params, mesh, rules, "param")  # every bad input raises here
         param_specs = specs_of(params, placed)
         self.param_layouts = _layouts(param_specs)
-        self._param_notes = [_split_note(p, self.stage_axis) for p in placed]
+        self._param_paths = [p.path for p in placed]
         if self.schedule:
             stacked = [leaf.shape[0] for leaf, layout in zip(jax.tree.leaves(params), self.param_layouts)
                        if layout and self.stage_axis in layout[0]]
             check_layers(stacked[0], self.schedule.stages, self.schedule.virtual)
-        placed = place(params, mesh, rules, "opt")
-        self.grad_specs = grad_specs = specs_of(params, placed)  # gradients leave in the opt layout
+        self.grad_specs = grad_specs = specs(params, mesh, rules, "opt")  # gradients leave in the opt layout
         self.opt_layouts = _layouts(grad_specs)
-        self._opt_notes = [_split_note(p, self.stage_axis) for p in placed]
         if rules.zero == 2:
             _check_one_zero_dim(params, self.param_layouts, self.opt_layouts)
         self.batch_axes = axes_of(rules.spec(("batch",), None, mesh, "activation")[0])
         self.data_shards = math.prod(mesh_shape(mesh)[a] for a in self.batch_axes)
         self.batch_shards = self.data_shards * (microbatches or 1)  # what a global batch splits into
         opt_specs = specs(jax.eval_shape(tx.init, params), mesh, rules, "opt")
-        self.state_specs = TrainState(param_specs, opt_specs)
+        whole = jax.tree.map(lambda v: v.replace(jax.P()), others, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        self.state_specs = TrainState(param_specs, opt_specs, whole)
         self._shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), self.state_specs)
         body = jax.shard_map(
             self._body, mesh=mesh, in_specs=(self.state_specs, jax.P(self.batch_axes)),
             out_specs=(self.state_specs, jax.P()), check_vma=True,
         )
         self._step = jax.jit(body, donate_argnums=0)
-        self._grads = jax.jit(jax.shard_map(
-            self._grads_body, mesh=mesh, in_specs=(param_specs, jax.P(self.batch_axes)),
+        self._grads_sharded = jax.shard_map(
+            self._grads_body, mesh=mesh, in_specs=(param_specs, whole, jax.P(self.batch_axes)),
             out_specs=(jax.P(), grad_specs), check_vma=True,
-        ))
-        self.state = self.init_state(params)
+        )
+        self._grads = jax.jit(self._grads_sharded)
+        self.whole_reads: dict[str, tuple[str, ...]] = {}  # filled as the step is traced
+        self.state = self.init_state(params, others)
 
     # -- state -------------------------------------------------------------------------
 
-    def init_state(self, params: nnx.State) -> TrainState:
+    def init_state(self, params: nnx.State, others: nnx.State) -> TrainState:
+        """The state that starts training from a model's params and other Variables."""
         params = jax.device_put(self._pipeline_order(params, self.state_specs.params), self._shardings.params)
         opt_state = jax.jit(self.tx.init, out_shardings=self._shardings.opt_state)(params)
-        return TrainState(params, opt_state)
+        return TrainState(params, opt_state, jax.device_put(self.others.stored(others), self._shardings.model_state))
 
     def model(self, state: TrainState) -> nnx.Module:
-        """The model with the params of `state`."""
-        return nnx.merge(self.graphdef, self._pipeline_order(state.params, self.state_specs.params, inverse=True))
+        """The model with the params and other Variables of `state`."""
+        params = self._pipeline_order(state.params, self.state_specs.params, inverse=True)
+        return nnx.merge(self.graphdef, params, self.others.loaded(state.model_state))
 
     def to_model_order(self, state: TrainState) -> TrainState:
         """`state` with the stacked layers in the model's order: what a checkpoint holds, so
@@ -210,7 +201,8 @@ class ShardedStep:
 
     def _state_order(self, state: TrainState, inverse: bool = False) -> TrainState:
         return TrainState(self._pipeline_order(state.params, self.state_specs.params, inverse),
-                          self._pipeline_order(state.opt_state, self.state_specs.opt_state, inverse))
+                          self._pipeline_order(state.opt_state, self.state_specs.opt_state, inverse),
+                          state.model_state)
 
     @property
     def _interleaved(self) -> bool:
@@ -245,7 +237,7 @@ class ShardedStep:
 
     def value_and_grad(self, state: TrainState, batch) -> tuple[jax.Array, nnx.State]:
         """The loss and its gradient, as the step computes them (gradients in the `opt` layout)."""
-        loss, grads = self._grads(state.params, batch)
+        loss, grads = self._grads(state.params, state.model_state, batch)
         return loss, self._pipeline_order(grads, self.grad_specs, inverse=True)
 
     def lower(self, state: TrainState, batch):
@@ -272,32 +264,45 @@ class ShardedStep:
 
         return self._per_leaf(shard, params, self.param_layouts, self.opt_layouts), self.opt_layouts
 
+    def _local(self, block, layout: nn.Layout, path: str):
+        """A param's block as the model holds it: where it is split, an `nn.LocalBlock` that
+        `nn.param` computes with as it is and a plain layer's read gathers whole."""
+        split = _split(layout, self.stage_axis)
+        return nn.LocalBlock(block, split, self.batch_axes, path) if split else block
+
     def _with_replicas(self, shards, params):
         """ZeRO-2: each param that the opt layout splits, as (shard, replica) for `nn.param`."""
 
-        def pair(shard, replica, have, want, param_note, opt_note):
+        def pair(shard, replica, have, want, path):
             split = [d for d, (h, w) in enumerate(zip(have, want)) if h != w]
             if not split:
-                return _guard(shard, param_note)
+                return self._local(shard, have, path)
             axes = tuple(a for a in want[split[0]] if a not in have[split[0]])
             # Varying over the stage axis too: a pipeline's branches must not psum over it.
             own = self.batch_axes + ((self.stage_axis,) if self.stage_axis else ())
             vary = tuple(a for a in own if a not in _axes_in(have))
-            return nn.ShardWithReplica(shard, replica, split[0] - replica.ndim, axes, vary, opt_note)
+            whole = _split(have, self.stage_axis) or ((),) * replica.ndim
+            return nn.ShardWithReplica(shard, replica, split[0] - replica.ndim, axes, vary, whole,
+                                       self.batch_axes, path)
 
         return self._per_leaf(pair, shards, jax.tree.leaves(params), self.param_layouts, self.opt_layouts,
-                              self._param_notes, self._opt_notes)
+                              self._param_paths)
 
-    def _loss_and_grads(self, params, batch):
-        """Steps 1-3: the mean loss over the global batch, and its gradient in the `opt` layout."""
+    def _loss_and_grads(self, params, others, batch):
+        """Steps 1-3: the mean loss over the global batch, its gradient in the `opt` layout,
+        and the model's other Variables as the forward wrote them."""
         diff, grad_layouts = self._differentiable(params)
+        mine = self.others.for_batch_shard(others, self.batch_axes)
 
-        def model_of(diff):
-            # A split param reaches the model as its block, readable only through `nn.param`:
-            # a layer that reads it directly raises instead of computing with a block.
+        def model_of(diff, mine=mine):
             if self.rules.zero == 2:
-                return nnx.merge(self.graphdef, self._with_replicas(diff, params))
-            return nnx.merge(self.graphdef, self._per_leaf(_guard, diff, self._param_notes))
+                blocks = self._with_replicas(diff, params)
+            else:
+                blocks = self._per_leaf(self._local, diff, self.param_layouts, self._param_paths)
+            # Copies: Flax writes only to Variables made in the trace that writes (BatchNorm's).
+            model = nnx.merge(self.graphdef, blocks, mine, copy=True)
+            sync_batch_norms(model, self.batch_axes)
+            return model
 
         def one_value(loss):
             # Equal on every device of a non-batch axis, but typed varying (it came from
@@ -307,9 +312,11 @@ class ShardedStep:
 
         if self.schedule:  # the pipeline runs its own backward, micro-batch by micro-batch
             loss, grads = pipeline.run(self.schedule, self.loss_fn, model_of, diff, batch, self.stage_axis, one_value)
+            written = others
         else:
-            def loss_of(diff):
-                return one_value(self.loss_fn(model_of(diff), batch))
+            def loss_of(diff, mine):
+                model = model_of(diff, mine)
+                return one_value(self.loss_fn(model, batch)), nnx.state(model, nnx.Not(nnx.Param))
 
             # ZeRO-3 gathers each weight again in backward. A layer stack does so layer by
             # layer (`scan_layers`); a model without one gets it here. Weights outside a stack
@@ -318,36 +325,83 @@ class ShardedStep:
             # some versions and not on others, so keeping them makes the count one on all.
             if nn.gathers_weights() and not self._has_stack:
                 loss_of = jax.checkpoint(loss_of, policy=nn.remat_policy)
-            loss, grads = jax.value_and_grad(loss_of)(diff)
+            (loss, new), grads = jax.value_and_grad(loss_of, has_aux=True)(diff, mine)
+            written = self.others.written(others, new)
 
         def reduce(g, have, want):
             pending = [a for a in self.batch_axes if a not in _axes_in(have)]
             return nn.relayout_local(g, have, want, pending) / self.data_shards
 
-        return lax.pmean(loss, self.batch_axes), self._per_leaf(reduce, grads, grad_layouts, self.opt_layouts)
+        grads = self._per_leaf(reduce, grads, grad_layouts, self.opt_layouts)
+        return lax.pmean(loss, self.batch_axes), grads, written
 
     def _body(self, state: TrainState, batch):
-        with use_rules(self.rules):
-            loss, grads = self._loss_and_grads(state.params, batch)
+        with use_rules(self.rules), nn.recording_whole_reads(self.whole_reads):
+            loss, grads, model_state = self._loss_and_grads(state.params, state.model_state, batch)
             shards = self._per_leaf(nn.relayout_local, state.params, self.param_layouts, self.opt_layouts)
             updates, opt_state = self.tx.update(grads, state.opt_state, shards)
             shards = optax.apply_updates(shards, updates)
             gather = functools.partial(nn.relayout_local, invariant=True)
             params = self._per_leaf(gather, shards, self.opt_layouts, self.param_layouts)
-            return TrainState(params, opt_state), loss
+            return TrainState(params, opt_state, model_state), loss
 
-    def _grads_body(self, params, batch):
-        with use_rules(self.rules):
-            return self._loss_and_grads(params, batch)
+    def _grads_body(self, params, others, batch):
+        with use_rules(self.rules), nn.recording_whole_reads(self.whole_reads):
+            return self._loss_and_grads(params, others, batch)[:2]
+
+    # -- what the step does with each param ------------------------------------------------
+
+    def describe(self, batch=None) -> Report:
+        """Where each param lives and what looks wrong: `jshard.describe`'s report, plus each
+        param a plain layer reads whole (gathered before use: no tensor parallelism for it).
+        Those are known once the step is traced: pass a batch if it has not run yet."""
+        if batch is not None:
+            jax.eval_shape(self._grads_sharded, self.state.params, self.state.model_state, batch)
+        report = describe(nnx.state(self.model(self.state), nnx.Param), self.mesh, self.rules)
+        rows = []
+        for p in report.rows:
+            gathered = [a for a in self.whole_reads.get(p.path, ()) if a not in self.batch_axes]
+            if gathered:
+                p = dataclasses.replace(p, flags=p.flags + (
+                    f"read whole by a plain layer (not jshard.nn): gathered over {'+'.join(gathered)} "
+                    "before use, so its compute is not split (no tensor parallelism); build the layer "
+                    "from jshard.nn to split it",))
+            rows.append(p)
+        return dataclasses.replace(report, rows=tuple(rows))
 
 
 def build_step(model, tx, loss_fn, mesh: Mesh, rules: Rules, microbatches: int | None = None,
-               schedule: str | None = None, virtual: int | None = None) -> ShardedStep:
+               schedule: str | None = None, virtual: int | None = None, collectives: str = "explicit"):
     """A sharded train step for `model` under `rules` on `mesh`; `.state` holds its start.
 
-    Rules that split `layers` over a stage axis pipeline the step over `microbatches`
-    micro-batches with `schedule` (gpipe, the default; 1f1b; interleaved, with `virtual`
-    model chunks per device, default 2; zb-h1); `loss_fn` must then be a
-    `jshard.models.StagedLoss`.
+    `collectives` picks who places the collectives:
+
+    - "explicit" (the default): a `ShardedStep`, `jax.jit(jax.shard_map(...))` with every
+      collective derived from the rules (counted, textbook bytes). Rules that split
+      `layers` over a stage axis pipeline the step over `microbatches` micro-batches with
+      `schedule` (gpipe, the default; 1f1b; interleaved, with `virtual` model chunks per
+      device, default 2; zb-h1); `loss_fn` must then be a `jshard.models.StagedLoss`.
+    - "compiler": a `CompiledStep` (`compiled.py`), plain `jax.jit` with the same layouts
+      and XLA's partitioner inserting the collectives. Any model with named params, any
+      Flax layer; no pipeline, so no `microbatches`, `schedule` or `virtual`.
+
+    Both have the same surface (`.state`, `step(state, batch)`, `shard_batch`, `model`,
+    `value_and_grad`, `lower`, ...), so `jshard.train` and user code take either.
     """
+    if collectives == "compiler":
+        given = ", ".join(f"{k}={v!r}" for k, v in dict(microbatches=microbatches, schedule=schedule,
+                                                        virtual=virtual).items() if v is not None)
+        if given:
+            raise ShardingError(
+                f"build_step(collectives='compiler'): {given}, but the compiler-placed step does not "
+                "pipeline. Fix: drop them, or use the explicit step (collectives='explicit')."
+            )
+        from jshard.parallel.compiled import CompiledStep  # compiled.py imports this module
+
+        return CompiledStep(model, tx, loss_fn, mesh, rules)
+    if collectives != "explicit":
+        raise ShardingError(
+            f"build_step: collectives={collectives!r}; choose 'explicit' (jit of shard_map, every "
+            "collective derived from the rules) or 'compiler' (plain jit, XLA's partitioner places them)."
+        )
     return ShardedStep(model, tx, loss_fn, mesh, rules, microbatches, schedule, virtual)

@@ -1,0 +1,173 @@
+"""A training step through plain `jax.jit`, XLA's SPMD partitioner placing every collective.
+
+`build_step(..., collectives="compiler")` builds it. The layouts are the explicit step's
+(`step.py`), all from the rules: params in their `param` layout, optimizer state and the
+update in the `opt` layout, the batch split along dim 0 over the batch axes, activations
+constrained by the rules (the step traces its function under them, so `jshard.nn` layers
+and `jshard.constrain` emit sharding constraints). What moves between the layouts is left
+to the compiler:
+
+    1. forward and backward of `loss_fn` on the global batch: ZeRO-3 weights gathered,
+       tensor / sequence parallel activations relaid, as XLA decides;
+    2. gradients constrained to the `opt` layout (a reduce-scatter over ZeRO axes, an
+       all-reduce over the other batch axes: XLA's choice);
+    3. optax update on the `opt` layout, params constrained back to the `param` layout.
+
+The model needs logical names on its params and nothing else: any Flax NNX layer works,
+since inside `jax.jit` every array is the global one. Non-Param Variables are the model's
+own business, as on one device: BatchNorm sees the global batch, dropout draws global
+masks, and the step carries what the forward wrote out of it (`ModelState`: RNG keys as
+key data, so checkpoints hold them).
+
+It does not pipeline (the stage axis is the explicit step's), and its collectives are
+XLA's: not derived, not checked against the textbook, no ZeRO-2 per-layer reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from jshard.mesh import mesh_shape
+from jshard.parallel.model_state import ModelState
+from jshard.parallel.step import ShardedStep, TrainState, stage_axes
+from jshard.placement import Report, describe, place, specs, specs_of
+from jshard.rules import Rules, ShardingError, axes_of, use_rules
+
+
+def _layouts(spec_tree) -> list[tuple[tuple[str, ...], ...]]:
+    return [tuple(axes_of(entry) for entry in spec) for spec in jax.tree.leaves(spec_tree)]
+
+
+def check_compiled_plan(mesh: Mesh, rules: Rules) -> None:
+    """Whether the compiler-placed step can run `rules` on `mesh`: before any device work."""
+    rules.check_mesh(mesh)
+    stages = stage_axes(mesh, rules)
+    if stages:
+        raise ShardingError(
+            f"build_step(collectives='compiler'): rules {rules.name!r} split layers over "
+            f"{'+'.join(stages)}={math.prod(mesh_shape(mesh)[a] for a in stages)}, a pipeline, and the "
+            "compiler-placed step does not pipeline. Fix: use the explicit step (build_step(..., "
+            "collectives='explicit', microbatches=M)), or pick a preset without pp / give stage size 1."
+        )
+
+
+class CompiledStep:
+    """`state, loss = step(state, batch)`: one optimizer step of `loss_fn(model, batch)`,
+    through `jax.jit` with XLA inserting the collectives.
+
+    `loss_fn` receives the global batch and returns its mean loss. `.state` is the initial
+    state, placed by the rules; a step donates the state it is given. The surface is
+    `ShardedStep`'s, so user code and `jshard.train` take either.
+    """
+
+    schedule = None  # no pipeline
+    microbatches = None
+
+    def __init__(self, model: nnx.Module, tx: optax.GradientTransformation,
+                 loss_fn: Callable[[nnx.Module, Any], jax.Array], mesh: Mesh, rules: Rules):
+        check_compiled_plan(mesh, rules)  # before anything is placed
+        self.mesh, self.rules, self.tx, self.loss_fn = mesh, rules, tx, loss_fn
+        self.graphdef, params, others = nnx.split(model, nnx.Param, ...)
+        self.others = ModelState(others)
+        param_specs = specs_of(params, place(params, mesh, rules, "param"))  # every bad input raises here
+        self.grad_specs = grad_specs = specs(params, mesh, rules, "opt")  # gradients leave in the opt layout
+        self.param_layouts, self.opt_layouts = _layouts(param_specs), _layouts(grad_specs)
+        self.batch_axes = axes_of(rules.spec(("batch",), None, mesh, "activation")[0])
+        self.data_shards = math.prod(mesh_shape(mesh)[a] for a in self.batch_axes)
+        self.batch_shards = self.data_shards
+        opt_specs = specs(jax.eval_shape(tx.init, params), mesh, rules, "opt")
+        whole = jax.tree.map(lambda v: v.replace(jax.P()), others, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        self.state_specs = TrainState(param_specs, opt_specs, whole)
+        self._shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), self.state_specs)
+        self._grad_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), grad_specs)
+        self._batch_sharding = NamedSharding(mesh, jax.P(self.batch_axes))
+        replicated = NamedSharding(mesh, jax.P())
+        self._step = jax.jit(self._body, donate_argnums=0, out_shardings=(self._shardings, replicated))
+        self._grads = jax.jit(self._grads_body, out_shardings=(replicated, self._grad_shardings))
+        self.state = self.init_state(params, others)
+
+    # -- state -------------------------------------------------------------------------
+
+    def init_state(self, params: nnx.State, others: nnx.State) -> TrainState:
+        """The state that starts training from a model's params and other Variables."""
+        params = jax.device_put(params, self._shardings.params)
+        opt_state = jax.jit(self.tx.init, out_shardings=self._shardings.opt_state)(params)
+        return TrainState(params, opt_state, jax.device_put(self.others.stored(others), self._shardings.model_state))
+
+    def model(self, state: TrainState) -> nnx.Module:
+        """The model with the params and other Variables of `state`."""
+        return nnx.merge(self.graphdef, state.params, self.others.loaded(state.model_state))
+
+    def to_model_order(self, state: TrainState) -> TrainState:
+        """The identity: without a pipeline the state is in the model's order (`ShardedStep`'s)."""
+        return state
+
+    def from_model_order(self, state: TrainState) -> TrainState:
+        """The identity, as `to_model_order`."""
+        return state
+
+    # The explicit step's, word for word: the same error for a batch that does not split.
+    shard_batch = ShardedStep.shard_batch
+
+    def __call__(self, state: TrainState, batch) -> tuple[TrainState, jax.Array]:
+        return self._step(state, batch)
+
+    def value_and_grad(self, state: TrainState, batch) -> tuple[jax.Array, nnx.State]:
+        """The loss and its gradient, as the step computes them (gradients in the `opt` layout)."""
+        return self._grads(state.params, state.model_state, batch)
+
+    def lower(self, state: TrainState, batch):
+        """The lowered step, for `.compile()`, HLO and memory analysis."""
+        return self._step.lower(state, batch)
+
+    def describe(self, batch=None) -> Report:
+        """Where each param lives (`jshard.describe`). Every layer computes with whole params
+        here, so nothing is flagged as read whole; `batch` is accepted for `ShardedStep`'s form."""
+        return describe(nnx.state(self.model(self.state), nnx.Param), self.mesh, self.rules)
+
+    # -- the traced function, on global arrays -------------------------------------------------
+
+    def _constrain(self, tree, shardings):
+        return jax.lax.with_sharding_constraint(tree, shardings)
+
+    def _loss_and_grads(self, params, stored, batch):
+        """The mean loss over the global batch, its gradient in the `opt` layout, and the
+        model's other Variables as the forward wrote them (as a train state holds them)."""
+        batch = jax.tree.map(lambda x: self._constrain(x, self._batch_sharding), batch)
+        params = self._constrain(params, self._shardings.params)
+
+        def loss_of(params):  # the model's Variables made here, at the level the forward writes them
+            model = nnx.merge(self.graphdef, params, self.others.loaded(stored))
+            return self.loss_fn(model, batch), nnx.state(model, nnx.Not(nnx.Param))
+
+        (loss, written), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+        return loss, self._constrain(grads, self._grad_shardings), self.others.stored(written)
+
+    @contextlib.contextmanager
+    def _traced(self):
+        """The rules, and the mesh for `jshard.constrain`'s bare specs, while the step is traced
+        (`jax.set_mesh` may not be entered inside `jax.jit`; the abstract mesh may)."""
+        with use_rules(self.rules), jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+            yield
+
+    def _body(self, state: TrainState, batch):
+        with self._traced():
+            loss, grads, model_state = self._loss_and_grads(state.params, state.model_state, batch)
+            shards = self._constrain(state.params, self._grad_shardings)  # each param as its optimizer state is split
+            updates, opt_state = self.tx.update(grads, state.opt_state, shards)
+            shards = optax.apply_updates(shards, updates)
+            params = self._constrain(shards, self._shardings.params)
+            return TrainState(params, opt_state, model_state), loss
+
+    def _grads_body(self, params, stored, batch):
+        with self._traced():
+            return self._loss_and_grads(params, stored, batch)[:2]
+

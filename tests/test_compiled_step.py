@@ -1,0 +1,232 @@
+"""The compiler-placed step (`build_step(..., collectives="compiler")`) against one device.
+
+Parity on fresh random inputs each run (the seed is in every failure message), on every
+non-pipeline preset: a GPT's loss each step and params after 3 AdamW steps; a CNN of plain
+Flax layers (Conv, BatchNorm, Dropout, Linear), trained with dropout on, including its
+BatchNorm running statistics and its RNG stream's count. Then the refusals, and the state
+through an orbax checkpoint.
+"""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jshard
+from jshard.checkpoint import Checkpoints
+from jshard.models import GPT, GPTConfig, gpt_loss
+from jshard.parallel import CompiledStep, TrainState, build_step
+from plans import STRATEGIES
+from reference import train_on_one_device
+
+SEED = int(np.random.default_rng().integers(1 << 31))
+TOLERANCE = 1e-5
+OPTIMIZER = optax.adamw(1e-3, eps=1e-4)  # eps: see tests/test_strategies.py
+STEPS = 3
+IDS = [p for p, _ in STRATEGIES]
+
+
+def relative_error(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
+
+
+def assert_states_close(actual: nnx.State, expected: nnx.State, what: str):
+    """Float leaves to TOLERANCE, integer leaves (RNG counts) and RNG keys exactly."""
+    flat_expected = dict(nnx.to_flat_state(expected))
+    flat_actual = nnx.to_flat_state(actual)
+    assert {p for p, _ in flat_actual} == set(flat_expected), f"{what}: other Variables (seed {SEED})"
+    for path, variable in flat_actual:
+        got, want = variable.get_value(), flat_expected[path].get_value()
+        where = f"{what} {'/'.join(map(str, path))} (seed {SEED})"
+        if jax.dtypes.issubdtype(want.dtype, jax.dtypes.prng_key):
+            got, want = jax.random.key_data(got), jax.random.key_data(want)
+        if jax.dtypes.issubdtype(want.dtype, np.inexact):
+            error = relative_error(got, want)
+            assert error <= TOLERANCE, f"{where}: relative error {error:.2e}"
+        else:
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=where)
+
+
+def train_compiled(make, loss_fn, batches, preset, sizes):
+    """The compiler-placed step from `make()`, one step per batch: the step, its state and losses."""
+    step = build_step(make(), OPTIMIZER, loss_fn, jshard.make_mesh(**sizes), jshard.preset(preset),
+                      collectives="compiler")
+    assert isinstance(step, CompiledStep)
+    state, losses = step.state, []
+    for batch in batches:
+        state, loss = step(state, step.shard_batch(batch))
+        losses.append(float(loss))
+    return step, state, losses
+
+
+def check_against_one_device(make, loss_fn, batches, preset, sizes):
+    model = make()
+    expected = train_on_one_device(model, OPTIMIZER, loss_fn, batches)
+    step, state, losses = train_compiled(make, loss_fn, batches, preset, sizes)
+    for i, (got, want) in enumerate(zip(losses, expected)):
+        assert relative_error(got, want) <= TOLERANCE, f"{preset}: loss of step {i}: {got} vs {want} (seed {SEED})"
+    assert_states_close(nnx.state(step.model(state)), nnx.state(model), f"{preset}: after {STEPS} steps")
+    return step, state
+
+
+# -- a GPT of jshard.nn layers ----------------------------------------------------------------
+
+GPT_CONFIG = GPTConfig(vocab=64, seq_len=16, embed=32, heads=4, mlp=64, layers=2)
+
+
+def make_gpt():
+    return GPT(GPT_CONFIG, rngs=nnx.Rngs(SEED))
+
+
+def gpt_batches(count=STEPS):
+    rng = np.random.default_rng(SEED)
+    return [rng.integers(0, GPT_CONFIG.vocab, (8, GPT_CONFIG.seq_len + 1)) for _ in range(count)]
+
+
+@pytest.mark.parametrize("preset, sizes", STRATEGIES, ids=IDS)
+def test_gpt_matches_one_device(preset, sizes):
+    check_against_one_device(make_gpt, gpt_loss, gpt_batches(), preset, sizes)
+
+
+# -- a CNN as the Flax NNX docs write it, with BatchNorm and Dropout ---------------------------
+
+
+class CNN(nnx.Module):
+    """Plain Flax NNX layers; only the kernels carry logical names (the Linear's bias and the
+    BatchNorm's scale and bias are unnamed: replicated). The conv has no bias: BatchNorm
+    subtracts it again, so its gradient is zero but for round-off, which Adam would blow up
+    into updates that differ between any two ways of summing (one device, or eight)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.conv = nnx.Conv(8, 16, kernel_size=(3, 3), use_bias=False,
+                             kernel_metadata=jshard.named(None, None, "embed", "mlp"), rngs=rngs)
+        self.batch_norm = nnx.BatchNorm(16, rngs=rngs)
+        self.dropout = nnx.Dropout(0.1, rngs=rngs)
+        self.linear = nnx.Linear(4 * 4 * 16, 8, kernel_metadata=jshard.named("mlp", "vocab"), rngs=rngs)
+
+    def __call__(self, x):
+        x = self.dropout(nnx.relu(self.batch_norm(self.conv(x))))
+        x = nnx.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
+        return self.linear(x.reshape(x.shape[0], -1))
+
+
+def cnn_loss(model, batch):
+    images, labels = batch
+    return optax.softmax_cross_entropy_with_integer_labels(model(images), labels).mean()
+
+
+def make_cnn():
+    return CNN(nnx.Rngs(SEED))
+
+
+def cnn_batches(count=STEPS):
+    rng = np.random.default_rng(SEED)
+    return [(rng.standard_normal((16, 8, 8, 8), dtype=np.float32), rng.integers(0, 8, (16,)))
+            for _ in range(count)]
+
+
+@pytest.mark.parametrize("preset, sizes", STRATEGIES, ids=IDS)
+def test_cnn_with_batch_norm_and_dropout_matches_one_device(preset, sizes):
+    """Under jit BatchNorm sees the global batch and dropout draws the global mask from the
+    model's key: the same numbers as one device, running statistics and RNG count included."""
+    step, state = check_against_one_device(make_cnn, cnn_loss, cnn_batches(), preset, sizes)
+    model = step.model(state)
+    assert int(model.dropout.rngs.count.get_value()) == STEPS
+    assert float(jax.numpy.abs(model.batch_norm.mean.get_value()).sum()) > 0  # the statistics did move
+
+
+def test_gradients_come_out_in_the_opt_layout():
+    """ZeRO-1: params whole on every device, their gradients split like the optimizer state."""
+    model, batch = make_cnn(), cnn_batches(1)[0]
+    (_, grads) = nnx.value_and_grad(cnn_loss)(model, batch)
+    mesh, rules = jshard.make_mesh(data=2, fsdp=4), jshard.preset("dp+zero1")
+    step = build_step(make_cnn(), OPTIMIZER, cnn_loss, mesh, rules, collectives="compiler")
+    loss, step_grads = step.value_and_grad(step.state, step.shard_batch(batch))
+    assert relative_error(loss, cnn_loss(make_cnn(), batch)) <= TOLERANCE, f"loss (seed {SEED})"
+    assert_states_close(step_grads, grads, "gradient")
+    kernel = step_grads["conv"]["kernel"].get_value()
+    assert kernel.sharding.spec == jax.P(None, None, "fsdp", None)
+    assert step.state.params["conv"]["kernel"].get_value().sharding.is_fully_replicated
+
+
+# -- refusals ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset, sizes", [("dp+pp", dict(data=2, stage=4)),
+                                           ("fsdp+tp+pp", dict(fsdp=2, tensor=2, stage=2))])
+def test_pipeline_rules_are_refused(preset, sizes):
+    with pytest.raises(jshard.ShardingError, match="compiler-placed step does not pipeline.*explicit step"):
+        build_step(make_gpt(), OPTIMIZER, gpt_loss, jshard.make_mesh(**sizes), jshard.preset(preset),
+                   collectives="compiler")
+
+
+def test_pipeline_arguments_are_refused():
+    with pytest.raises(jshard.ShardingError, match="microbatches=4.*does not pipeline"):
+        build_step(make_gpt(), OPTIMIZER, gpt_loss, jshard.make_mesh(data=8), jshard.preset("dp"),
+                   microbatches=4, collectives="compiler")
+
+
+def test_unknown_collectives_are_refused():
+    with pytest.raises(jshard.ShardingError, match="collectives='bogus'.*'explicit'.*'compiler'"):
+        build_step(make_gpt(), OPTIMIZER, gpt_loss, jshard.make_mesh(data=8), jshard.preset("dp"),
+                   collectives="bogus")
+
+
+class Unnamed(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(16, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.linear(x)
+
+
+def test_bad_rules_raise_the_explicit_steps_error():
+    def refusal(collectives):
+        with pytest.raises(jshard.ShardingError) as refused:
+            build_step(Unnamed(nnx.Rngs(0)), OPTIMIZER, cnn_loss, jshard.make_mesh(tensor=8), jshard.preset("tp"),
+                       collectives=collectives)
+        return str(refused.value)
+
+    message = refusal("compiler")
+    assert "param 'linear/kernel' (shape (16, 16)) has no logical axis names" in message, message
+    assert message == refusal("explicit")
+
+
+def test_batch_that_does_not_split_is_refused():
+    step = build_step(make_cnn(), OPTIMIZER, cnn_loss, jshard.make_mesh(data=8), jshard.preset("dp"),
+                      collectives="compiler")
+    images, labels = cnn_batches(1)[0]
+    with pytest.raises(jshard.ShardingError, match="batch of 12 .* 8 shards over data"):
+        step.shard_batch((images[:12], labels[:12]))
+
+
+# -- checkpoints -------------------------------------------------------------------------------
+
+
+def test_state_round_trips_through_a_checkpoint_and_training_continues(tmp_path):
+    """Params, AdamW state, BatchNorm statistics and the RNG stream (key data, count) are all
+    saved; the restored state trains on exactly as the state that was saved."""
+    batches = cnn_batches(3)
+    step = build_step(make_cnn(), OPTIMIZER, cnn_loss, jshard.make_mesh(data=2, fsdp=2, tensor=2),
+                      jshard.preset("dp+fsdp+tp"), collectives="compiler")
+    state, _ = step(step.state, step.shard_batch(batches[0]))
+    with Checkpoints(tmp_path) as checkpoints:
+        checkpoints.save(1, step.to_model_order(state), {"step": 1})
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    with Checkpoints(tmp_path) as reopened:
+        restored = step.from_model_order(reopened.restore(1, like))
+    assert isinstance(restored, TrainState)
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+        assert got.sharding == want.sharding
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+    for batch in batches[1:]:
+        state, loss = step(state, step.shard_batch(batch))
+        restored, restored_loss = step(restored, step.shard_batch(batch))
+        assert float(restored_loss) == float(loss), f"seed {SEED}"
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"seed {SEED}")
+    assert int(step.model(restored).dropout.rngs.count.get_value()) == 3
