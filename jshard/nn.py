@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -143,8 +144,10 @@ class _SplitParam:
         return self.whole()
 
     @property
-    def shape(self):
-        return self.whole().shape
+    def shape(self):  # the whole param's, without gathering it
+        local = self._local()
+        split = self.split[len(self.split) - local.ndim:]
+        return tuple(n * math.prod(lax.axis_size(a) for a in axes) for n, axes in zip(local.shape, split))
 
     @property
     def dtype(self):

@@ -95,6 +95,19 @@ def test_describe_lists_the_params_a_plain_layer_reads_whole():
     assert not any("read whole" in f for p in report.rows for f in p.flags), str(report)
 
 
+class ShapeReadingMLP(MLP):
+    def __call__(self, x):
+        # What plain code sees of a split param's shape: the whole param's.
+        assert self.up.kernel.shape == (16, 64) and self.down.kernel.ndim == 2, self.up.kernel.shape
+        return super().__call__(x)
+
+
+def test_a_split_params_shape_is_the_whole_params():
+    step = build_step(ShapeReadingMLP(nnx.Rngs(0)), optimizer(), mse_loss, jshard.make_mesh(data=2, fsdp=2, tensor=2),
+                      jshard.preset("dp+fsdp+tp"))
+    train(step, regression_batches(0, 1))
+
+
 def fold_keys(model, shard: int):
     """`model` with each RNG key folded with `shard`: the stream batch shard `shard` draws from."""
     keys = nnx.state(model, nnx.RngKey)
