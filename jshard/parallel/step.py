@@ -138,6 +138,7 @@ class ShardedStep:
         self.mesh, self.rules, self.tx, self.loss_fn = mesh, rules, tx, loss_fn
         self.graphdef, params, others = nnx.split(model, nnx.Param, ...)
         self.others = ModelState(others)
+        rules.check_mesh(mesh)
         check_no_pipeline(self.others, stage_axes(mesh, rules))
         self.schedule = check_plan(mesh, rules, loss_fn, microbatches, schedule, virtual)
         self.stage_axis = next(iter(stage_axes(mesh, rules)), None)
