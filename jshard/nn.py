@@ -145,17 +145,17 @@ class _SplitParam:
 
     @property
     def shape(self):  # the whole param's, without gathering it
-        local = self._local()
-        split = self.split[len(self.split) - local.ndim:]
-        return tuple(n * math.prod(lax.axis_size(a) for a in axes) for n, axes in zip(local.shape, split))
+        held = self._held()
+        split = self.split[len(self.split) - held.ndim:]
+        return tuple(n * math.prod(lax.axis_size(a) for a in axes) for n, axes in zip(held.shape, split))
 
     @property
     def dtype(self):
-        return self._local().dtype
+        return self._held().dtype
 
     @property
     def ndim(self):
-        return self._local().ndim
+        return self._held().ndim
 
     def astype(self, dtype):
         return self.whole().astype(dtype)
@@ -173,6 +173,8 @@ class LocalBlock(_SplitParam):
 
     def _local(self):
         return self.block
+
+    _held = _local
 
 
 @jax.tree_util.register_dataclass
@@ -196,6 +198,9 @@ class ShardWithReplica(_SplitParam):
 
     def _local(self):
         return _replica_with_scattered_grad(self.shard, self.replica, self.dim, self.axes, self.vary)
+
+    def _held(self):  # what `_local` computes with, for its shape and dtype
+        return self.replica
 
 
 # Params a step's trace read whole (path -> the axes gathered), while a step records them.

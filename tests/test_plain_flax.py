@@ -30,7 +30,7 @@ def optimizer():
     # SGD, not Adam: Adam scales a near-zero gradient (a norm's bias) to a full step, so float
     # noise in it would decide the sign of a param's update; SGD keeps param errors as small
     # as the gradients'.
-    return optax.sgd(0.1, momentum=0.9)
+    return optax.sgd(0.03, momentum=0.9)
 
 
 def relative_error(a, b) -> float:

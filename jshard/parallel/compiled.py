@@ -33,17 +33,14 @@ from typing import Any
 import jax
 import optax
 from flax import nnx
+from jax.lax import with_sharding_constraint
 from jax.sharding import Mesh, NamedSharding
 
 from jshard.mesh import mesh_shape
 from jshard.parallel.model_state import ModelState
-from jshard.parallel.step import ShardedStep, TrainState, stage_axes
-from jshard.placement import Report, describe, place, specs, specs_of
+from jshard.parallel.step import ShardedStep, TrainState, layouts, stage_axes
+from jshard.placement import Report, place, specs, specs_of
 from jshard.rules import Rules, ShardingError, axes_of, use_rules
-
-
-def _layouts(spec_tree) -> list[tuple[tuple[str, ...], ...]]:
-    return [tuple(axes_of(entry) for entry in spec) for spec in jax.tree.leaves(spec_tree)]
 
 
 def check_compiled_plan(mesh: Mesh, rules: Rules) -> None:
@@ -77,15 +74,15 @@ class CompiledStep:
         self.mesh, self.rules, self.tx, self.loss_fn = mesh, rules, tx, loss_fn
         self.graphdef, params, others = nnx.split(model, nnx.Param, ...)
         self.others = ModelState(others)
-        param_specs = specs_of(params, place(params, mesh, rules, "param"))  # every bad input raises here
+        self.placements = place(params, mesh, rules, "param")  # every bad input raises here
+        param_specs = specs_of(params, self.placements)
         self.grad_specs = grad_specs = specs(params, mesh, rules, "opt")  # gradients leave in the opt layout
-        self.param_layouts, self.opt_layouts = _layouts(param_specs), _layouts(grad_specs)
+        self.param_layouts, self.opt_layouts = layouts(param_specs), layouts(grad_specs)
         self.batch_axes = axes_of(rules.spec(("batch",), None, mesh, "activation")[0])
         self.data_shards = math.prod(mesh_shape(mesh)[a] for a in self.batch_axes)
         self.batch_shards = self.data_shards
         opt_specs = specs(jax.eval_shape(tx.init, params), mesh, rules, "opt")
-        whole = jax.tree.map(lambda v: v.replace(jax.P()), others, is_leaf=lambda x: isinstance(x, nnx.Variable))
-        self.state_specs = TrainState(param_specs, opt_specs, whole)
+        self.state_specs = TrainState(param_specs, opt_specs, self.others.specs)
         self._shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), self.state_specs)
         self._grad_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), grad_specs)
         self._batch_sharding = NamedSharding(mesh, jax.P(self.batch_axes))
@@ -131,25 +128,22 @@ class CompiledStep:
     def describe(self, batch=None) -> Report:
         """Where each param lives (`jshard.describe`). Every layer computes with whole params
         here, so nothing is flagged as read whole; `batch` is accepted for `ShardedStep`'s form."""
-        return describe(nnx.state(self.model(self.state), nnx.Param), self.mesh, self.rules)
+        return Report(self.rules, mesh_shape(self.mesh), "param", tuple(self.placements))
 
     # -- the traced function, on global arrays -------------------------------------------------
-
-    def _constrain(self, tree, shardings):
-        return jax.lax.with_sharding_constraint(tree, shardings)
 
     def _loss_and_grads(self, params, stored, batch):
         """The mean loss over the global batch, its gradient in the `opt` layout, and the
         model's other Variables as the forward wrote them (as a train state holds them)."""
-        batch = jax.tree.map(lambda x: self._constrain(x, self._batch_sharding), batch)
-        params = self._constrain(params, self._shardings.params)
+        batch = jax.tree.map(lambda x: with_sharding_constraint(x, self._batch_sharding), batch)
+        params = with_sharding_constraint(params, self._shardings.params)
 
         def loss_of(params):  # the model's Variables made here, at the level the forward writes them
             model = nnx.merge(self.graphdef, params, self.others.loaded(stored))
             return self.loss_fn(model, batch), nnx.state(model, nnx.Not(nnx.Param))
 
         (loss, written), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
-        return loss, self._constrain(grads, self._grad_shardings), self.others.stored(written)
+        return loss, with_sharding_constraint(grads, self._grad_shardings), self.others.stored(written)
 
     @contextlib.contextmanager
     def _traced(self):
@@ -161,10 +155,10 @@ class CompiledStep:
     def _body(self, state: TrainState, batch):
         with self._traced():
             loss, grads, model_state = self._loss_and_grads(state.params, state.model_state, batch)
-            shards = self._constrain(state.params, self._grad_shardings)  # each param as its optimizer state is split
+            shards = with_sharding_constraint(state.params, self._grad_shardings)  # each param as its optimizer state is split
             updates, opt_state = self.tx.update(grads, state.opt_state, shards)
             shards = optax.apply_updates(shards, updates)
-            params = self._constrain(shards, self._shardings.params)
+            params = with_sharding_constraint(shards, self._shardings.params)
             return TrainState(params, opt_state, model_state), loss
 
     def _grads_body(self, params, stored, batch):

@@ -42,16 +42,15 @@ class ModelState:
         self.paths = [_path(path) for path, _ in flat]
         # The PRNG implementation of each key leaf (None for other leaves), to rebuild keys from data.
         self.key_impls = [jax.random.key_impl(v.get_value()) if _is_key(v.get_value()) else None for _, v in flat]
+        self.specs = self._map(lambda x, impl: jax.P(), state)  # whole on every device
 
     def __bool__(self) -> bool:
         return bool(self.paths)
 
-    def _map(self, fn, state: nnx.State, *others: nnx.State) -> nnx.State:
-        flat = nnx.to_flat_state(state)
-        rest = [[v.get_value() for _, v in nnx.to_flat_state(o)] for o in others]
-        leaves = [(path, v.replace(fn(v.get_value(), impl, *(r[i] for r in rest))))
-                  for i, ((path, v), impl) in enumerate(zip(flat, self.key_impls))]
-        return nnx.from_flat_state(leaves)
+    def _map(self, fn, state: nnx.State) -> nnx.State:
+        """`fn(value, key impl or None)` on each Variable's value."""
+        return nnx.from_flat_state([(path, v.replace(fn(v.get_value(), impl)))
+                                    for (path, v), impl in zip(nnx.to_flat_state(state), self.key_impls)])
 
     def stored(self, state: nnx.State) -> nnx.State:
         """As a train state holds it: keys as their key data."""

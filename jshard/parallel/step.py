@@ -50,7 +50,7 @@ from jshard.models.stack import StagedLoss, has_stack
 from jshard.parallel import pipeline
 from jshard.parallel.schedules import Schedule, check_layers, make_schedule
 from jshard.parallel.model_state import ModelState, check_no_pipeline, sync_batch_norms
-from jshard.placement import Report, describe, place, specs, specs_of
+from jshard.placement import Report, place, specs, specs_of
 from jshard.rules import Rules, ShardingError, axes_of, use_rules
 
 
@@ -62,7 +62,7 @@ class TrainState:
     model_state: nnx.State  # the model's other Variables, whole on every device (`model_state.py`)
 
 
-def _layouts(spec_tree) -> list[nn.Layout]:
+def layouts(spec_tree) -> list[nn.Layout]:
     """One layout (a tuple of mesh axes per dim) per leaf of a tree of PartitionSpecs."""
     return [tuple(axes_of(entry) for entry in spec) for spec in jax.tree.leaves(spec_tree)]
 
@@ -146,22 +146,22 @@ class ShardedStep:
         self._has_stack = has_stack(model)
         placed = place(params, mesh, rules, "param")  # every bad input raises here
         param_specs = specs_of(params, placed)
-        self.param_layouts = _layouts(param_specs)
+        self.param_layouts = layouts(param_specs)
+        self.placements = placed  # per param: names, spec, bytes per device, flags (`describe`)
         self._param_paths = [p.path for p in placed]
         if self.schedule:
             stacked = [leaf.shape[0] for leaf, layout in zip(jax.tree.leaves(params), self.param_layouts)
                        if layout and self.stage_axis in layout[0]]
             check_layers(stacked[0], self.schedule.stages, self.schedule.virtual)
         self.grad_specs = grad_specs = specs(params, mesh, rules, "opt")  # gradients leave in the opt layout
-        self.opt_layouts = _layouts(grad_specs)
+        self.opt_layouts = layouts(grad_specs)
         if rules.zero == 2:
             _check_one_zero_dim(params, self.param_layouts, self.opt_layouts)
         self.batch_axes = axes_of(rules.spec(("batch",), None, mesh, "activation")[0])
         self.data_shards = math.prod(mesh_shape(mesh)[a] for a in self.batch_axes)
         self.batch_shards = self.data_shards * (microbatches or 1)  # what a global batch splits into
         opt_specs = specs(jax.eval_shape(tx.init, params), mesh, rules, "opt")
-        whole = jax.tree.map(lambda v: v.replace(jax.P()), others, is_leaf=lambda x: isinstance(x, nnx.Variable))
-        self.state_specs = TrainState(param_specs, opt_specs, whole)
+        self.state_specs = TrainState(param_specs, opt_specs, self.others.specs)
         self._shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), self.state_specs)
         body = jax.shard_map(
             self._body, mesh=mesh, in_specs=(self.state_specs, jax.P(self.batch_axes)),
@@ -169,7 +169,7 @@ class ShardedStep:
         )
         self._step = jax.jit(body, donate_argnums=0)
         self._grads_sharded = jax.shard_map(
-            self._grads_body, mesh=mesh, in_specs=(param_specs, whole, jax.P(self.batch_axes)),
+            self._grads_body, mesh=mesh, in_specs=(param_specs, self.others.specs, jax.P(self.batch_axes)),
             out_specs=(jax.P(), grad_specs), check_vma=True,
         )
         self._grads = jax.jit(self._grads_sharded)
@@ -219,7 +219,7 @@ class ShardedStep:
         def reorder(x, layout):
             return pipeline.interleave(x, p, v, inverse) if layout and self.stage_axis in layout[0] else x
 
-        return self._per_leaf(reorder, tree, _layouts(spec_tree))
+        return self._per_leaf(reorder, tree, layouts(spec_tree))
 
     def shard_batch(self, batch):
         """Put a global batch on the mesh, split along dim 0 over the batch axes."""
@@ -358,9 +358,8 @@ class ShardedStep:
         Those are known once the step is traced: pass a batch if it has not run yet."""
         if batch is not None:
             jax.eval_shape(self._grads_sharded, self.state.params, self.state.model_state, batch)
-        report = describe(nnx.state(self.model(self.state), nnx.Param), self.mesh, self.rules)
         rows = []
-        for p in report.rows:
+        for p in self.placements:
             gathered = [a for a in self.whole_reads.get(p.path, ()) if a not in self.batch_axes]
             if gathered:
                 p = dataclasses.replace(p, flags=p.flags + (
@@ -368,7 +367,7 @@ class ShardedStep:
                     "before use, so its compute is not split (no tensor parallelism); build the layer "
                     "from jshard.nn to split it",))
             rows.append(p)
-        return dataclasses.replace(report, rows=tuple(rows))
+        return Report(self.rules, mesh_shape(self.mesh), "param", tuple(rows))
 
 
 def build_step(model, tx, loss_fn, mesh: Mesh, rules: Rules, microbatches: int | None = None,
