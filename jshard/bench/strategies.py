@@ -81,9 +81,8 @@ def textbook_memory(step: ShardedStep, config: GPTConfig) -> int:
     return sum(plan.state_bytes(plan_params(step), mesh_shape(step.mesh), step.rules, config.layers).values())
 
 
-def comm_bytes(step, tokens) -> int:
-    """K bytes per device of every collective compiled into `step` (HLO, loop trips counted)."""
-    compiled = step.lower(step.state, tokens).compile()
+def comm_bytes(compiled) -> int:
+    """K bytes per device of every collective in a compiled step (HLO, loop trips counted)."""
     return sum(c.bytes * c.count for c in hlo.collectives(compiled.as_text()))
 
 
@@ -109,13 +108,13 @@ def bench_plan(preset: str, mesh_text: str, config: GPTConfig, batch, reference,
     tokens = step.shard_batch(batch)
     compiled = step.lower(step.state, tokens).compile()
     memory = compiled.memory_analysis()
-    comm = sum(c.bytes * c.count for c in hlo.collectives(compiled.as_text()))
+    comm = comm_bytes(compiled)
     textbook = textbook_bytes(step, config, batch.shape)
 
     explicit_parity = parity(step, tokens, reference)
 
     xla = build_step(make_model(), tx, gpt_loss, mesh, rules, collectives="compiler")
-    xla_comm, xla_parity = comm_bytes(xla, tokens), parity(xla, tokens, reference)
+    xla_comm, xla_parity = comm_bytes(xla.lower(xla.state, tokens).compile()), parity(xla, tokens, reference)
     # Last: a timed step donates the step's initial state.
     step_s, gspmd_s = median_step_seconds(step, tokens, repeats), median_step_seconds(xla, tokens, repeats)
     return dict(
