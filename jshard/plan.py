@@ -233,15 +233,10 @@ def traffic(config: GPTConfig, params, sizes: dict[str, int], rules: Rules, batc
 
 
 def sends(schedule) -> tuple[int, int]:
-    """Ticks of the schedule in which some stage sends forward / backward (the executor skips the rest)."""
-    table = schedule.table()
-    p, v = schedule.stages, getattr(schedule, "virtual", 1)
-    forward = backward = 0
-    for row in table:
-        kinds = [(a.kind, getattr(a, "chunk", 0), s) for s, a in enumerate(row) if a is not None]
-        forward += any(k == "F" and c * p + s < p * v - 1 for k, c, s in kinds)
-        backward += any(k in ("BW", "B") and c * p + s > 0 for k, c, s in kinds)
-    return forward, backward
+    """Ticks of the schedule in which some stage sends forward / backward: the executor's own
+    count (`compile_program`), which skips the rest."""
+    program = compile_program(schedule)
+    return int(program.sends_forward.sum()), int(program.sends_backward.sum())
 
 
 # --- the estimate -------------------------------------------------------------------------

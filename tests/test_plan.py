@@ -7,6 +7,7 @@ import pytest
 
 from jshard import plan
 from jshard.cli import main
+from jshard.parallel.schedules import make_schedule
 
 
 @pytest.mark.parametrize("case", plan.VALIDATION, ids=lambda c: f"{c[0]}@{c[1]}/{c[3] or '-'}/{c[4]}")
@@ -49,3 +50,21 @@ def test_plan_formulas_scale_as_the_textbook():
 def test_bad_plan_exits_2(capsys):
     assert main(["plan", "--mesh", "tensor=3", "--strategy", "tp"]) == 2
     assert "does not divide by tensor=3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, stages, microbatches, virtual", [
+    ("gpipe", 4, 8, None), ("1f1b", 4, 8, None), ("zb-h1", 4, 8, None), ("1f1b", 2, 4, None),
+    ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 2), ("interleaved", 2, 4, 3),
+])
+def test_planner_counts_the_sends_of_the_tick_table(name, stages, microbatches, virtual):
+    """A tick sends forward when some stage runs F on a model position before the last
+    (chunk c on stage s is position c·p + s), backward when some stage runs a backward on a
+    position after the first. Read here from the table itself, not from the executor's program."""
+    schedule = make_schedule(name, stages, microbatches, virtual)
+    positions = stages * schedule.virtual
+    forward = backward = 0
+    for row in schedule.table():
+        at = [(a.kind, a.virtual * stages + s) for s, a in enumerate(row) if a is not None]
+        forward += any(kind == "F" and position < positions - 1 for kind, position in at)
+        backward += any(kind in ("B", "BW") and position > 0 for kind, position in at)
+    assert plan.sends(schedule) == (forward, backward)  # was (29, 29) for interleaved p=4 m=8 v=2
