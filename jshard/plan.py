@@ -33,7 +33,7 @@ from jshard import hlo, metrics
 from jshard.mesh import STANDARD_AXES as AXES, make_mesh, parse_axis_sizes, use_fake_cpu_devices
 from jshard.models import GPT, GPTConfig, gpt_loss
 from jshard.parallel.pipeline import compile_program
-from jshard.parallel.step import build_step, check_plan
+from jshard.parallel.step import build_step, check_plan, stage_axes
 from jshard.placement import format_bytes
 from jshard.rules import Rules, ShardingError, axes_of, preset, resolve
 
@@ -135,10 +135,18 @@ def local(nbytes: int, layout, sizes: dict[str, int]) -> int:
     return nbytes // shards(layout, sizes)
 
 
-def gathered_layers_bytes(params, sizes: dict[str, int], layers: int) -> int:
+def split_axes(rules: Rules, sizes: dict[str, int], name: str) -> tuple[str, ...]:
+    """The mesh axes (of size > 1) over which the rules split activation dim `name`: for
+    `mlp`, tensor parallelism's; for `seq`, sequence parallelism's. The planner asks the
+    rules, as a layer does, and names no mesh axis."""
+    spec = rules.spec((name,), None, _abstract_mesh(sizes), "activation")[0]
+    return tuple(a for a in axes_of(spec) if sizes[a] > 1)
+
+
+def gathered_layers_bytes(params, sizes: dict[str, int], rules: Rules, layers: int) -> int:
     """ZeRO-3: two layers' weights gathered at once (one in use, the next arriving), still split by tensor."""
     one_layer = sum(p.bytes for p in params if p.names and p.names[0] == "layers") // layers
-    return 2 * one_layer // sizes.get("tensor", 1)
+    return 2 * one_layer // shards((split_axes(rules, sizes, "mlp"),), sizes)
 
 
 def state_bytes(params, sizes: dict[str, int], rules: Rules, layers: int) -> dict[str, int]:
@@ -149,7 +157,7 @@ def state_bytes(params, sizes: dict[str, int], rules: Rules, layers: int) -> dic
         params=sum(local(p.bytes, p.param, sizes) for p in params),
         grads=sum(local(p.bytes, grad(p), sizes) for p in params),
         optimizer=2 * sum(local(p.bytes, p.opt, sizes) for p in params),
-        gathered=gathered_layers_bytes(params, sizes, layers) if rules.zero == 3 and zero_on else 0,
+        gathered=gathered_layers_bytes(params, sizes, rules, layers) if rules.zero == 3 and zero_on else 0,
     )
 
 
@@ -193,8 +201,9 @@ def param_traffic(params, sizes: dict[str, int], rules: Rules, batch_axes, stage
     return out
 
 
-def tensor_traffic(config: GPTConfig, params, rows: int, seq: int, layers_run: int, sp: bool, tensor: int) -> dict:
-    """{(kind, 'tensor'): bytes} of Megatron TP / SP for `rows` sequences through `layers_run` layers.
+def tensor_traffic(config: GPTConfig, params, rows: int, seq: int, layers_run: int, sp: bool,
+                   tensor: tuple[str, ...]) -> dict:
+    """{(kind, tensor axes): bytes} of Megatron TP / SP for `rows` sequences through `layers_run` layers.
 
     Per block, A = (rows, seq, embed) in the compute dtype: TP all-reduces A 4 times (2
     forward, 2 backward); SP all-gathers and reduce-scatters it 4 times each. The
@@ -202,19 +211,19 @@ def tensor_traffic(config: GPTConfig, params, rows: int, seq: int, layers_run: i
     the vocab-parallel cross-entropy 3 all-reduces of (rows, seq) in fp32, and under SP the
     params that see seq-split inputs (norms, position table) all-reduce their gradients.
     """
-    if tensor == 1:
+    if not tensor:
         return {}
     a = rows * seq * config.embed * jnp.dtype(config.dtype).itemsize
     out: dict = {}
     blocks = 4 * layers_run * a + 2 * a
     ce = 3 * rows * seq * 4
     if sp:
-        _add(out, "all-gather", ("tensor",), blocks)
-        _add(out, "reduce-scatter", ("tensor",), blocks)
+        _add(out, "all-gather", tensor, blocks)
+        _add(out, "reduce-scatter", tensor, blocks)
         replicated = sum(p.bytes for p in params if "norm" in p.path or p.path.startswith("pos_embed"))
-        _add(out, "all-reduce", ("tensor",), ce + replicated)
+        _add(out, "all-reduce", tensor, ce + replicated)
     else:
-        _add(out, "all-reduce", ("tensor",), blocks + ce)
+        _add(out, "all-reduce", tensor, blocks + ce)
     return out
 
 
@@ -224,8 +233,9 @@ def traffic(config: GPTConfig, params, sizes: dict[str, int], rules: Rules, batc
     over `rows` local sequences through this stage's layers, and the loss's all-reduce."""
     comm = param_traffic(params, sizes, rules, batch_axes, stage_axis)
     layers_run = config.layers // (sizes[stage_axis] if stage_axis else 1)
-    sp = "sp" in rules.name.split("+")
-    for key, nbytes in tensor_traffic(config, params, rows, seq, layers_run, sp, sizes.get("tensor", 1)).items():
+    sp = bool(split_axes(rules, sizes, "seq"))
+    tensor = split_axes(rules, sizes, "mlp")
+    for key, nbytes in tensor_traffic(config, params, rows, seq, layers_run, sp, tensor).items():
         _add(comm, *key, nbytes)
     for axes in (a for a in batch_axes if sizes[a] > 1), (stage_axis,) if stage_axis else ():
         _add(comm, "all-reduce", tuple(axes), 4)  # the mean loss, over the batch axes, then the stages
@@ -294,8 +304,9 @@ def estimate(plan: PlanInput) -> dict:
     params = params_of(config, sizes, rules)
     batch_axes = axes_of(rules.spec(("batch",), None, _abstract_mesh(sizes), "activation")[0])
     data_shards = math.prod(sizes[a] for a in batch_axes)
-    tensor = sizes.get("tensor", 1)
-    sp = "sp" in rules.name.split("+")
+    tensor_axes = split_axes(rules, sizes, "mlp")
+    tensor = shards((tensor_axes,), sizes)
+    sp = bool(split_axes(rules, sizes, "seq"))
     m = plan.microbatches or 1
     rows, seq = plan.micro_batch_size, config.seq_len
     stages = schedule.stages if schedule else 1
@@ -333,12 +344,12 @@ def estimate(plan: PlanInput) -> dict:
     total_memory = sum(memory.values())
 
     # communication
-    stage_axis = "stage" if schedule else None
+    stage_axis = stage_axes(_abstract_mesh(sizes), rules)[0] if schedule else None
     comm = traffic(config, params, sizes, rules, batch_axes, rows * m, seq, stage_axis)
     if schedule:
         a_mb = rows * seq * config.embed * jnp.dtype(config.dtype).itemsize
         forward, backward = sends(schedule)
-        _add(comm, "collective-permute", ("stage",), (forward + backward) * a_mb)
+        _add(comm, "collective-permute", (stage_axis,), (forward + backward) * a_mb)
 
     # time
     tokens = rows * seq * m * data_shards
@@ -359,11 +370,11 @@ def estimate(plan: PlanInput) -> dict:
         return sum(t for (kind, axes), t in times.items() if pred(kind, axes))
 
     zero = {a for a in rules.zero_axes if sizes[a] > 1}
-    t_tp = t_of(lambda k, a: a == "tensor")
+    t_tp = t_of(lambda k, a: a == "+".join(tensor_axes))
     t_zero = t_of(lambda k, a: set(a.split("+")) <= zero and k in ("all-gather", "reduce-scatter"))
     plain = {a for a in batch_axes if sizes[a] > 1} - zero
     t_dp = t_of(lambda k, a: k == "all-reduce" and set(a.split("+")) <= plain) if plain else 0.0
-    t_pp = t_of(lambda k, a: a == "stage")
+    t_pp = t_of(lambda k, a: a == stage_axis)
     bubble = schedule.bubble_fraction_of_step if schedule else 0.0
     ratios = {
         "dp": t_dp / (t_compute * 2 / 3) if t_dp else None,  # the gradient all-reduce hides behind backward
@@ -379,8 +390,8 @@ def estimate(plan: PlanInput) -> dict:
     warnings = []
     if total_memory > hw.hbm_bytes:
         warnings.append(f"does not fit: {format_bytes(total_memory, 2)} per device > {format_bytes(hw.hbm_bytes, 2)} of HBM")
-    if tensor > 1 and _link("tensor", sizes, hw)[1] == "inter":
-        warnings.append(f"TP axis spans nodes: tensor={tensor} > {hw.gpus_per_node} GPUs per node")
+    if tensor > 1 and _link("+".join(tensor_axes), sizes, hw)[1] == "inter":
+        warnings.append(f"TP axis spans nodes: {'+'.join(tensor_axes)}={tensor} > {hw.gpus_per_node} GPUs per node")
     for name, r in ratios.items():
         if r is not None and r > 1:
             warnings.append(f"{name} overlap ratio {r:.2f} > 1: its communication cannot hide behind compute")
