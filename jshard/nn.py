@@ -35,7 +35,7 @@ from flax import nnx
 from jax import lax
 
 from jshard import vma
-from jshard.rules import active_rules, axes_of, constrain, manual_axes, named
+from jshard.rules import active_rules, constrain, layout_of, manual_axes, named
 
 Layout = tuple[tuple[str, ...], ...]
 
@@ -46,7 +46,7 @@ Layout = tuple[tuple[str, ...], ...]
 def layout(names: Sequence[str | None], kind: str = "activation") -> Layout:
     """Where the active rules put each dim of a tensor called `names`, inside a step."""
     spec = active_rules().spec(tuple(names), None, jax.sharding.get_abstract_mesh(), kind)
-    return tuple(axes_of(entry) for entry in spec)
+    return layout_of(spec)
 
 
 def _in_step() -> bool:

@@ -35,7 +35,7 @@ from jshard.models import GPT, GPTConfig, gpt_loss
 from jshard.parallel.pipeline import compile_program
 from jshard.parallel.step import build_step, check_plan, stage_axes
 from jshard.placement import format_bytes
-from jshard.rules import Rules, ShardingError, axes_of, preset, resolve
+from jshard.rules import Rules, ShardingError, axes_of, layout_of, preset, resolve
 
 GiB = 2**30
 
@@ -111,10 +111,6 @@ class ParamInfo:
         return bool(self.names) and self.names[0] == "layers" and len(self.shape) > 2
 
 
-def _layout(spec) -> tuple:
-    return tuple(() if a is None else (a,) if isinstance(a, str) else tuple(a) for a in spec)
-
-
 def params_of(config: GPTConfig, sizes: dict[str, int], rules: Rules) -> list[ParamInfo]:
     """Every param of the GPT with its layouts, from abstract shapes: no memory is allocated."""
     model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
@@ -122,7 +118,7 @@ def params_of(config: GPTConfig, sizes: dict[str, int], rules: Rules) -> list[Pa
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         names = tuple(var.get_metadata().get("out_sharding") or (None,) * var.ndim)
         where = "param '" + "/".join(map(str, path)) + "'"
-        layouts = [_layout(resolve(rules.table(kind), names, var.shape, sizes, where)[0]) for kind in ("param", "opt")]
+        layouts = [layout_of(resolve(rules.table(kind), names, var.shape, sizes, where)[0]) for kind in ("param", "opt")]
         out.append(ParamInfo("/".join(map(str, path)), tuple(var.shape), names, *layouts))
     return out
 

@@ -53,6 +53,11 @@ def axes_of(axes: Axes) -> tuple[str, ...]:
     return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
+def layout_of(spec) -> tuple[tuple[str, ...], ...]:
+    """A PartitionSpec as a layout: one tuple of mesh axes per dim, `((data, fsdp), (), (tensor,))`."""
+    return tuple(axes_of(entry) for entry in spec)
+
+
 def _normalise(table, label: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
     pairs = table.items() if isinstance(table, Mapping) else table
     out = []

@@ -51,7 +51,7 @@ from jshard.parallel import pipeline
 from jshard.parallel.schedules import Schedule, check_layers, make_schedule
 from jshard.parallel.model_state import ModelState, check_no_pipeline, sync_batch_norms
 from jshard.placement import Report, place, specs, specs_of
-from jshard.rules import Rules, ShardingError, axes_of, use_rules
+from jshard.rules import Rules, ShardingError, axes_of, layout_of, use_rules
 
 
 @jax.tree_util.register_dataclass
@@ -64,7 +64,7 @@ class TrainState:
 
 def layouts(spec_tree) -> list[nn.Layout]:
     """One layout (a tuple of mesh axes per dim) per leaf of a tree of PartitionSpecs."""
-    return [tuple(axes_of(entry) for entry in spec) for spec in jax.tree.leaves(spec_tree)]
+    return [layout_of(spec) for spec in jax.tree.leaves(spec_tree)]
 
 
 def _axes_in(layout: nn.Layout) -> set[str]:
