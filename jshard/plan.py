@@ -31,7 +31,7 @@ from flax import nnx
 
 from jshard import hlo, metrics
 from jshard.mesh import STANDARD_AXES as AXES, make_mesh, parse_axis_sizes, use_fake_cpu_devices
-from jshard.models import GPT, GPTConfig, gpt_loss
+from jshard.models import GPT, GPT_SIZES, PRECISIONS, GPTConfig, gpt_loss
 from jshard.parallel.pipeline import compile_program
 from jshard.parallel.step import build_step, check_plan, stage_axes
 from jshard.placement import format_bytes
@@ -66,14 +66,6 @@ HARDWARE = {
     "cpu": Hardware("cpu", 0.206e12, 16 * GiB, 20e9, 10e9, 10e9, 8, matmul_efficiency=1.0, flash_attention=False),
 }
 
-# Llama-like shapes in jshard's GPT (two-matrix GELU MLP, full multi-head attention, tied
-# head): d-ff is 1.5 × Llama's so the MLP has SwiGLU's weight count. 8.3 B and 79 B params.
-MODELS = {
-    "gpt-125m": GPTConfig(vocab=50304, seq_len=1024, embed=768, heads=12, mlp=3072, layers=12),
-    "llama-8b-like": GPTConfig(vocab=128256, seq_len=8192, embed=4096, heads=32, mlp=21504, layers=32),
-    "llama-70b-like": GPTConfig(vocab=128256, seq_len=8192, embed=8192, heads=64, mlp=43008, layers=80),
-}
-PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 
 # Activations per token per transformer layer, in elements of the compute dtype, that
 # XLA keeps for backward for jshard's GPT block (residual stream h = embed, MLP width f,
@@ -509,7 +501,7 @@ def format_validation(results: list[dict]) -> str:
 def add_parser(commands) -> None:
     parser = commands.add_parser("plan", help="memory, communication and overlap estimates; --validate checks them against XLA")
     add = parser.add_argument
-    add("--model", choices=MODELS, help="a named model; the size flags below override its fields")
+    add("--model", choices=GPT_SIZES, help="a named model; the size flags below override its fields")
     for flag, field in (("--layers", "layers"), ("--d-model", "embed"), ("--heads", "heads"), ("--d-ff", "mlp"),
                         ("--vocab", "vocab"), ("--seq-len", "seq_len")):
         add(flag, dest=field, type=int, help=f"GPTConfig.{field}")
@@ -534,7 +526,7 @@ def add_parser(commands) -> None:
 
 
 def plan_input(args) -> PlanInput:
-    config = MODELS.get(args.model, GPTConfig())
+    config = GPT_SIZES.get(args.model, GPTConfig())
     fields = {f: getattr(args, f) for f in ("layers", "embed", "heads", "mlp", "vocab", "seq_len") if getattr(args, f)}
     try:
         config = dataclasses.replace(config, **fields, dtype=PRECISIONS[args.precision], remat=args.remat)

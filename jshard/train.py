@@ -29,7 +29,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
@@ -40,19 +39,12 @@ from jshard.checkpoint import Checkpoints
 from jshard.distributed import axes_across_processes, initialize, is_main_process
 from jshard.mesh import mesh_shape, parse_axis_sizes, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags
 from jshard.metrics import MetricsFile, device_peak, gpt_flops_per_token
-from jshard.models import GPT, GPTConfig, gpt_loss
+from jshard.models import GPT, GPT_SIZES, PRECISIONS, GPTConfig, gpt_loss
 from jshard.models.stack import REMAT_POLICIES
 from jshard.parallel import ShardedStep, TrainState, build_step, check_plan, stage_axes
 from jshard.placement import describe, format_bytes
 from jshard.rules import axes_of
 
-# Model sizes. `seq_len` is the longest sequence (position embeddings); --seq-len may be shorter.
-MODELS = {
-    "tiny": GPTConfig(seq_len=64, embed=64, heads=4, mlp=256, layers=2),
-    "small": GPTConfig(seq_len=128, embed=128, heads=4, mlp=512, layers=4),
-    "base": GPTConfig(seq_len=1024, embed=768, heads=12, mlp=3072, layers=12),  # GPT-2 small's shape
-}
-PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16}  # compute dtype; params and Adam stay fp32
 PIPELINE_MICROBATCHES = 4  # when the strategy pipelines and --microbatches is not given
 PROFILE_STEPS = 3  # traced by --profile, after the first (compiling) step
 
@@ -113,7 +105,7 @@ def add_parser(commands) -> None:
         parser.add_argument(flag, default=None, help=f"{help} (default: {shown})" if shown is not None else help, **kw)
 
     add("--config", "JSON file of TrainConfig fields; flags given override it", metavar="FILE")
-    add("--model", "model size", choices=MODELS)
+    add("--model", "model size", choices=GPT_SIZES)
     add("--mesh", "axis sizes, e.g. data=2,fsdp=2,tensor=2,stage=1 (default: data=2,fsdp=2,tensor=2 on 8 devices)")
     add("--strategy", "preset name, e.g. dp, zero3+tp, dp+fsdp+tp+sp, pp+fsdp")
     add("--schedule", "pipeline schedule (gpipe, 1f1b, interleaved, zb-h1) when the strategy has pp")
@@ -168,7 +160,7 @@ def run(args) -> int:
 
 REQUIRED_INTS = ("steps", "batch_size", "grad_accum", "fake_devices")
 OPTIONAL_INTS = ("seq_len", "microbatches", "virtual", "checkpoint_every", "log_every")
-CHOICES = {"model": MODELS, "precision": PRECISIONS, "remat": REMAT_POLICIES}
+CHOICES = {"model": GPT_SIZES, "precision": PRECISIONS, "remat": REMAT_POLICIES}
 
 
 def _check_values(config: TrainConfig) -> None:
@@ -233,7 +225,7 @@ def plan(config: TrainConfig) -> Plan:
     use_fake_cpu_devices_unless_accelerated(config.fake_devices)
     mesh = jshard.make_mesh(**parse_axis_sizes(config.mesh or default_mesh(jax.device_count())))
     rules = jshard.preset(config.strategy)
-    model = dataclasses.replace(MODELS[config.model], dtype=PRECISIONS[config.precision], remat=config.remat)
+    model = dataclasses.replace(GPT_SIZES[config.model], dtype=PRECISIONS[config.precision], remat=config.remat)
     seq_len = config.seq_len or min(64, model.seq_len)
     if seq_len > model.seq_len:
         raise TrainError(

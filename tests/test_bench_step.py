@@ -16,7 +16,7 @@ from flax import nnx
 from jshard import mesh
 from jshard.bench import step as bench_step
 from jshard.cli import main
-from jshard.models import GPT, gpt_loss
+from jshard.models import GPT, GPT_SIZES, gpt_loss
 
 TINY = ["--model", "tiny", "--batch-size", "8", "--seq-len", "32", "--repeats", "2"]
 
@@ -31,7 +31,7 @@ def test_json_on_one_cpu_device(tmp_path, capsys):
     result = _bench(tmp_path)
     assert list(result) == list(bench_step.JSON_KEYS)
     assert result["device"] == "1 x cpu"
-    params = nnx.state(GPT(bench_step.MODELS["tiny"], rngs=nnx.Rngs(0)), nnx.Param)
+    params = nnx.state(GPT(GPT_SIZES["tiny"], rngs=nnx.Rngs(0)), nnx.Param)
     assert result["model_params"] == sum(x.size for x in nnx.to_flat_state(params).leaves)
     for key in ("tokens_per_s", "tflops", "plain_step_s", "step_s", "overhead_ratio", "matmul_tflops", "copy_gbps"):
         assert math.isfinite(result[key]) and result[key] > 0, key
@@ -53,7 +53,7 @@ def test_two_devices_copy_between_them_and_a_profile(tmp_path, capsys):
 
 @pytest.mark.parametrize("tied_head", [True, False])
 def test_plain_model_is_jshards_model(tied_head):
-    config = dataclasses.replace(bench_step.MODELS["tiny"], tied_head=tied_head)
+    config = dataclasses.replace(GPT_SIZES["tiny"], tied_head=tied_head)
     model = GPT(config, rngs=nnx.Rngs(1))
     tokens = np.random.default_rng(0).integers(0, config.vocab, (4, 33))
     plain = bench_step.plain_from(model)

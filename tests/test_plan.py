@@ -7,6 +7,7 @@ import pytest
 
 from jshard import plan
 from jshard.cli import main
+from jshard.models import GPT_SIZES
 from jshard.parallel.schedules import make_schedule
 
 
@@ -36,7 +37,7 @@ def test_plan_cli_json_and_warnings(tmp_path, capsys):
 
 def test_plan_formulas_scale_as_the_textbook():
     # ZeRO-3 on 8 devices keeps 1/8 of the 16 bytes per param; DP all-reduces every param once.
-    config = plan.MODELS["gpt-125m"]
+    config = GPT_SIZES["gpt-125m"]
     sizes = {"data": 1, "stage": 1, "fsdp": 8, "tensor": 1}
     est = plan.estimate(plan.PlanInput(config, sizes, "fsdp"))
     n = est["model"]["params"]

@@ -26,7 +26,8 @@ from jshard.cli import main
 from jshard.models import GPT, gpt_loss
 from jshard.parallel import build_step
 from jshard.placement import specs
-from jshard.train import MODELS, TrainConfig, train
+from jshard.models import GPT_SIZES
+from jshard.train import TrainConfig, train
 
 STEPS = 5
 RUN = dict(model="tiny", steps=STEPS, batch_size=16, seq_len=32, lr=3e-3)
@@ -89,7 +90,7 @@ def test_remat_policies_cut_activation_memory():
     tokens = np.zeros((8, 33), np.int32)
 
     def temp_bytes(remat):
-        graphdef, params = nnx.split(GPT(dataclasses.replace(MODELS["tiny"], remat=remat), rngs=nnx.Rngs(0)))
+        graphdef, params = nnx.split(GPT(dataclasses.replace(GPT_SIZES["tiny"], remat=remat), rngs=nnx.Rngs(0)))
         grad = jax.jit(jax.grad(lambda params: gpt_loss(nnx.merge(graphdef, params), tokens)))
         return grad.lower(params).compile().memory_analysis().temp_size_in_bytes
 
@@ -103,7 +104,7 @@ def test_remat_policies_cut_memory_under_zero3_too():
     tokens = np.zeros((16, 65), np.int32)
 
     def temp_bytes(remat):
-        model = GPT(dataclasses.replace(MODELS["tiny"], remat=remat), rngs=nnx.Rngs(0))
+        model = GPT(dataclasses.replace(GPT_SIZES["tiny"], remat=remat), rngs=nnx.Rngs(0))
         step = build_step(model, optax.sgd(0.1), gpt_loss, mesh, rules)
         return step.lower(step.state, step.shard_batch(tokens)).compile().memory_analysis().temp_size_in_bytes
 
@@ -113,7 +114,7 @@ def test_remat_policies_cut_memory_under_zero3_too():
 
 def test_global_norm_sums_over_the_shards():
     mesh, rules = jshard.make_mesh(fsdp=4, tensor=2), jshard.preset("zero3+tp")
-    model = jshard.init(lambda: GPT(MODELS["tiny"], rngs=nnx.Rngs(0)), mesh, rules)
+    model = jshard.init(lambda: GPT(GPT_SIZES["tiny"], rngs=nnx.Rngs(0)), mesh, rules)
     step = build_step(model, optax.sgd(0.1), gpt_loss, mesh, rules)
     tokens = data.TextBatches(data.corpus_tokens(), 16, 0).rows(range(8))
     _, grads = step.value_and_grad(step.state, step.shard_batch(tokens))
@@ -176,7 +177,7 @@ def test_checkpoint_holds_the_data_position_and_model(saved):
     with Checkpoints(saved[1]) as checkpoints:
         record = checkpoints.record(3)
     assert record["step"] == 3 and record["data_position"] == 3 * RUN["batch_size"]
-    assert record["model"]["embed"] == MODELS["tiny"].embed and record["strategy"] == "zero3"
+    assert record["model"]["embed"] == GPT_SIZES["tiny"].embed and record["strategy"] == "zero3"
 
 
 def test_interrupted_save_leaves_the_previous_checkpoint_and_resume_is_exact(saved, tmp_path, monkeypatch):

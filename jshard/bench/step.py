@@ -42,19 +42,13 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import jshard
-from jshard import plan, train
+from jshard import train
 from jshard.mesh import GPU_XLA_FLAGS, parse_axis_sizes, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags
 from jshard.metrics import CPU_MATMUL, best_seconds, device_peak, gpt_flops_per_token, measured_matmul_flops
-from jshard.models import GPT, GPTConfig, gpt_loss
+from jshard.models import GPT, GPT_SIZES, PRECISIONS, GPTConfig, gpt_loss
 from jshard.parallel import build_step
-from jshard.train import PRECISIONS, TrainError
+from jshard.train import TrainError
 
-# The issue's target on one GPU: ~1B params (1.01 B: 18 layers of 50.3 M + a 103 M tied
-# embedding), head dim 128 as fused attention kernels like it.
-MODELS = {
-    **train.MODELS, **plan.MODELS,
-    "gpt-1b": GPTConfig(vocab=50304, seq_len=2048, embed=2048, heads=16, mlp=8192, layers=18),
-}
 # Per platform: model, batch size, precision when not given.
 DEFAULTS = {"cpu": ("tiny", 16, "fp32"), "gpu": ("gpt-1b", 8, "bf16")}
 GPU_MATMUL = 8192  # large enough that one bf16 matmul runs at the tensor cores' sustained rate
@@ -67,7 +61,7 @@ JSON_KEYS = ("device", "model_params", "tokens_per_s", "tflops", "mfu_datasheet"
 def add_parser(benches) -> None:
     parser = benches.add_parser("step", help="jshard's train step vs a plain Flax step, MFU vs the device's peaks")
     add = parser.add_argument
-    add("--model", choices=MODELS, help="model size (default: tiny on CPU, gpt-1b on GPU)")
+    add("--model", choices=GPT_SIZES, help="model size (default: tiny on CPU, gpt-1b on GPU)")
     add("--seq-len", type=int, help="tokens per row (default: the model's seq_len)")
     add("--batch-size", type=int, help="rows per step (default: 16 on CPU, 8 on GPU)")
     add("--precision", choices=PRECISIONS, help="compute dtype; params and AdamW stay fp32 (default: fp32 on CPU, bf16 on GPU)")
@@ -221,7 +215,7 @@ def copy_gbps(devices, nbytes: int) -> float:
 
 def _platform_defaults(args, platform: str):
     model, batch, precision = DEFAULTS["cpu" if platform == "cpu" else "gpu"]
-    config = dataclasses.replace(MODELS[args.model or model], dtype=PRECISIONS[args.precision or precision])
+    config = dataclasses.replace(GPT_SIZES[args.model or model], dtype=PRECISIONS[args.precision or precision])
     seq = args.seq_len or config.seq_len
     batch = args.batch_size or batch
     if seq > config.seq_len or seq < 1:
