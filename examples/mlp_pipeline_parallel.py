@@ -27,7 +27,8 @@ import _common
 import jshard
 from jshard.collectives import run, send_recv
 from jshard.models import mlp_loss
-from jshard.parallel.schedules import SCHEDULES, make_schedule, render
+from jshard.parallel.schedules import SCHEDULES, make_schedule
+from jshard.parallel.show import render
 
 jshard.mesh.use_fake_cpu_devices_unless_accelerated(8)
 

@@ -9,13 +9,13 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     # Imported here so `jshard --help` stays fast and each module owns its own flags.
     from jshard import bench, distributed, plan, train
-    from jshard.parallel import schedules
+    from jshard.parallel import show
 
     parser = argparse.ArgumentParser(prog="jshard", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     train.add_parser(commands)
     bench.add_parser(commands)
-    schedules.add_parser(commands)
+    show.add_parser(commands)
     plan.add_parser(commands)
     distributed.add_parser(commands)
     return parser

@@ -18,8 +18,8 @@ from jshard.parallel.schedules import (
     ZeroBubbleH1,
     check_layers,
     make_schedule,
-    render,
 )
+from jshard.parallel.show import render
 
 SIZES = [(p, m) for p in (2, 4) for m in (p, 2 * p, 4 * p)]
 VIRTUAL = 2
