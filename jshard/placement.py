@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jshard.mesh import mesh_shape
-from jshard.rules import ZERO_KINDS, Kind, Rules, ShardingError, axes_of, raise_problems, resolve
+from jshard.rules import ZERO_KINDS, Kind, Rules, ShardingError, axes_of, layout_of, raise_problems, resolve
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +98,67 @@ def place(tree, mesh: Mesh, rules: Rules, kind: Kind = "param") -> list[Placemen
         placed.append(Placement(_path_str(path), names, shape, dtype, spec, nbytes, tuple(flags)))
     raise_problems(problems)
     return placed
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+    """One param as the step holds it: its placements and layouts (a tuple of mesh axes per dim)."""
+
+    placement: Placement  # in the `param` layout: spec, bytes per device, what `describe` flags
+    opt_placement: Placement  # in the `opt` layout: the optimizer state's, the update's (ZeRO)
+
+    path = property(lambda self: self.placement.path)
+    shape = property(lambda self: self.placement.shape)
+    param = property(lambda self: layout_of(self.placement.spec))
+    opt = property(lambda self: layout_of(self.opt_placement.spec))
+
+    @property
+    def names(self) -> tuple:
+        return self.placement.names or (None,) * len(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return self.placement.dtype.itemsize
+
+    @property
+    def bytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def stacked_kernel(self) -> bool:
+        """A matmul weight of the layer stack: ZeRO-3 gathers it again in backward."""
+        return bool(self.names) and self.names[0] == "layers" and len(self.shape) > 2
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutTable:
+    """Everything a step lays out for one (model, mesh, rules), resolved once: per param its
+    `param` and `opt` layouts, and the mesh axes the batch and the stacked layers are split
+    over. The step, the compiler-placed step, the planner, `describe` and the benches read it."""
+
+    rules: Rules
+    mesh_sizes: dict[str, int]
+    params: tuple[ParamLayout, ...]  # in the leaf order of the params' State
+    batch_axes: tuple[str, ...]  # the batch dim's, size-1 axes included
+    stage_axes: tuple[str, ...]  # the stacked layers', of size > 1: a pipeline when not empty
+
+    def specs(self, params, kind: Kind = "param"):
+        """The params' PartitionSpecs in `kind`'s layout ('param' or 'opt'), in their tree's structure."""
+        return specs_of(params, [p.placement if kind == "param" else p.opt_placement for p in self.params])
+
+    def layouts(self, kind: Kind = "param") -> list:
+        return [p.param if kind == "param" else p.opt for p in self.params]
+
+    def report(self) -> Report:
+        return Report(self.rules, self.mesh_sizes, "param", tuple(p.placement for p in self.params))
+
+
+def layout_table(params, mesh: Mesh, rules: Rules) -> LayoutTable:
+    """Resolve every layout of `params` (a State, or an abstract one) on `mesh` (or an
+    AbstractMesh: the planner needs no devices). Every bad input raises here."""
+    placed = zip(place(params, mesh, rules, "param"), place(params, mesh, rules, "opt"))
+    return LayoutTable(rules, mesh_shape(mesh), tuple(ParamLayout(*rows) for rows in placed),
+                       rules.axes("batch", mesh), rules.axes("layers", mesh, "param", split=True))
 
 
 def specs(tree, mesh: Mesh, rules: Rules, kind: Kind = "param"):

@@ -33,9 +33,9 @@ from jshard import hlo, metrics
 from jshard.mesh import STANDARD_AXES as AXES, make_mesh, parse_axis_sizes, use_fake_cpu_devices
 from jshard.models import GPT, GPT_SIZES, PRECISIONS, GPTConfig, gpt_loss
 from jshard.parallel.pipeline import compile_program
-from jshard.parallel.step import build_step, check_plan, stage_axes
-from jshard.placement import format_bytes
-from jshard.rules import Rules, ShardingError, axes_of, layout_of, preset, resolve
+from jshard.parallel.step import build_step, check_plan
+from jshard.placement import LayoutTable, format_bytes, layout_table
+from jshard.rules import Rules, ShardingError, preset
 
 GiB = 2**30
 
@@ -84,35 +84,11 @@ CE_FP32_PER_VOCAB = 6.0  # logits, softmax and their gradient per token, fp32 (3
 # --- the model's params, placed by the rules ----------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class ParamInfo:
-    path: str
-    shape: tuple[int, ...]
-    names: tuple
-    param: tuple  # mesh axes per dim in the param layout
-    opt: tuple  # ... in the optimizer-state layout (ZeRO)
-    itemsize: int = 4  # params are float32 (the compute dtype is separate)
-
-    @property
-    def bytes(self) -> int:
-        return math.prod(self.shape) * self.itemsize
-
-    @property
-    def stacked_kernel(self) -> bool:
-        """A matmul weight of the layer stack: ZeRO-3 gathers it again in backward."""
-        return bool(self.names) and self.names[0] == "layers" and len(self.shape) > 2
-
-
-def params_of(config: GPTConfig, sizes: dict[str, int], rules: Rules) -> list[ParamInfo]:
-    """Every param of the GPT with its layouts, from abstract shapes: no memory is allocated."""
+def layout_table_of(config: GPTConfig, sizes: dict[str, int], rules: Rules) -> LayoutTable:
+    """The GPT's layout table, the step's own (`placement.layout_table`), from abstract shapes
+    on an abstract mesh: no memory is allocated, no device is needed."""
     model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
-    out = []
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        names = tuple(var.get_metadata().get("out_sharding") or (None,) * var.ndim)
-        where = "param '" + "/".join(map(str, path)) + "'"
-        layouts = [layout_of(resolve(rules.table(kind), names, var.shape, sizes, where)[0]) for kind in ("param", "opt")]
-        out.append(ParamInfo("/".join(map(str, path)), tuple(var.shape), names, *layouts))
-    return out
+    return layout_table(nnx.state(model, nnx.Param), _abstract_mesh(sizes), rules)
 
 
 def shards(layout, sizes: dict[str, int], skip=frozenset()) -> int:
@@ -127,8 +103,7 @@ def split_axes(rules: Rules, sizes: dict[str, int], name: str) -> tuple[str, ...
     """The mesh axes (of size > 1) over which the rules split activation dim `name`: for
     `mlp`, tensor parallelism's; for `seq`, sequence parallelism's. The planner asks the
     rules, as a layer does, and names no mesh axis."""
-    spec = rules.spec((name,), None, _abstract_mesh(sizes), "activation")[0]
-    return tuple(a for a in axes_of(spec) if sizes[a] > 1)
+    return rules.axes(name, _abstract_mesh(sizes), split=True)
 
 
 def gathered_layers_bytes(params, sizes: dict[str, int], rules: Rules, layers: int) -> int:
@@ -289,8 +264,8 @@ def estimate(plan: PlanInput) -> dict:
     config, sizes, hw = plan.config, plan.sizes, plan.hardware
     rules = preset(plan.strategy)
     schedule = check_plan(_abstract_mesh(sizes), rules, None, plan.microbatches, plan.schedule, plan.virtual)
-    params = params_of(config, sizes, rules)
-    batch_axes = axes_of(rules.spec(("batch",), None, _abstract_mesh(sizes), "activation")[0])
+    table = layout_table_of(config, sizes, rules)
+    params, batch_axes = table.params, table.batch_axes
     data_shards = math.prod(sizes[a] for a in batch_axes)
     tensor_axes = split_axes(rules, sizes, "mlp")
     tensor = shards((tensor_axes,), sizes)
@@ -332,7 +307,7 @@ def estimate(plan: PlanInput) -> dict:
     total_memory = sum(memory.values())
 
     # communication
-    stage_axis = stage_axes(_abstract_mesh(sizes), rules)[0] if schedule else None
+    stage_axis = table.stage_axes[0] if schedule else None
     comm = traffic(config, params, sizes, rules, batch_axes, rows * m, seq, stage_axis)
     if schedule:
         a_mb = rows * seq * config.embed * jnp.dtype(config.dtype).itemsize

@@ -141,6 +141,11 @@ class Rules:
         spec, _ = resolve(self.table(kind), tuple(names), shape, mesh_shape(mesh), where)
         return spec
 
+    def axes(self, name: str, mesh, kind: Kind | Literal["activation"] = "activation", split: bool = False) -> tuple[str, ...]:
+        """The mesh axes that logical dim `name` lives on (`split`: only those of size > 1)."""
+        sizes = mesh_shape(mesh)
+        return tuple(a for a in axes_of(self.spec((name,), None, mesh, kind)[0]) if not split or sizes[a] > 1)
+
     def __str__(self) -> str:
         def fmt(table):
             # The trailing "replicated on purpose" rules are listed as one group.

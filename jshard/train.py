@@ -43,7 +43,6 @@ from jshard.models import GPT, GPT_SIZES, PRECISIONS, GPTConfig, gpt_loss
 from jshard.models.stack import REMAT_POLICIES
 from jshard.parallel import ShardedStep, TrainState, build_step, check_plan, stage_axes
 from jshard.placement import describe, format_bytes
-from jshard.rules import axes_of
 
 PIPELINE_MICROBATCHES = 4  # when the strategy pipelines and --microbatches is not given
 PROFILE_STEPS = 3  # traced by --profile, after the first (compiling) step
@@ -237,7 +236,7 @@ def plan(config: TrainConfig) -> Plan:
     # The pipeline schedule, as build_step takes it (its own defaults where not given).
     step_kwargs = {k: v for k, v in dict(schedule=config.schedule, virtual=config.virtual).items() if v is not None}
     check_plan(mesh, rules, gpt_loss, microbatches, **step_kwargs)
-    batch_axes = axes_of(rules.spec(("batch",), None, mesh, "activation")[0])
+    batch_axes = rules.axes("batch", mesh)
     sizes = mesh_shape(mesh)
     batch_shards = math.prod(sizes[a] for a in batch_axes) * (microbatches or 1)
     per_step = batch_shards * config.grad_accum

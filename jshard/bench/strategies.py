@@ -61,24 +61,17 @@ def add_parser(benches) -> None:
     parser.set_defaults(run=run)
 
 
-def plan_params(step: ShardedStep) -> list[plan.ParamInfo]:
-    """The step's params with the layouts it placed them in, for the planner's formulas."""
-    return [plan.ParamInfo("/".join(map(str, path)), tuple(v.shape),
-                           tuple(v.get_metadata().get("out_sharding") or (None,) * v.ndim), layout, opt, v.dtype.itemsize)
-            for (path, v), layout, opt in zip(nnx.to_flat_state(step.state.params), step.param_layouts, step.opt_layouts)]
-
-
 def textbook_bytes(step: ShardedStep, config: GPTConfig, batch_shape) -> int:
     """Bytes per device per step that the planner's formulas give for this step (`jshard.plan.traffic`)."""
     local_rows = batch_shape[0] // step.data_shards
-    comm = plan.traffic(config, plan_params(step), mesh_shape(step.mesh), step.rules, step.batch_axes,
+    comm = plan.traffic(config, step.table.params, mesh_shape(step.mesh), step.rules, step.batch_axes,
                         local_rows, batch_shape[1] - 1)
     return sum(comm.values())
 
 
 def textbook_memory(step: ShardedStep, config: GPTConfig) -> int:
     """The planner's training state per device (`jshard.plan.state_bytes`): no activations."""
-    return sum(plan.state_bytes(plan_params(step), mesh_shape(step.mesh), step.rules, config.layers).values())
+    return sum(plan.state_bytes(step.table.params, mesh_shape(step.mesh), step.rules, config.layers).values())
 
 
 def comm_bytes(compiled) -> int:

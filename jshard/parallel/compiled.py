@@ -38,9 +38,9 @@ from jax.sharding import Mesh, NamedSharding
 
 from jshard.mesh import mesh_shape
 from jshard.parallel.model_state import ModelState
-from jshard.parallel.step import ShardedStep, TrainState, layouts, stage_axes
-from jshard.placement import Report, place, specs, specs_of
-from jshard.rules import Rules, ShardingError, axes_of, use_rules
+from jshard.parallel.step import ShardedStep, TrainState, stage_axes
+from jshard.placement import Report, layout_table, specs
+from jshard.rules import Rules, ShardingError, use_rules
 
 
 def check_compiled_plan(mesh: Mesh, rules: Rules) -> None:
@@ -74,11 +74,11 @@ class CompiledStep:
         self.mesh, self.rules, self.tx, self.loss_fn = mesh, rules, tx, loss_fn
         self.graphdef, params, others = nnx.split(model, nnx.Param, ...)
         self.others = ModelState(others)
-        self.placements = place(params, mesh, rules, "param")  # every bad input raises here
-        param_specs = specs_of(params, self.placements)
-        self.grad_specs = grad_specs = specs(params, mesh, rules, "opt")  # gradients leave in the opt layout
-        self.param_layouts, self.opt_layouts = layouts(param_specs), layouts(grad_specs)
-        self.batch_axes = axes_of(rules.spec(("batch",), None, mesh, "activation")[0])
+        self.table = table = layout_table(params, mesh, rules)  # every bad input raises here
+        param_specs = table.specs(params, "param")
+        self.grad_specs = grad_specs = table.specs(params, "opt")  # gradients leave in the opt layout
+        self.param_layouts, self.opt_layouts = table.layouts("param"), table.layouts("opt")
+        self.batch_axes = table.batch_axes
         self.data_shards = math.prod(mesh_shape(mesh)[a] for a in self.batch_axes)
         self.batch_shards = self.data_shards
         opt_specs = specs(jax.eval_shape(tx.init, params), mesh, rules, "opt")
@@ -128,7 +128,7 @@ class CompiledStep:
     def describe(self, batch=None) -> Report:
         """Where each param lives (`jshard.describe`). Every layer computes with whole params
         here, so nothing is flagged as read whole; `batch` is accepted for `ShardedStep`'s form."""
-        return Report(self.rules, mesh_shape(self.mesh), "param", tuple(self.placements))
+        return self.table.report()
 
     # -- the traced function, on global arrays -------------------------------------------------
 

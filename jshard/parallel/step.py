@@ -50,8 +50,8 @@ from jshard.models.stack import StagedLoss, has_stack
 from jshard.parallel import pipeline
 from jshard.parallel.schedules import Schedule, check_layers, make_schedule
 from jshard.parallel.model_state import ModelState, check_no_pipeline, sync_batch_norms
-from jshard.placement import Report, place, specs, specs_of
-from jshard.rules import Rules, ShardingError, axes_of, layout_of, use_rules
+from jshard.placement import Report, layout_table, specs
+from jshard.rules import Rules, ShardingError, layout_of, use_rules
 
 
 @jax.tree_util.register_dataclass
@@ -62,7 +62,7 @@ class TrainState:
     model_state: nnx.State  # the model's other Variables, whole on every device (`model_state.py`)
 
 
-def layouts(spec_tree) -> list[nn.Layout]:
+def _layouts(spec_tree) -> list[nn.Layout]:
     """One layout (a tuple of mesh axes per dim) per leaf of a tree of PartitionSpecs."""
     return [layout_of(spec) for spec in jax.tree.leaves(spec_tree)]
 
@@ -80,8 +80,7 @@ def _split(layout: nn.Layout, stage_axis) -> nn.Layout | None:
 
 def stage_axes(mesh: Mesh, rules: Rules) -> tuple[str, ...]:
     """The mesh axes (of size > 1) that the rules split the stacked `layers` over."""
-    sizes = mesh_shape(mesh)
-    return tuple(a for a in axes_of(rules.spec(("layers",), None, mesh, "param")[0]) if sizes[a] > 1)
+    return rules.axes("layers", mesh, "param", split=True)
 
 
 def check_plan(mesh: Mesh, rules: Rules, loss_fn=None, microbatches: int | None = None,
@@ -144,20 +143,19 @@ class ShardedStep:
         self.stage_axis = next(iter(stage_axes(mesh, rules)), None)
         self.microbatches = microbatches
         self._has_stack = has_stack(model)
-        placed = place(params, mesh, rules, "param")  # every bad input raises here
-        param_specs = specs_of(params, placed)
-        self.param_layouts = layouts(param_specs)
-        self.placements = placed  # per param: names, spec, bytes per device, flags (`describe`)
-        self._param_paths = [p.path for p in placed]
+        self.table = table = layout_table(params, mesh, rules)  # every bad input raises here
+        param_specs = table.specs(params, "param")
+        self.param_layouts = table.layouts("param")
+        self._param_paths = [p.path for p in table.params]
         if self.schedule:
             stacked = [leaf.shape[0] for leaf, layout in zip(jax.tree.leaves(params), self.param_layouts)
                        if layout and self.stage_axis in layout[0]]
             check_layers(stacked[0], self.schedule.stages, self.schedule.virtual)
-        self.grad_specs = grad_specs = specs(params, mesh, rules, "opt")  # gradients leave in the opt layout
-        self.opt_layouts = layouts(grad_specs)
+        self.grad_specs = grad_specs = table.specs(params, "opt")  # gradients leave in the opt layout
+        self.opt_layouts = table.layouts("opt")
         if rules.zero == 2:
             _check_one_zero_dim(params, self.param_layouts, self.opt_layouts)
-        self.batch_axes = axes_of(rules.spec(("batch",), None, mesh, "activation")[0])
+        self.batch_axes = table.batch_axes
         self.data_shards = math.prod(mesh_shape(mesh)[a] for a in self.batch_axes)
         self.batch_shards = self.data_shards * (microbatches or 1)  # what a global batch splits into
         opt_specs = specs(jax.eval_shape(tx.init, params), mesh, rules, "opt")
@@ -219,7 +217,7 @@ class ShardedStep:
         def reorder(x, layout):
             return pipeline.interleave(x, p, v, inverse) if layout and self.stage_axis in layout[0] else x
 
-        return self._per_leaf(reorder, tree, layouts(spec_tree))
+        return self._per_leaf(reorder, tree, _layouts(spec_tree))
 
     def shard_batch(self, batch):
         """Put a global batch on the mesh, split along dim 0 over the batch axes."""
@@ -358,8 +356,8 @@ class ShardedStep:
         Those are known once the step is traced: pass a batch if it has not run yet."""
         if batch is not None:
             jax.eval_shape(self._grads_sharded, self.state.params, self.state.model_state, batch)
-        rows = []
-        for p in self.placements:
+        report, rows = self.table.report(), []
+        for p in report.rows:
             gathered = [a for a in self.whole_reads.get(p.path, ()) if a not in self.batch_axes]
             if gathered:
                 p = dataclasses.replace(p, flags=p.flags + (
@@ -367,7 +365,7 @@ class ShardedStep:
                     "before use, so its compute is not split (no tensor parallelism); build the layer "
                     "from jshard.nn to split it",))
             rows.append(p)
-        return Report(self.rules, mesh_shape(self.mesh), "param", tuple(rows))
+        return dataclasses.replace(report, rows=tuple(rows))
 
 
 def build_step(model, tx, loss_fn, mesh: Mesh, rules: Rules, microbatches: int | None = None,
