@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     from jshard.checkpoint import CheckpointError
     from jshard.collectives import CollectiveError
     from jshard.distributed import DistributedError, initialize, leave
+    from jshard.flags import FlagError
     from jshard.mesh import MeshError
     from jshard.parallel.schedules import ScheduleError
     from jshard.rules import ShardingError
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.run(args) or 0)
     # Bad input: the message is the help.
     except (MeshError, ShardingError, CollectiveError, ScheduleError, TrainError, CheckpointError,
-            DistributedError) as e:
+            DistributedError, FlagError) as e:
         print(f"jshard {args.command}: {e}", file=sys.stderr)
         return leave(2)  # in a multi-process run, at once: the others may wait in a collective
     except Exception:

@@ -24,6 +24,8 @@ import jax.numpy as jnp
 
 from jshard.models import GPTConfig
 
+PROFILE_STEPS = 3  # steps traced by `train --profile` and `bench step --profile`, after compiling
+
 # Dense bf16 tensor-core peaks per device (vendor datasheets, SXM parts), FLOP/s.
 # fp32 matmuls run as TF32 on these, at half the bf16 rate.
 GPU_BF16_PEAKS = {"B200": 2250e12, "H200": 989e12, "H100": 989e12, "A100": 312e12}

@@ -34,7 +34,7 @@ from typing import Literal, Union
 import jax
 from jax.sharding import Mesh
 
-from jshard.mesh import mesh_shape
+from jshard.mesh import STANDARD_AXES, mesh_shape
 
 Axes = Union[None, str, tuple[str, ...]]
 Kind = Literal["param", "grad", "opt"]
@@ -102,6 +102,12 @@ class Rules:
         """Mesh axes that shard both the batch and some param: the ZeRO / FSDP axes."""
         batch = {a for name, axes in self.activations if name == "batch" for a in axes}
         return tuple(dict.fromkeys(a for _, axes in self.params for a in axes if a in batch))
+
+    @property
+    def mesh_axes(self) -> tuple[str, ...]:
+        """Every mesh axis some rule names: the standard ones in mesh order, then any other."""
+        named = {a for _, axes in self.params + self.activations for a in axes}
+        return tuple(a for a in STANDARD_AXES if a in named) + tuple(sorted(named - set(STANDARD_AXES)))
 
     def table(self, kind: Kind | Literal["activation"]) -> tuple[tuple[str, tuple[str, ...]], ...]:
         """The rules that lay out `kind`; kinds below the ZeRO stage drop the ZeRO axes."""
@@ -269,6 +275,53 @@ def preset(name: str, strict: bool = False) -> Rules:
     canonical = "+".join(p for p in PRESET_PARTS if p in parts or (p == "tp" and tp))
     return Rules(params + replicated, activations + replicated, zero=zeros[0] if zeros else 0, name=canonical,
                  strict=strict)
+
+
+# Where tests, `jshard bench strategies` and `jshard plan --validate` run each strategy:
+# one mesh per preset on 8 devices, the combinations on one 2x2x2 mesh.
+EXAMPLE_MESHES = {
+    "dp": dict(data=8),
+    "zero1": dict(fsdp=8),
+    "zero2": dict(fsdp=8),
+    "zero3": dict(fsdp=8),
+    "dp+tp": dict(data=2, tensor=4),
+    "dp+tp+sp": dict(data=2, tensor=4),
+    "dp+fsdp": dict(data=2, fsdp=4),
+    "fsdp+tp": dict(fsdp=4, tensor=2),
+    "dp+fsdp+tp": dict(data=2, fsdp=2, tensor=2),
+    "dp+fsdp+tp+sp": dict(data=2, fsdp=2, tensor=2),
+    "dp+pp": dict(data=2, stage=4),
+    "fsdp+tp+pp": dict(fsdp=2, tensor=2, stage=2),
+}
+
+
+def example_mesh(strategy: str, devices: int = 8) -> dict[str, int]:
+    """`EXAMPLE_MESHES[strategy]` on `devices`: its outermost axis takes what the others leave."""
+    if strategy not in EXAMPLE_MESHES:
+        raise ShardingError(f"no example mesh for {strategy!r}; those with one: {', '.join(EXAMPLE_MESHES)}")
+    sizes = EXAMPLE_MESHES[strategy]
+    outer, inner = next(iter(sizes)), math.prod(list(sizes.values())[1:])
+    if devices % inner:
+        raise ShardingError(f"the example mesh of {strategy!r} ({format_mesh(sizes)}) needs a multiple of "
+                            f"{inner} devices, not {devices}")
+    return {**sizes, outer: devices // inner}
+
+
+def default_mesh(rules: Rules, devices: int) -> dict[str, int]:
+    """The mesh every command uses when given no --mesh: each axis the rules name, innermost
+    first, gets 2 devices while 2 divides what is left; the outermost takes the rest.
+    dp+fsdp+tp on 8 devices: data=2, fsdp=2, tensor=2; zero3: fsdp=8; any preset on 1: all 1."""
+    axes = rules.mesh_axes or ("data",)
+    sizes, rest = {}, devices
+    for axis in reversed(axes[1:]):
+        sizes[axis] = 2 if rest % 2 == 0 else 1
+        rest //= sizes[axis]
+    return {axes[0]: rest, **dict(reversed(sizes.items()))}
+
+
+def format_mesh(sizes: Mapping[str, int]) -> str:
+    """{'data': 2, 'tensor': 4} -> 'data=2,tensor=4', as --mesh takes it."""
+    return ",".join(f"{axis}={size}" for axis, size in sizes.items())
 
 
 # -- activations -----------------------------------------------------------------------

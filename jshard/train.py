@@ -4,7 +4,7 @@
     jshard train --strategy zero3+tp --mesh fsdp=4,tensor=2 --precision bf16 --remat selective
     jshard train --checkpoint-dir runs/a --checkpoint-every 50 ... ; jshard train ... --resume
 
-One run: check every input (no device work until all are valid) -> print the plan ->
+One run: check every input (no device work until all are valid) -> print the set-up ->
 place the model and the AdamW state by the strategy's rules (`jshard.init`, `build_step`)
 -> restore a checkpoint onto them when resuming -> train: each step one global batch,
 split into `grad_accum` micro-steps (`optax.MultiSteps`), each of them split over the
@@ -34,18 +34,17 @@ from flax import nnx
 from tqdm import tqdm
 
 import jshard
-from jshard import data, optim
+from jshard import data, flags, optim
 from jshard.checkpoint import Checkpoints
 from jshard.distributed import axes_across_processes, initialize, is_main_process
-from jshard.mesh import mesh_shape, parse_axis_sizes, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags
-from jshard.metrics import MetricsFile, device_peak, gpt_flops_per_token
+from jshard.mesh import mesh_shape, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags
+from jshard.metrics import PROFILE_STEPS, MetricsFile, device_peak, gpt_flops_per_token
 from jshard.models import GPT, GPT_SIZES, PRECISIONS, GPTConfig, gpt_loss
 from jshard.models.stack import REMAT_POLICIES
-from jshard.parallel import ShardedStep, TrainState, build_step, check_plan, stage_axes
+from jshard.parallel import ShardedStep, TrainState, build_step, check_strategy, stage_axes
 from jshard.placement import describe, format_bytes
 
 PIPELINE_MICROBATCHES = 4  # when the strategy pipelines and --microbatches is not given
-PROFILE_STEPS = 3  # traced by --profile, after the first (compiling) step
 
 
 class TrainError(ValueError):
@@ -57,7 +56,12 @@ class TrainConfig:
     """Everything a run depends on; `jshard train`'s flags and its --config JSON mirror it."""
 
     model: str = "small"
-    mesh: str | None = None  # None: data=2,fsdp=2,tensor=2 on 8 devices (see default_mesh)
+    layers: int | None = None  # None: the named model's; these four override its sizes
+    embed: int | None = None
+    heads: int | None = None
+    mlp: int | None = None
+    vocab: int | None = None
+    mesh: str | None = None  # None: the strategy's default mesh over the devices (rules.default_mesh)
     strategy: str = "dp+fsdp+tp"
     schedule: str | None = None  # pipeline schedule; None: build_step's default (GPipe)
     virtual: int | None = None  # virtual stages per device, interleaved schedule
@@ -104,20 +108,18 @@ def add_parser(commands) -> None:
         parser.add_argument(flag, default=None, help=f"{help} (default: {shown})" if shown is not None else help, **kw)
 
     add("--config", "JSON file of TrainConfig fields; flags given override it", metavar="FILE")
-    add("--model", "model size", choices=GPT_SIZES)
-    add("--mesh", "axis sizes, e.g. data=2,fsdp=2,tensor=2,stage=1 (default: data=2,fsdp=2,tensor=2 on 8 devices)")
-    add("--strategy", "preset name, e.g. dp, zero3+tp, dp+fsdp+tp+sp, pp+fsdp")
-    add("--schedule", "pipeline schedule (gpipe, 1f1b, interleaved, zb-h1) when the strategy has pp")
-    add("--virtual", "virtual stages per device for the interleaved schedule", type=int)
-    add("--microbatches", f"pipeline micro-batches (default: {PIPELINE_MICROBATCHES} when pipelining)", type=int)
+    flags.add_model(parser, None, defaults.model, seq_len_help="tokens per row (default: 64, or the model's longest "
+                                                               "if shorter)")
+    flags.add_strategy(parser, None, defaults.strategy)
+    flags.add_mesh(parser)
+    flags.add_pipeline(parser, shown=f"{PIPELINE_MICROBATCHES} when pipelining")
     add("--steps", "optimizer steps in all (a resumed run continues to this)", type=int)
     add("--batch-size", "rows per optimizer step (global batch)", type=int)
-    add("--seq-len", "tokens per row (default: 64, or the model's longest if shorter)", type=int)
     add("--lr", "peak learning rate", type=float)
     add("--warmup", "linear warm-up steps before the cosine decay (default: steps // 10)", type=int)
-    add("--precision", "compute dtype; params and optimizer state stay fp32", choices=PRECISIONS)
+    flags.add_precision(parser, None, defaults.precision)
     add("--grad-accum", "micro-steps per optimizer step (gradient accumulation)", type=int)
-    add("--remat", "activation checkpointing of each block", choices=REMAT_POLICIES)
+    flags.add_remat(parser, None, defaults.remat)
     add("--checkpoint-dir", "directory of orbax checkpoints", metavar="DIR")
     add("--checkpoint-every", "save every N steps (default: at the end only)", type=int, metavar="N")
     parser.add_argument("--resume", action="store_true", default=None,
@@ -125,7 +127,7 @@ def add_parser(commands) -> None:
     add("--metrics", "write one JSON object per step to FILE", metavar="FILE")
     add("--profile", f"write a jax.profiler trace of {PROFILE_STEPS} steps to DIR", metavar="DIR")
     add("--seed", "model init and data order (default: 0, or the checkpoint's on --resume)", type=int)
-    add("--fake-devices", "CPU devices to fake when no accelerator is present", type=int)
+    flags.add_fake_devices(parser, None, defaults.fake_devices)
     add("--peak-tflops", "device peak for MFU, per device (default: known GPUs; measured on CPU)", type=float)
     add("--log-every", "print a line every N steps (default: steps // 10)", type=int, metavar="N")
     parser.set_defaults(run=run)
@@ -158,7 +160,7 @@ def run(args) -> int:
 
 
 REQUIRED_INTS = ("steps", "batch_size", "grad_accum", "fake_devices")
-OPTIONAL_INTS = ("seq_len", "microbatches", "virtual", "checkpoint_every", "log_every")
+OPTIONAL_INTS = ("seq_len", "microbatches", "virtual", "checkpoint_every", "log_every") + flags.MODEL_FIELDS
 CHOICES = {"model": GPT_SIZES, "precision": PRECISIONS, "remat": REMAT_POLICIES}
 
 
@@ -188,13 +190,8 @@ def _check_values(config: TrainConfig) -> None:
         raise TrainError("--resume and --checkpoint-every need --checkpoint-dir DIR")
 
 
-def default_mesh(devices: int) -> str:
-    """data=2,fsdp=2,tensor=2 on 8 devices; on n: tensor=2, fsdp=2 and data the rest when 4 divides n."""
-    return f"data={devices // 4},fsdp=2,tensor=2" if devices % 4 == 0 else f"fsdp={devices}"
-
-
 @dataclasses.dataclass
-class Plan:
+class Setup:
     """A checked run: what it trains, where, on which data."""
 
     config: TrainConfig
@@ -216,15 +213,16 @@ def _model_identity(model: GPTConfig) -> dict:
     return {k: v for k, v in dataclasses.asdict(model).items() if k not in ("dtype", "remat")}
 
 
-def plan(config: TrainConfig) -> Plan:
+def set_up(config: TrainConfig) -> Setup:
     """Check every input and the checkpoint dir; raises before any device work."""
     _check_values(config)
     use_gpu_xla_flags()  # on GPUs, unless XLA_FLAGS is set: before JAX starts its backends
     initialize()  # a multi-process run (jshard launch, srun, mpirun): join it; one process: nothing
     use_fake_cpu_devices_unless_accelerated(config.fake_devices)
-    mesh = jshard.make_mesh(**parse_axis_sizes(config.mesh or default_mesh(jax.device_count())))
     rules = jshard.preset(config.strategy)
-    model = dataclasses.replace(GPT_SIZES[config.model], dtype=PRECISIONS[config.precision], remat=config.remat)
+    mesh = jshard.make_mesh(**flags.mesh_sizes(config.mesh, rules, jax.device_count()))
+    overrides = {f: getattr(config, f) for f in flags.MODEL_FIELDS if getattr(config, f) is not None}
+    model = flags.model_config(config.model, overrides, dtype=PRECISIONS[config.precision], remat=config.remat)
     seq_len = config.seq_len or min(64, model.seq_len)
     if seq_len > model.seq_len:
         raise TrainError(
@@ -235,7 +233,7 @@ def plan(config: TrainConfig) -> Plan:
     microbatches = config.microbatches or (PIPELINE_MICROBATCHES if pipelined else None)
     # The pipeline schedule, as build_step takes it (its own defaults where not given).
     step_kwargs = {k: v for k, v in dict(schedule=config.schedule, virtual=config.virtual).items() if v is not None}
-    check_plan(mesh, rules, gpt_loss, microbatches, **step_kwargs)
+    check_strategy(mesh, rules, gpt_loss, microbatches, **step_kwargs)
     batch_axes = rules.axes("batch", mesh)
     sizes = mesh_shape(mesh)
     batch_shards = math.prod(sizes[a] for a in batch_axes) * (microbatches or 1)
@@ -262,7 +260,7 @@ def plan(config: TrainConfig) -> Plan:
             checkpoints.close()
             raise
     seed = config.seed if config.seed is not None else (record["seed"] if record else 0)
-    return Plan(config, model, seq_len, mesh, rules, microbatches, step_kwargs, batch_shards, batch_axes,
+    return Setup(config, model, seq_len, mesh, rules, microbatches, step_kwargs, batch_shards, batch_axes,
                 checkpoints, record, seed)
 
 
@@ -287,7 +285,7 @@ def _fmt_count(n: float) -> str:
     return f"{n:.0f}"
 
 
-def _plan_lines(p: Plan, abstract_model, abstract_opt) -> list[str]:
+def _setup_lines(p: Setup, abstract_model, abstract_opt) -> list[str]:
     c, m = p.config, p.model
     params = describe(abstract_model, p.mesh, p.rules)
     opt = describe(abstract_opt, p.mesh, p.rules, "opt")
@@ -330,9 +328,9 @@ def _warmup(config: TrainConfig) -> int:
 
 
 def train(config: TrainConfig, out=None) -> TrainResult:
-    """Run `config`; prints the plan, progress and a summary to `out` (default: stdout, on
+    """Run `config`; prints the set-up, progress and a summary to `out` (default: stdout, on
     process 0 only in a multi-process run; every process returns the result)."""
-    p = plan(config)
+    p = set_up(config)
     quiet = open(os.devnull, "w") if out is None and not is_main_process() else None
     try:
         return _train(p, out or quiet or sys.stdout)
@@ -343,7 +341,7 @@ def train(config: TrainConfig, out=None) -> TrainResult:
             p.checkpoints.close()  # a save in flight completes (killed, it leaves the one before)
 
 
-def _start(p: Plan, tx, say) -> tuple[ShardedStep, TrainState, int, int]:
+def _start(p: Setup, tx, say) -> tuple[ShardedStep, TrainState, int, int]:
     """The step, and the state, step number and data position the run starts from."""
 
     def make_model():
@@ -351,7 +349,7 @@ def _start(p: Plan, tx, say) -> tuple[ShardedStep, TrainState, int, int]:
 
     abstract = nnx.eval_shape(make_model)
     say(f"jshard train: {p.config.model} GPT on {data.CORPUS}")
-    for line in _plan_lines(p, abstract, jax.eval_shape(tx.init, nnx.state(abstract))):
+    for line in _setup_lines(p, abstract, jax.eval_shape(tx.init, nnx.state(abstract))):
         say("  " + line)
     step = build_step(jshard.init(make_model, p.mesh, p.rules), tx, gpt_loss, p.mesh, p.rules,
                       p.microbatches, **p.step_kwargs)
@@ -367,7 +365,7 @@ def _start(p: Plan, tx, say) -> tuple[ShardedStep, TrainState, int, int]:
     return step, state, start, position
 
 
-def _train(p: Plan, out) -> TrainResult:
+def _train(p: Setup, out) -> TrainResult:
     c = p.config
     say = functools.partial(print, file=out, flush=True)
     tx = optim.adamw(c.lr, c.steps, _warmup(c), grad_accum=c.grad_accum)
@@ -428,7 +426,7 @@ def _traced(config: TrainConfig, start: int) -> range:
     return range(first, min(first + PROFILE_STEPS, config.steps)) if config.profile else range(0)
 
 
-def _record(p: Plan, step: int, position: int, loss: float) -> dict:
+def _record(p: Setup, step: int, position: int, loss: float) -> dict:
     """The JSON saved with a checkpoint: what resuming needs, and what it was saved under."""
     return dict(step=step, data_position=position, model=_model_identity(p.model), seed=p.seed, loss=loss,
                 strategy=p.rules.name, mesh=_mesh_str(p.mesh), batch_size=p.config.batch_size, seq_len=p.seq_len,
@@ -439,7 +437,7 @@ def _mesh_str(mesh) -> str:
     return ",".join(f"{k}={v}" for k, v in mesh_shape(mesh).items() if v > 1) or "one device"
 
 
-def _summary(p: Plan, losses, times, start, wall, peak, flops_per_step, saved_at) -> str:
+def _summary(p: Setup, losses, times, start, wall, peak, flops_per_step, saved_at) -> str:
     c = p.config
     steady = times[1:] or times  # the first step compiles
     step_s = statistics.median(steady)

@@ -18,7 +18,7 @@ from jshard.checkpoint import Checkpoints
 from jshard.models import GPT, GPTConfig, gpt_loss
 from jshard.parallel import CompiledStep, TrainState, build_step
 from flax_models import CNN, classification_loss, image_batches
-from plans import STRATEGIES
+from meshes import STRATEGIES
 from reference import train_on_one_device
 
 SEED = int(np.random.default_rng().integers(1 << 31))

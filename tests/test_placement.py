@@ -11,7 +11,7 @@ from flax import nnx
 
 import jshard
 from jshard.models import GPT, DeepMLP, GPTConfig, MLPConfig
-from plans import PLACEMENTS
+from meshes import PLACEMENTS
 
 GPT_CONFIG = GPTConfig(vocab=64, seq_len=16, embed=32, heads=4, mlp=64, layers=4)
 MLP_CONFIG = MLPConfig(dim=32, layers=4)

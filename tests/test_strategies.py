@@ -18,7 +18,7 @@ import jshard
 from jshard import hlo
 from jshard.models import GPT, DeepMLP, GPTConfig, MLPConfig, gpt_loss, mlp_loss
 from jshard.parallel import build_step
-from plans import STRATEGIES
+from meshes import STRATEGIES
 from reference import train_on_one_device
 
 SEED = int(np.random.default_rng().integers(1 << 31))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import math
 import re
 import statistics
@@ -20,8 +19,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 import jshard
-from jshard import collectives
-from jshard.mesh import parse_axis_sizes, use_fake_cpu_devices_unless_accelerated
+from jshard import collectives, flags
+from jshard.mesh import use_fake_cpu_devices_unless_accelerated
 
 # Unidirectional NVLink bandwidth per GPU in GB/s, what busbw is compared to: A100 SXM has
 # 12 NVLink-3 links, H100/H200 SXM 18 NVLink-4 links, B200 18 NVLink-5 links, at 25, 25
@@ -64,8 +63,7 @@ def add_parser(benches) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = parser.add_argument
-    add("--mesh", default="data=-1",
-        help="mesh axis sizes, e.g. data=8 or fsdp=4,tensor=2; -1 takes the devices left (default data=-1)")
+    flags.add_mesh(parser, shown="every device on one axis")
     add("--axis", help="mesh axis to run over, or several joined by commas (one group); default: the axes --mesh names")
     add("--ops", type=_ops, default=tuple(COLLECTIVES), help=f"comma-separated, from {','.join(COLLECTIVES)} (default all)")
     add("--sizes", type=_sizes,
@@ -74,12 +72,10 @@ def add_parser(benches) -> None:
     add("--max-bytes", type=_size, default="16M", help="sweep end, included (default 16M)")
     add("--factor", type=int, default=4, help="sweep step: each size is this times the last (default 4)")
     add("--dtype", default="float32", choices=("float32", "bfloat16"))
-    add("--warmup", type=_positive, default=2, help="untimed calls before timing; the first compiles (default 2)")
-    add("--repeats", type=_positive, default=10, help="timed calls; the median is reported (default 10)")
-    add("--json", metavar="FILE", help="also write the rows, with the set-up, to FILE as JSON")
-    add("--fake-devices", type=_positive, default=8,
-        help="CPU devices to fake when JAX will run on the CPU: JAX_PLATFORMS=cpu, or unset with no GPU/TPU "
-             "plugin installed (default 8); ignored once JAX has started")
+    add("--warmup", type=flags.positive_int, default=2, help="untimed calls before timing; the first compiles (default 2)")
+    add("--repeats", type=flags.positive_int, default=10, help="timed calls; the median is reported (default 10)")
+    flags.add_json(parser, "the rows, with the set-up,")
+    flags.add_fake_devices(parser)
     parser.set_defaults(run=run_collectives)
 
 
@@ -102,12 +98,6 @@ def _ops(text: str) -> tuple[str, ...]:
             f"unknown op(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(COLLECTIVES)}"
         )
     return ops
-
-
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
-    return int(text)
 
 
 def sweep(min_bytes: int, max_bytes: int, factor: int) -> tuple[int, ...]:
@@ -143,7 +133,7 @@ def run_collectives(args) -> int:
     use_fake_cpu_devices_unless_accelerated(args.fake_devices)
 
     sizes = args.sizes or sweep(args.min_bytes, args.max_bytes, args.factor)
-    axis_sizes = parse_axis_sizes(args.mesh)
+    axis_sizes = flags.mesh_sizes(args.mesh, jshard.preset("dp"), jax.device_count())  # dp: one axis
     axes = tuple(a.strip() for a in args.axis.split(",")) if args.axis else tuple(axis_sizes)
     try:
         mesh = jshard.make_mesh(devices=_devices_for(axis_sizes, jax.devices()), **axis_sizes)
@@ -171,14 +161,13 @@ def run_collectives(args) -> int:
                 row["busbw_over_peak"] = row["busbw_GBps"] / peak
             rows.append(row)
             print(_format_row(row, peak))
-    if args.json:
+    if args.json:  # the set-up only for the file
         setup = {
             "platform": device.platform, "device_kind": device.device_kind, "devices": mesh.size,
             "mesh": shape, "axis": list(axes), "n": n, "dtype": args.dtype, "warmup": args.warmup,
             "repeats": args.repeats, "link_peak_GBps": peak,
         }
-        with open(args.json, "w") as f:
-            json.dump({"setup": setup, "rows": rows}, f, indent=1)
+        flags.write_json(args.json, {"setup": setup, "rows": rows})
     return 0
 
 

@@ -17,20 +17,20 @@ instead of wasting it: there the measured ratio shows the extra work, not the bu
 
 from __future__ import annotations
 
-import json
-
 import jax
 import numpy as np
 import optax
 from flax import nnx
 
 import jshard
-from jshard.mesh import use_fake_cpu_devices_unless_accelerated
+from jshard import flags
+from jshard.mesh import mesh_shape, use_fake_cpu_devices_unless_accelerated
 from jshard.metrics import median_step_seconds
-from jshard.models import GPT, GPTConfig, gpt_loss
+from jshard.models import GPT, gpt_loss
 from jshard.parallel import build_step
 from jshard.parallel.pipeline import compile_program
 from jshard.parallel.schedules import SCHEDULES
+from jshard.rules import default_mesh, format_mesh
 
 RECOMPUTE = 4 / 3  # F + (F + 2F) per micro-batch and stage, against F + 2F
 
@@ -38,36 +38,38 @@ RECOMPUTE = 4 / 3  # F + (F + 2F) per micro-batch and stage, against F + 2F
 def add_parser(benches) -> None:
     parser = benches.add_parser("pipeline", help="pipeline schedules: step time, memory and bubble side by side")
     add = parser.add_argument
-    add("--stages", type=int, default=2)
-    add("--microbatches", type=int, default=8)
+    flags.add_mesh(parser, shown="dp+pp's default mesh: stage=2, data the rest")
     add("--schedules", default=",".join(SCHEDULES), help="comma-separated, from: " + ", ".join(SCHEDULES))
-    add("--layers", type=int, default=8)
-    add("--embed", type=int, default=128)
-    add("--seq-len", type=int, default=64)
-    add("--batch-size", type=int, default=32)
-    add("--repeats", type=int, default=5, help="timed steps; the median is reported")
-    add("--json", metavar="FILE", help="also write the rows to FILE")
-    add("--fake-devices", type=int, default=8, help="CPU devices to fake when no accelerator is present")
+    flags.add_pipeline(parser, microbatches=8, schedule="none")
+    flags.add_model(parser, "small", "small with 8 layers", seq_len_help="tokens per row, and the model's longest "
+                                                                         "(default: 64)")
+    add("--batch-size", type=flags.positive_int, default=32, help="rows per step (default: 32)")
+    add("--repeats", type=flags.positive_int, default=5, help="timed steps; the median is reported (default: 5)")
+    flags.add_json(parser, "the rows")
+    flags.add_fake_devices(parser)
     parser.set_defaults(run=run)
 
 
 def run(args) -> int:
     use_fake_cpu_devices_unless_accelerated(args.fake_devices)
-    config = GPTConfig(seq_len=args.seq_len, embed=args.embed, heads=4, mlp=4 * args.embed, layers=args.layers)
-    batch = np.random.default_rng(0).integers(0, config.vocab, (args.batch_size, args.seq_len + 1))
+    config = flags.model_config(args.model, {"layers": 8, **flags.model_overrides(args)}, seq_len=args.seq_len or 64)
+    batch = np.random.default_rng(0).integers(0, config.vocab, (args.batch_size, config.seq_len + 1))
     expected = float(gpt_loss(GPT(config, rngs=nnx.Rngs(0)), batch))
-    data = jax.device_count() // args.stages
+    pipelined = jshard.preset("dp+pp")
+    mesh = jshard.make_mesh(**flags.mesh_sizes(args.mesh, pipelined, jax.device_count()))
     tx = optax.adamw(1e-3)
 
     def make_model():
         return GPT(config, rngs=nnx.Rngs(0))
 
-    flat = build_step(make_model(), tx, gpt_loss, jshard.make_mesh(data=-1), jshard.preset("dp"))
+    flat_rules = jshard.preset("dp")  # every device a data shard
+    flat = build_step(make_model(), tx, gpt_loss, jshard.make_mesh(**default_mesh(flat_rules, jax.device_count())),
+                      flat_rules)
     flat_s = median_step_seconds(flat, flat.shard_batch(batch), args.repeats)
     device = jax.devices()[0]
     print(f"# jshard bench pipeline: {jax.device_count()} × {device.device_kind} ({device.platform}), "
-          f"mesh data={data},stage={args.stages}, m={args.microbatches}, GPT layers={config.layers} "
-          f"embed={config.embed} seq={args.seq_len} batch={args.batch_size}, AdamW, fp32, median of {args.repeats}")
+          f"mesh {format_mesh(mesh_shape(mesh))}, m={args.microbatches}, GPT layers={config.layers} "
+          f"embed={config.embed} seq={config.seq_len} batch={args.batch_size}, AdamW, fp32, median of {args.repeats}")
     print(f"# unpipelined (dp over all {jax.device_count()} devices): {flat_s * 1e3:.1f} ms; textbook pipelined "
           f"= (1 + bubble) x {RECOMPUTE:.2f} of it (backward recomputes the chunk's forward)")
     if device.platform == "cpu":
@@ -76,8 +78,8 @@ def run(args) -> int:
           f"{'step ms':>9}{'/gpipe':>8}{'vs_flat':>8}{'textbook':>9}{'parity':>9}")
     rows = []
     for name in filter(None, args.schedules.split(",")):
-        step = build_step(make_model(), tx, gpt_loss, jshard.make_mesh(data=data, stage=args.stages),
-                          jshard.preset("dp+pp"), args.microbatches, name.strip())
+        step = build_step(make_model(), tx, gpt_loss, mesh, pipelined, args.microbatches, name.strip(),
+                          args.virtual if name.strip() == "interleaved" else None)  # v is interleaved's alone
         tokens = step.shard_batch(batch)
         program, schedule = compile_program(step.schedule), step.schedule
         temp = step.lower(step.state, tokens).compile().memory_analysis().temp_size_in_bytes
@@ -92,7 +94,5 @@ def run(args) -> int:
         print(f"{row['schedule']:<13}{row['ticks']:>6}{row['bubble']:>8.3f}{row['slots']:>7}{temp:>11}"
               f"{temp / first['temp_bytes']:>8.2f}{row['step_s'] * 1e3:>9.1f}{row['step_s'] / first['step_s']:>8.2f}"
               f"{row['step_s'] / flat_s:>8.2f}{row['textbook_vs_flat']:>9.2f}{row['parity_rel_err']:>9.1e}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    flags.write_json(args.json, rows)
     return 0

@@ -27,8 +27,6 @@ XLA_FLAGS is set, and the defaults are a ~1B-parameter GPT at seq-len 2048 in bf
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 import os
 import statistics
@@ -42,12 +40,14 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import jshard
-from jshard import train
-from jshard.mesh import GPU_XLA_FLAGS, parse_axis_sizes, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags
-from jshard.metrics import CPU_MATMUL, best_seconds, device_peak, gpt_flops_per_token, measured_matmul_flops
-from jshard.models import GPT, GPT_SIZES, PRECISIONS, GPTConfig, gpt_loss
+from jshard import flags
+from jshard.flags import FlagError
+from jshard.mesh import GPU_XLA_FLAGS, mesh_shape, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags
+from jshard.metrics import (CPU_MATMUL, PROFILE_STEPS, best_seconds, device_peak, gpt_flops_per_token,
+                            measured_matmul_flops)
+from jshard.models import GPT, PRECISIONS, GPTConfig, gpt_loss
 from jshard.parallel import build_step
-from jshard.train import TrainError
+from jshard.rules import format_mesh
 
 # Per platform: model, batch size, precision when not given.
 DEFAULTS = {"cpu": ("tiny", 16, "fp32"), "gpu": ("gpt-1b", 8, "bf16")}
@@ -61,15 +61,15 @@ JSON_KEYS = ("device", "model_params", "tokens_per_s", "tflops", "mfu_datasheet"
 def add_parser(benches) -> None:
     parser = benches.add_parser("step", help="jshard's train step vs a plain Flax step, MFU vs the device's peaks")
     add = parser.add_argument
-    add("--model", choices=GPT_SIZES, help="model size (default: tiny on CPU, gpt-1b on GPU)")
-    add("--seq-len", type=int, help="tokens per row (default: the model's seq_len)")
-    add("--batch-size", type=int, help="rows per step (default: 16 on CPU, 8 on GPU)")
-    add("--precision", choices=PRECISIONS, help="compute dtype; params and AdamW stay fp32 (default: fp32 on CPU, bf16 on GPU)")
-    add("--mesh", default="data=1", help="jshard mesh (default data=1: one device, so the ratio is pure overhead)")
-    add("--strategy", default="dp", help="jshard preset for the mesh")
-    add("--repeats", type=int, default=10, help="timed steps of each, after a warm-up step, alternating; medians reported")
-    add("--json", metavar="FILE", help="also write the result to FILE")
-    add("--profile", metavar="DIR", help=f"after timing, write a jax.profiler trace of {train.PROFILE_STEPS} steps of each to DIR")
+    flags.add_model(parser, None, "tiny on CPU, gpt-1b on GPU", seq_len_help="tokens per row (default: the model's seq_len)")
+    add("--batch-size", type=flags.positive_int, help="rows per step (default: 16 on CPU, 8 on GPU)")
+    flags.add_precision(parser, None, "fp32 on CPU, bf16 on GPU")
+    flags.add_strategy(parser, "dp")
+    flags.add_mesh(parser, shown="the strategy's mesh on one device, so the ratio is pure overhead")
+    add("--repeats", type=flags.positive_int, default=10,
+        help="timed steps of each, after a warm-up step, alternating; medians reported (default: 10)")
+    flags.add_json(parser)
+    add("--profile", metavar="DIR", help=f"after timing, write a jax.profiler trace of {PROFILE_STEPS} steps of each to DIR")
     parser.set_defaults(run=run)
 
 
@@ -175,7 +175,7 @@ def _timed_pair(steps, repeats: int, profile: str | None = None) -> list[tuple[f
     Both steps are compiled and warmed up, then timed in alternation, one step of each per
     round: load from other processes drifts on a shared host, and alternating gives both the
     same drift, so their ratio stays honest. Every step waits for all its outputs. With
-    `profile`, `train.PROFILE_STEPS` more of each are traced there afterwards, each step
+    `profile`, `PROFILE_STEPS` more of each are traced there afterwards, each step
     annotated with its name (`jshard step`, `plain step`) and number in the trace.
     """
     states = [state for _, state, _ in steps]
@@ -195,7 +195,7 @@ def _timed_pair(steps, repeats: int, profile: str | None = None) -> list[tuple[f
     if profile:
         with jax.profiler.trace(profile, create_perfetto_trace=True):
             for i, name in enumerate(("jshard", "plain")):
-                for n in range(train.PROFILE_STEPS):
+                for n in range(PROFILE_STEPS):
                     with jax.profiler.StepTraceAnnotation(f"{name} step", step_num=n):
                         once(i)
     return [(statistics.median(t), loss) for t, loss in zip(times, first_losses)]
@@ -215,19 +215,22 @@ def copy_gbps(devices, nbytes: int) -> float:
 
 def _platform_defaults(args, platform: str):
     model, batch, precision = DEFAULTS["cpu" if platform == "cpu" else "gpu"]
-    config = dataclasses.replace(GPT_SIZES[args.model or model], dtype=PRECISIONS[args.precision or precision])
+    config = flags.model_config(args.model or model, flags.model_overrides(args),
+                                dtype=PRECISIONS[args.precision or precision])
     seq = args.seq_len or config.seq_len
     batch = args.batch_size or batch
-    if seq > config.seq_len or seq < 1:
-        raise TrainError(f"--seq-len {seq}: model {args.model or model} takes 1..{config.seq_len} tokens per row")
-    if batch < 1 or args.repeats < 1:
-        raise TrainError("--batch-size and --repeats must be positive")
+    if seq > config.seq_len:
+        raise FlagError(f"--seq-len {seq}: model {args.model or model} takes 1..{config.seq_len} tokens per row")
     return args.model or model, config, seq, batch, args.precision or precision
+
+
+def mesh_of(args) -> dict[str, int]:
+    return flags.mesh_sizes(args.mesh, jshard.preset(args.strategy), 1)
 
 
 def measure(args) -> dict:
     """Every figure of one run: the JSON keys, plus what the report prints."""
-    sizes = parse_axis_sizes(args.mesh)
+    sizes = mesh_of(args)
     wanted = math.prod(sizes.values())
     devices = jax.devices() if -1 in sizes.values() else jax.devices()[:wanted]
     platform, kind = devices[0].platform, devices[0].device_kind
@@ -266,6 +269,7 @@ def measure(args) -> dict:
         datasheet_source=datasheet.source if datasheet else None, loss=loss, plain_loss=plain_first_loss,
         plain_tokens_per_s=batch * seq / plain_s, plain_tflops=flops * step_s / plain_s / 1e12,
         plain_mfu_measured_peak=flops * step_s / plain_s / measured_peak, n_devices=len(devices),
+        mesh=format_mesh({a: n for a, n in mesh_shape(mesh).items() if n > 1}) or "one device",
     )
 
 
@@ -282,7 +286,7 @@ def report(r: dict, args, flags: str) -> str:
         f"  model       GPT {r['model']}: {c.layers} layers, embed {c.embed}, {c.heads} heads, mlp {c.mlp}, "
         f"vocab {c.vocab}, {r['model_params'] / 1e6:.3f} M params",
         f"  step        batch {r['batch']} x seq {r['seq']}, {r['precision']} compute, AdamW, {args.strategy} on "
-        f"{args.mesh}; warm-up, then median of {args.repeats}, alternating with plain",
+        f"{r['mesh']}; warm-up, then median of {args.repeats}, alternating with plain",
         f"  ceilings    matmul {matmul_n}² {jnp.dtype(c.dtype).name}: {r['matmul_tflops']:.3f} TFLOP/s per device; "
         f"copy ({copy_what}): {r['copy_gbps']:.1f} GB/s",
         f"  jshard      {r['step_s'] * 1e3:9.2f} ms  {r['tokens_per_s'] / 1e3:9.1f} k tok/s  {r['tflops']:8.4f} TFLOP/s  "
@@ -297,20 +301,18 @@ def report(r: dict, args, flags: str) -> str:
     else:
         lines.append(f"  datasheet   {r['datasheet_source'] or 'none known for this device: MFU against measured only'}")
     if args.profile:
-        lines.append(f"  profile     {args.profile}: jax.profiler trace of {train.PROFILE_STEPS} more steps of each")
+        lines.append(f"  profile     {args.profile}: jax.profiler trace of {PROFILE_STEPS} more steps of each")
     return "\n".join(lines)
 
 
 def run(args) -> int:
     # Both before JAX starts: XLA reads its flags, and the CPU its device count, only then.
-    flags = "set by jshard: " + " ".join(GPU_XLA_FLAGS) if use_gpu_xla_flags() else None
-    sizes = parse_axis_sizes(args.mesh)
+    xla_flags = "set by jshard: " + " ".join(GPU_XLA_FLAGS) if use_gpu_xla_flags() else None
+    sizes = mesh_of(args)
     if -1 not in sizes.values() and math.prod(sizes.values()) > 1:
         use_fake_cpu_devices_unless_accelerated(math.prod(sizes.values()))
-    flags = flags or (f"XLA_FLAGS={os.environ['XLA_FLAGS']!r}" if os.environ.get("XLA_FLAGS") else "none")
+    xla_flags = xla_flags or (f"XLA_FLAGS={os.environ['XLA_FLAGS']!r}" if os.environ.get("XLA_FLAGS") else "none")
     result = measure(args)
-    print(report(result, args, flags))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({key: result[key] for key in JSON_KEYS}, f, indent=1)
+    print(report(result, args, xla_flags))
+    flags.write_json(args.json, {key: result[key] for key in JSON_KEYS})
     return 0

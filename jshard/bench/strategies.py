@@ -20,26 +20,19 @@ accelerator is present), one GPT training step (AdamW) gives one row:
 
 from __future__ import annotations
 
-import json
-
 import jax
 import numpy as np
 import optax
 from flax import nnx
 
 import jshard
-from jshard import hlo, plan
+from jshard import flags, hlo, plan
 from jshard.mesh import mesh_shape, parse_axis_sizes, use_fake_cpu_devices_unless_accelerated
 from jshard.metrics import median_step_seconds
 from jshard.models import GPT, GPTConfig, gpt_loss
 from jshard.parallel import ShardedStep, build_step
+from jshard.rules import EXAMPLE_MESHES, example_mesh, format_mesh
 
-PLANS = (
-    ("dp", "data=8"), ("zero1", "fsdp=8"), ("zero2", "fsdp=8"), ("zero3", "fsdp=8"),
-    ("dp+tp", "data=2,tensor=4"), ("dp+tp+sp", "data=2,tensor=4"), ("dp+fsdp", "data=2,fsdp=4"),
-    ("fsdp+tp", "fsdp=4,tensor=2"), ("dp+fsdp+tp", "data=2,fsdp=2,tensor=2"),
-    ("dp+fsdp+tp+sp", "data=2,fsdp=2,tensor=2"),
-)
 COLUMNS = ("strategy", "mesh", "comm_bytes", "textbook_bytes", "comm_ratio", "memory_bytes_per_device",
            "textbook_memory_bytes", "parity_rel_err", "xla_comm_bytes", "xla_parity_rel_err", "step_s",
            "gspmd_step_s", "speed_ratio")
@@ -48,16 +41,14 @@ COLUMNS = ("strategy", "mesh", "comm_bytes", "textbook_bytes", "comm_ratio", "me
 def add_parser(benches) -> None:
     parser = benches.add_parser("strategies", help="explicit steps vs textbook bytes, memory, one device and XLA's partitioner")
     add = parser.add_argument
-    add("--plans", default=";".join(f"{p}@{m}" for p, m in PLANS),
-        help="';'-separated preset@mesh, e.g. 'dp@data=8;zero3@fsdp=8' (default: every strategy on 8 devices)")
-    add("--layers", type=int, default=4)
-    add("--embed", type=int, default=128)
-    add("--heads", type=int, default=4)
-    add("--seq-len", type=int, default=64)
-    add("--batch-size", type=int, default=16)
-    add("--repeats", type=int, default=5, help="timed steps; the median is reported")
-    add("--json", metavar="FILE", help="also write the rows to FILE")
-    add("--fake-devices", type=int, default=8, help="CPU devices to fake when no accelerator is present")
+    add("--strategies", help="';'-separated presets, each on its example mesh (rules.EXAMPLE_MESHES, its outermost "
+                             "axis taking the devices) or on preset@mesh, e.g. 'dp;zero3@fsdp=8' (default: every "
+                             "strategy without a pipeline)")
+    flags.add_model(parser, "small", seq_len_help="tokens per row, and the model's longest (default: 64)")
+    add("--batch-size", type=flags.positive_int, default=16, help="rows per step (default: 16)")
+    add("--repeats", type=flags.positive_int, default=5, help="timed steps; the median is reported (default: 5)")
+    flags.add_json(parser, "the rows")
+    flags.add_fake_devices(parser)
     parser.set_defaults(run=run)
 
 
@@ -90,8 +81,8 @@ def parity(step, tokens, reference) -> float:
     )
 
 
-def bench_plan(preset: str, mesh_text: str, config: GPTConfig, batch, reference, repeats: int) -> dict:
-    mesh, rules = jshard.make_mesh(**parse_axis_sizes(mesh_text)), jshard.preset(preset)
+def bench_strategy(preset: str, sizes: dict[str, int], config: GPTConfig, batch, reference, repeats: int) -> dict:
+    mesh, rules = jshard.make_mesh(**sizes), jshard.preset(preset)
     tx = optax.adamw(1e-3)
 
     def make_model():
@@ -111,7 +102,7 @@ def bench_plan(preset: str, mesh_text: str, config: GPTConfig, batch, reference,
     # Last: a timed step donates the step's initial state.
     step_s, gspmd_s = median_step_seconds(step, tokens, repeats), median_step_seconds(xla, tokens, repeats)
     return dict(
-        strategy=rules.name, mesh=mesh_text, comm_bytes=comm, textbook_bytes=textbook,
+        strategy=rules.name, mesh=format_mesh({a: n for a, n in mesh_shape(mesh).items() if n > 1}), comm_bytes=comm, textbook_bytes=textbook,
         comm_ratio=comm / textbook if textbook else float("nan"),
         memory_bytes_per_device=memory.argument_size_in_bytes + memory.output_size_in_bytes
         - memory.alias_size_in_bytes + memory.temp_size_in_bytes,
@@ -136,22 +127,35 @@ HEADER = (f"{'strategy':<16}{'mesh':<24}{'comm B':>11}{'textbook':>11}{'ratio':>
 
 def run(args) -> int:
     use_fake_cpu_devices_unless_accelerated(args.fake_devices)
-    config = GPTConfig(seq_len=args.seq_len, embed=args.embed, heads=args.heads, mlp=4 * args.embed, layers=args.layers)
-    batch = np.random.default_rng(0).integers(0, config.vocab, (args.batch_size, args.seq_len + 1))
+    config = flags.model_config(args.model, flags.model_overrides(args), seq_len=args.seq_len or 64)
+    batch = np.random.default_rng(0).integers(0, config.vocab, (args.batch_size, config.seq_len + 1))
     reference = nnx.grad(gpt_loss)(GPT(config, rngs=nnx.Rngs(0)), batch)
     device = jax.devices()[0]
     print(f"# jshard bench strategies: {jax.device_count()} × {device.device_kind} ({device.platform}), GPT "
-          f"layers={config.layers} embed={config.embed} heads={config.heads} seq={args.seq_len} batch={args.batch_size}, "
+          f"layers={config.layers} embed={config.embed} heads={config.heads} seq={config.seq_len} batch={args.batch_size}, "
           f"AdamW, fp32, median of {args.repeats}")
     if device.platform == "cpu":
         print("# fake CPU devices: times are threads of one process; bytes and memory are exact")
     print(HEADER)
     rows = []
-    for entry in filter(None, args.plans.split(";")):
-        preset, _, mesh_text = entry.partition("@")
-        rows.append(bench_plan(preset.strip(), mesh_text.strip(), config, batch, reference, args.repeats))
+    for preset, sizes in strategies(args.strategies, jax.device_count()):
+        rows.append(bench_strategy(preset, sizes, config, batch, reference, args.repeats))
         print(format_row(rows[-1]), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([{key: row[key] for key in COLUMNS} for row in rows], f, indent=1)
+    flags.write_json(args.json, [{key: row[key] for key in COLUMNS} for row in rows])
     return 0
+
+
+def _pipelined(rules) -> bool:
+    """Whether the rules split the layer stack (a pipeline: not this bench's)."""
+    return any(name == "layers" and axes for name, axes in rules.table("param"))
+
+
+def strategies(text: str | None, devices: int) -> list[tuple[str, dict[str, int]]]:
+    """--strategies as (preset, mesh sizes) pairs, checked before any step is built."""
+    entries = text.split(";") if text else [s for s in EXAMPLE_MESHES if not _pipelined(jshard.preset(s))]
+    pairs = []
+    for entry in filter(None, (e.strip() for e in entries)):
+        preset, _, mesh_text = entry.partition("@")
+        jshard.preset(preset)  # a bad name fails here, with the presets it knows
+        pairs.append((preset.strip(), parse_axis_sizes(mesh_text) if mesh_text else example_mesh(preset.strip(), devices)))
+    return pairs

@@ -4,7 +4,7 @@ The stacked `layers` are split over the stage axis; each device holds v chunks o
 (chunk c on device d is pipeline position c·p + d). `schedules.py` says what every device
 does at every tick: forward F, full backward BW, or the zero-bubble split into B (input
 gradient) and W (weight gradient). `compile_program` turns that table into integers, and
-`run` executes them in a `lax.scan` over ticks. Each tick, on every device:
+`value_and_grad` executes them in a `lax.scan` over ticks. Each tick, on every device:
 
     1. read this tick's action: which branch, micro-batch, chunk and buffer slots
     2. `lax.switch` to that branch: it runs the chunk forward, or recomputes the forward
@@ -136,8 +136,87 @@ def _zeros(abstract, axes):
     return vma.vary(jnp.zeros(abstract.shape, abstract.dtype), axes)
 
 
-def run(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, batch, stage_axis: str,
-        one_value: Callable[[jax.Array], jax.Array]):
+@dataclasses.dataclass(frozen=True)
+class Stages:
+    """What a chunk computes, from the differentiable params `diff`: the loss's `first` part
+    at position 0, the chunk's layers, the `last` part at the end; each result typed varying
+    over `act_axes` (an activation) or `loss_axes` (the loss), so every branch returns one type."""
+
+    loss: StagedLoss
+    model_of: Callable  # diff -> the model
+    one_value: Callable  # a micro-batch's loss -> one value per batch shard
+    virtual: int
+    act_axes: frozenset = frozenset()
+    loss_axes: frozenset = frozenset()
+
+    def first(self, diff, mb):
+        return vma.vary(self.loss.first(self.model_of(diff), mb), self.act_axes)
+
+    def layers(self, diff, x, chunk):
+        return vma.vary(scan_layers(self._chunk_of(self.model_of(diff), chunk), x), self.act_axes)
+
+    def last(self, diff, y, mb):
+        return self.one_value(self.loss.last(self.model_of(diff), y, mb))
+
+    def forward(self, role, diff, x, mb, chunk):
+        """What the chunk at this `role` computes: an activation, or at the end, the loss."""
+        y = self.layers(diff, self.first(diff, mb) if role == "first" else x, chunk)
+        return vma.vary(self.last(diff, y, mb), self.loss_axes) if role == "last" else y
+
+    def _chunk_of(self, model, chunk):
+        layers = self.loss.layers(model)
+        if self.virtual == 1:
+            return layers
+        graphdef, state = nnx.split(layers)
+        size = jax.tree.leaves(state)[0].shape[0] // self.virtual
+        return nnx.merge(graphdef, jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, chunk * size, size), state))
+
+
+def typed(stages: Stages, diff, mb, stage_axis: str) -> tuple[Stages, jax.ShapeDtypeStruct]:
+    """`stages` with the varying axes of what travels between stages, and the loss's abstract
+    value. The activation's type is a fixed point: a stage's output may vary over more axes
+    than its input (found abstractly, no compute)."""
+    stages = dataclasses.replace(stages, act_axes=frozenset({stage_axis}))
+    while True:
+        x = nnx.eval_shape(stages.first, diff, mb)
+        grown = stages.act_axes | vma.varying_axes(x) | vma.varying_axes(nnx.eval_shape(stages.layers, diff, x, 0))
+        if grown == stages.act_axes:
+            break
+        stages = dataclasses.replace(stages, act_axes=grown)
+    loss_abstract = nnx.eval_shape(stages.last, diff, x, mb)
+    return dataclasses.replace(stages, loss_axes=vma.varying_axes(loss_abstract) | {stage_axis}), loss_abstract
+
+
+def branch(stages: Stages, kind: str, role: str, loss_abstract, microbatches: int) -> Callable:
+    """One `lax.switch` branch: action `kind` (idle, F, BW, B, W) of the chunk at `role`.
+    (diff, grads, loss_sum, x, g, mb, chunk) -> (grads, loss_sum, output, input gradient)."""
+
+    def act(diff, grads, loss_sum, x, g, mb, chunk):
+        zero = jnp.zeros_like(x)
+        if kind == "idle":
+            return grads, loss_sum, zero, zero
+        if kind == "F":
+            out = stages.forward(role, diff, x, mb, chunk)
+            return (grads, loss_sum + out, zero, zero) if role == "last" else (grads, loss_sum, out, zero)
+        if role == "last":  # the gradient of the mean over micro-batches
+            g = vma.vary(jnp.full(loss_abstract.shape, 1 / microbatches, loss_abstract.dtype), stages.loss_axes)
+        wrt_weights, wrt_input = kind in ("BW", "W"), kind in ("BW", "B") and role != "first"
+        if not (wrt_weights or wrt_input):  # B at position 0: no input to pass a gradient to
+            return grads, loss_sum, zero, zero
+        # A stopped gradient is a symbolic zero: B computes no weight gradient, W no input one.
+        weights_if = (lambda d: d) if wrt_weights else lambda d: jax.tree.map(lax.stop_gradient, d)
+        input_if = (lambda x: x) if wrt_input else lax.stop_gradient
+        _, pull = jax.vjp(lambda d, x: stages.forward(role, weights_if(d), input_if(x), mb, chunk), diff, x)
+        weights, dx = pull(g)
+        if wrt_weights:
+            grads = jax.tree.map(jnp.add, grads, weights)
+        return grads, loss_sum, zero, dx if wrt_input else zero
+
+    return act
+
+
+def value_and_grad(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, batch, stage_axis: str,
+                   one_value: Callable[[jax.Array], jax.Array]):
     """The mean loss over this device's `batch` and its gradient with respect to `diff`.
 
     `model_of(diff)` builds the model from the differentiable params; `one_value` turns a
@@ -154,64 +233,8 @@ def run(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, batch, s
     def take(tree, index):
         return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, keepdims=False), tree)
 
-    def chunk_of(model, chunk):
-        layers = loss.layers(model)
-        if v == 1:
-            return layers
-        graphdef, state = nnx.split(layers)
-        size = jax.tree.leaves(state)[0].shape[0] // v
-        return nnx.merge(graphdef, jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, chunk * size, size), state))
-
-    def first(diff, mb):
-        return vma.vary(loss.first(model_of(diff), mb), act_axes)
-
-    def layers(diff, x, chunk):
-        return vma.vary(scan_layers(chunk_of(model_of(diff), chunk), x), act_axes)
-
-    def last(diff, y, mb):
-        return one_value(loss.last(model_of(diff), y, mb))
-
-    # The type (varying axes) of what travels between stages: a fixed point, found abstractly.
-    mb0 = take(micro, 0)
-    act_axes = frozenset({stage_axis})
-    while True:
-        x = nnx.eval_shape(first, diff, mb0)
-        grown = act_axes | vma.varying_axes(x) | vma.varying_axes(nnx.eval_shape(layers, diff, x, 0))
-        if grown == act_axes:
-            break
-        act_axes = grown
-    loss_abstract = nnx.eval_shape(last, diff, x, mb0)
-    loss_axes = vma.varying_axes(loss_abstract) | {stage_axis}
-
-    def forward(role, diff, x, mb, chunk):
-        """What the chunk at this `role` computes: an activation, or at the end, the loss."""
-        y = layers(diff, first(diff, mb) if role == "first" else x, chunk)
-        return vma.vary(last(diff, y, mb), loss_axes) if role == "last" else y
-
-    def branch(kind, role):
-        def act(diff, grads, loss_sum, x, g, mb, chunk):
-            zero = jnp.zeros_like(x)
-            if kind == "idle":
-                return grads, loss_sum, zero, zero
-            if kind == "F":
-                out = forward(role, diff, x, mb, chunk)
-                return (grads, loss_sum + out, zero, zero) if role == "last" else (grads, loss_sum, out, zero)
-            if role == "last":  # the gradient of the mean over micro-batches
-                g = vma.vary(jnp.full(loss_abstract.shape, 1 / m, loss_abstract.dtype), loss_axes)
-            wrt_weights, wrt_input = kind in ("BW", "W"), kind in ("BW", "B") and role != "first"
-            if not (wrt_weights or wrt_input):  # B at position 0: no input to pass a gradient to
-                return grads, loss_sum, zero, zero
-            # A stopped gradient is a symbolic zero: B computes no weight gradient, W no input one.
-            weights_if = (lambda d: d) if wrt_weights else lambda d: jax.tree.map(lax.stop_gradient, d)
-            input_if = (lambda x: x) if wrt_input else lax.stop_gradient
-            _, pull = jax.vjp(lambda d, x: forward(role, weights_if(d), input_if(x), mb, chunk), diff, x)
-            weights, dx = pull(g)
-            if wrt_weights:
-                grads = jax.tree.map(jnp.add, grads, weights)
-            return grads, loss_sum, zero, dx if wrt_input else zero
-        return act
-
-    branches = [branch(kind, role) for kind, role in BRANCHES]
+    stages, loss_abstract = typed(Stages(loss, model_of, one_value, v), diff, take(micro, 0), stage_axis)
+    branches = [branch(stages, kind, role, loss_abstract, m) for kind, role in BRANCHES]
     ring = v > 1  # chunks wrap around from the last device to the first
     forward_pairs = [(s, (s + 1) % p) for s in range(p if ring else p - 1)]
     backward_pairs = [((s + 1) % p, s) for s in range(p if ring else p - 1)]
@@ -233,11 +256,12 @@ def run(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, batch, s
 
     rows = {field.name: getattr(program, field.name) for field in dataclasses.fields(Program)
             if isinstance(getattr(program, field.name), np.ndarray)}
+    x = nnx.eval_shape(stages.first, diff, take(micro, 0))
     carry = (
-        _zeros(jax.ShapeDtypeStruct((program.act_slots + 1, *x.shape), x.dtype), act_axes),
-        _zeros(jax.ShapeDtypeStruct((program.grad_slots + 1, *x.shape), x.dtype), act_axes),
+        _zeros(jax.ShapeDtypeStruct((program.act_slots + 1, *x.shape), x.dtype), stages.act_axes),
+        _zeros(jax.ShapeDtypeStruct((program.grad_slots + 1, *x.shape), x.dtype), stages.act_axes),
         jax.tree.map(jnp.zeros_like, diff),
-        _zeros(loss_abstract, loss_axes),
+        _zeros(loss_abstract, stages.loss_axes),
     )
     (_, _, grads, loss_sum), _ = lax.scan(tick, carry, rows)
     grads = jax.tree.map(lambda g, s: lax.psum(g, stage_axis) if s else g, grads, shared)

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
-from pathlib import Path
 
+from jshard import flags
 from jshard.parallel import schedules
-from jshard.parallel.schedules import SCHEDULES, Schedule, make_schedule
+from jshard.parallel.schedules import Schedule, make_schedule
 
 
 def summary(schedule: Schedule) -> str:
@@ -93,11 +92,9 @@ def add_parser(commands) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = show.add_argument
-    add("--schedule", required=True, choices=tuple(SCHEDULES))
-    add("--stages", type=int, default=4, help="pipeline stages p (default 4)")
-    add("--microbatches", type=int, default=8, help="micro-batches m (default 8)")
-    add("--virtual", type=int, help="model chunks per device v, interleaved only (default 2)")
-    add("--json", metavar="FILE", help="also write the grid and its numbers to FILE as JSON")
+    flags.add_pipeline(show, microbatches=8, schedule="required")
+    add("--stages", type=int, default=4, help="pipeline stages p (default: 4)")
+    flags.add_json(show, "the grid and its numbers")
     add("--png", metavar="FILE", help="also draw the grid to FILE (needs matplotlib: pip install 'jshard[plot]')")
     show.set_defaults(run=run_show)
 
@@ -110,7 +107,7 @@ def run_show(args) -> int:
     schedule.validate()
     print(render(schedule))
     if args.json:
-        Path(args.json).write_text(json.dumps(as_json(schedule), indent=1) + "\n")
+        flags.write_json(args.json, as_json(schedule))
         print(f"wrote {args.json}")
     if args.png:
         draw_png(schedule, args.png)

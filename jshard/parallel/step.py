@@ -83,7 +83,7 @@ def stage_axes(mesh: Mesh, rules: Rules) -> tuple[str, ...]:
     return rules.axes("layers", mesh, "param", split=True)
 
 
-def check_plan(mesh: Mesh, rules: Rules, loss_fn=None, microbatches: int | None = None,
+def check_strategy(mesh: Mesh, rules: Rules, loss_fn=None, microbatches: int | None = None,
                schedule: str | None = None, virtual: int | None = None) -> Schedule | None:
     """Whether this step can run `rules` on `mesh`: call it before placing anything.
 
@@ -139,7 +139,7 @@ class ShardedStep:
         self.others = ModelState(others)
         rules.check_mesh(mesh)
         check_no_pipeline(self.others, stage_axes(mesh, rules))
-        self.schedule = check_plan(mesh, rules, loss_fn, microbatches, schedule, virtual)
+        self.schedule = check_strategy(mesh, rules, loss_fn, microbatches, schedule, virtual)
         self.stage_axis = next(iter(stage_axes(mesh, rules)), None)
         self.microbatches = microbatches
         self._has_stack = has_stack(model)
@@ -310,7 +310,7 @@ class ShardedStep:
             return lax.pmean(loss, spread) if spread else loss
 
         if self.schedule:  # the pipeline runs its own backward, micro-batch by micro-batch
-            loss, grads = pipeline.run(self.schedule, self.loss_fn, model_of, diff, batch, self.stage_axis, one_value)
+            loss, grads = pipeline.value_and_grad(self.schedule, self.loss_fn, model_of, diff, batch, self.stage_axis, one_value)
             written = others
         else:
             def loss_of(diff, mine):

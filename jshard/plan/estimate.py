@@ -1,11 +1,8 @@
-"""`jshard plan`: will this fit, and will communication hide behind compute? Answered before
-any device work, from the formulas in ../shared/SPEC.md, and checked against XLA.
-
-For a GPT (sizes or a named preset), a mesh, a strategy (rules preset), a pipeline schedule,
+"""The planner's formulas: for a GPT, a mesh, a strategy (rules preset), a pipeline schedule,
 precision, remat policy, micro-batch size and a hardware profile, `estimate` gives per device:
 
     memory   params, grads, Adam's two moments in the layouts the rules give (placed exactly as
-             `build_step` places them: the layouts come from `Rules` on an abstract mesh), the
+             `build_step` places them: the step's own layout table, on an abstract mesh), the
              gathered layers of ZeRO-3, and activations: bytes per token per layer times the
              tokens in flight (the schedule's activation buffers under a pipeline)
     comm     bytes per collective kind and mesh axis per step (K, as `jshard/hlo.py` counts),
@@ -13,29 +10,25 @@ precision, remat policy, micro-batch size and a hardware profile, `estimate` giv
     time     compute from model FLOPs (6·N + attention, plus the forward that remat and the
              pipeline's stage recompute run again), the bubble, exposed communication, MFU
 
-`validate` builds the real step on fake CPU devices and compares memory with
-`compiled.memory_analysis()` and collective bytes with the compiled HLO (docs/planning.md).
+The formulas are ../shared/SPEC.md's; `validate.py` checks them against XLA.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 from flax import nnx
 
-from jshard import hlo, metrics
-from jshard.mesh import STANDARD_AXES as AXES, make_mesh, parse_axis_sizes, use_fake_cpu_devices
-from jshard.models import GPT, GPT_SIZES, PRECISIONS, GPTConfig, gpt_loss
+from jshard import metrics
+from jshard.mesh import STANDARD_AXES as AXES
+from jshard.models import GPT, GPTConfig
 from jshard.parallel.pipeline import compile_program
-from jshard.parallel.step import build_step, check_plan
+from jshard.parallel.step import check_strategy
 from jshard.placement import LayoutTable, format_bytes, layout_table
-from jshard.rules import Rules, ShardingError, preset
+from jshard.rules import Rules, preset
 
 GiB = 2**30
 
@@ -78,6 +71,13 @@ ACT_F = 6.4  # up-projection output, GELU and its derivative's inputs
 ACT_SCORES = 2.33  # scores and probabilities
 ACT_H_SP_WHOLE = 2.65  # under SP: the gathered inputs of the column-parallel linears
 ACT_FULL_REMAT = 1.0  # remat full: each layer keeps its input only
+# remat selective keeps what the linear layers output (`dots_with_no_batch_dims_saveable`) and
+# recomputes the rest (attention core, norms, GELU) one layer at a time in backward; measured
+# the same way, and over layer counts to part the two (docs/planning.md):
+ACT_SEL_H_REPLICATED = 2.0  # kept per layer, whole over tensor
+ACT_SEL_SPLIT = 1.0  # kept per layer, per element of q, k, v and the up-projection (3h + f)
+ACT_SEL_H_SP_WHOLE = 1.0  # under SP: the part of ACT_SEL_H_REPLICATED that stays whole
+ACT_SEL_RECOMPUTE = 0.37  # the one layer being recomputed: this fraction of all it would keep
 CE_FP32_PER_VOCAB = 6.0  # logits, softmax and their gradient per token, fp32 (3 × fwd/bwd)
 
 
@@ -133,11 +133,13 @@ def _add(table: dict, kind: str, axes, nbytes: float) -> None:
         table[key] = table.get(key, 0) + nbytes
 
 
-def param_traffic(params, sizes: dict[str, int], rules: Rules, batch_axes, stage_axis=None) -> dict:
+def param_traffic(params, sizes: dict[str, int], rules: Rules, batch_axes, stage_axis=None,
+                  remat: bool = False) -> dict:
     """{(kind, axes): bytes} of the gradient and weight collectives, per device per step.
 
     ZeRO-3 gathers each param forward and reduce-scatters its gradient; the layer stack's
-    kernels are gathered again in backward (the remat policy frees them), the tied token
+    kernels are gathered again in backward (the remat policy frees them; under `remat`, every
+    stacked param, norms too, as the layer's forward runs again), the tied token
     embedding's gradient is reduce-scattered once per use (lookup and head). ZeRO-1/2
     reduce-scatter each gradient and gather the new params (ZeRO-2 per use, inside backward).
     What is left of the batch axes all-reduces the gradient in its optimizer layout.
@@ -151,7 +153,8 @@ def param_traffic(params, sizes: dict[str, int], rules: Rules, batch_axes, stage
         tied = p.path.startswith("token_embed") and rules.zero >= 2
         if in_param:
             size = p.bytes // shards(p.param, sizes, skip=in_param)
-            _add(out, "all-gather", sorted(in_param), size * (2 if p.stacked_kernel else 1))
+            again = p.stacked_kernel or (remat and p.names[:1] == ("layers",))
+            _add(out, "all-gather", sorted(in_param), size * (2 if again else 1))
             _add(out, "reduce-scatter", sorted(in_param), size * (2 if tied else 1))
         elif shards(p.opt, sizes) > shards(p.param, sizes):
             size = p.bytes // shards(p.param, sizes)
@@ -173,20 +176,24 @@ def tensor_traffic(config: GPTConfig, params, rows: int, seq: int, layers_run: i
     vocab-parallel embedding and tied head add 2 A (forward lookup, head's input gradient),
     the vocab-parallel cross-entropy 3 all-reduces of (rows, seq) in fp32, and under SP the
     params that see seq-split inputs (norms, position table) all-reduce their gradients.
+    Under remat (full or selective) each block's forward runs again in backward up to its
+    last collective, whose output backward does not need: TP's first all-reduce, SP's two
+    all-gathers and its first reduce-scatter, once more per block.
     """
     if not tensor:
         return {}
     a = rows * seq * config.embed * jnp.dtype(config.dtype).itemsize
     out: dict = {}
     blocks = 4 * layers_run * a + 2 * a
+    again = layers_run * a if config.remat != "none" else 0
     ce = 3 * rows * seq * 4
     if sp:
-        _add(out, "all-gather", tensor, blocks)
-        _add(out, "reduce-scatter", tensor, blocks)
+        _add(out, "all-gather", tensor, blocks + 2 * again)
+        _add(out, "reduce-scatter", tensor, blocks + again)
         replicated = sum(p.bytes for p in params if "norm" in p.path or p.path.startswith("pos_embed"))
         _add(out, "all-reduce", tensor, ce + replicated)
     else:
-        _add(out, "all-reduce", tensor, blocks + ce)
+        _add(out, "all-reduce", tensor, blocks + again + ce)
     return out
 
 
@@ -194,7 +201,7 @@ def traffic(config: GPTConfig, params, sizes: dict[str, int], rules: Rules, batc
             stage_axis: str | None = None) -> dict:
     """{(kind, axes): bytes} per device per step, but the pipeline's sends: params, TP / SP
     over `rows` local sequences through this stage's layers, and the loss's all-reduce."""
-    comm = param_traffic(params, sizes, rules, batch_axes, stage_axis)
+    comm = param_traffic(params, sizes, rules, batch_axes, stage_axis, remat=config.remat != "none")
     layers_run = config.layers // (sizes[stage_axis] if stage_axis else 1)
     sp = bool(split_axes(rules, sizes, "seq"))
     tensor = split_axes(rules, sizes, "mlp")
@@ -246,8 +253,13 @@ def _wire_factor(kind: str, n: int) -> float:
 
 def activation_bytes_per_token_layer(config: GPTConfig, tensor: int, sp: bool, flash: bool) -> float:
     itemsize = jnp.dtype(config.dtype).itemsize
+    h = config.embed
     if config.remat == "full":
-        return ACT_FULL_REMAT * config.embed * itemsize / (tensor if sp else 1)
+        return ACT_FULL_REMAT * h * itemsize / (tensor if sp else 1)
+    if config.remat == "selective":
+        whole = (ACT_SEL_H_SP_WHOLE * h + (ACT_SEL_H_REPLICATED - ACT_SEL_H_SP_WHOLE) * h / tensor if sp
+                 else ACT_SEL_H_REPLICATED * h)
+        return (whole + ACT_SEL_SPLIT * (3 * h + config.mlp) / tensor) * itemsize
     return _all_activations(config, tensor, sp, flash)
 
 
@@ -263,7 +275,7 @@ def estimate(plan: PlanInput) -> dict:
     """Everything `jshard plan` prints, as one JSON-able dict (see the module docstring)."""
     config, sizes, hw = plan.config, plan.sizes, plan.hardware
     rules = preset(plan.strategy)
-    schedule = check_plan(_abstract_mesh(sizes), rules, None, plan.microbatches, plan.schedule, plan.virtual)
+    schedule = check_strategy(_abstract_mesh(sizes), rules, None, plan.microbatches, plan.schedule, plan.virtual)
     table = layout_table_of(config, sizes, rules)
     params, batch_axes = table.params, table.batch_axes
     data_shards = math.prod(sizes[a] for a in batch_axes)
@@ -299,8 +311,9 @@ def estimate(plan: PlanInput) -> dict:
                                     + rows * seq * (chunk_layers * per_token_layer + logits))
         in_flight = schedule.peak_in_flight()
     else:
-        # Under full remat the backward recomputes one layer at a time and holds all of it.
-        recomputed = _all_activations(config, tensor, sp, hw.flash_attention) if config.remat == "full" else 0
+        # Under remat the backward recomputes one layer at a time (all of it, or what selective dropped).
+        recomputed = _all_activations(config, tensor, sp, hw.flash_attention) * {
+            "full": 1, "selective": ACT_SEL_RECOMPUTE}.get(config.remat, 0)
         memory["activations"] = int(rows * seq * (config.layers * per_token_layer + recomputed + logits))
         in_flight = 1
     memory["batch"] = rows * m * (seq + 1) * 4
@@ -317,8 +330,12 @@ def estimate(plan: PlanInput) -> dict:
     # time
     tokens = rows * seq * m * data_shards
     flops_model = metrics.gpt_flops_per_token(config, seq) * tokens
-    recompute = (config.remat == "full" or bool(schedule))  # one more forward: +1/3 of 6N
-    flops_run = flops_model * (8 / 6 if recompute else 1)
+    if config.remat == "full" or schedule:  # one more forward: +1/3 of 6N
+        flops_run = flops_model * 8 / 6
+    elif config.remat == "selective":  # the attention core's forward again: QK^T and PV
+        flops_run = flops_model + 4 * config.layers * seq * config.embed * tokens
+    else:
+        flops_run = flops_model
     peak = hw.peak_flops * (1 if jnp.dtype(config.dtype) == jnp.bfloat16 else 0.5)
     t_compute = flops_run / (n_devices * peak * hw.matmul_efficiency)
     times, rows_out = {}, []
@@ -405,135 +422,3 @@ def report(est: dict) -> str:
     ]
     lines += [f"warning: {w}" for w in est["warnings"]]
     return "\n".join(lines)
-
-
-# --- validation against the compiler -----------------------------------------------------
-
-# Small configurations on 8 fake CPU devices: every strategy, every schedule.
-VALIDATION = (
-    ("dp", "data=8", None, None, "none"), ("zero1", "fsdp=8", None, None, "none"),
-    ("zero2", "fsdp=8", None, None, "none"), ("zero3", "fsdp=8", None, None, "none"),
-    ("dp+tp", "data=2,tensor=4", None, None, "none"), ("dp+tp+sp", "data=2,tensor=4", None, None, "none"),
-    ("dp+fsdp+tp", "data=2,fsdp=2,tensor=2", None, None, "none"),
-    ("dp+fsdp+tp+sp", "data=2,fsdp=2,tensor=2", None, None, "none"), ("dp", "data=8", None, None, "full"),
-    ("dp+pp", "data=2,stage=4", 4, "gpipe", "none"), ("dp+pp", "data=2,stage=4", 4, "1f1b", "none"),
-    ("dp+pp", "data=4,stage=2", 4, "interleaved", "none"), ("dp+pp", "data=2,stage=4", 4, "zb-h1", "none"),
-)
-VALIDATION_MODEL = GPTConfig(seq_len=64, embed=128, heads=4, mlp=512, layers=8)
-MEMORY_TOLERANCE = 0.10
-
-
-def compiled_pipeline_permute_bytes(schedule, config: GPTConfig, rows: int) -> int:
-    """What hlo.collectives counts for the executor's two ppermutes: they sit in a `cond`
-    inside the scan over ticks, so it counts them on every tick; the planner's figure
-    (`sends`) counts only the ticks in which some stage sends."""
-    return 2 * schedule.ticks * rows * config.seq_len * config.embed * jnp.dtype(config.dtype).itemsize
-
-
-def validate_one(strategy: str, mesh_text: str, microbatches, schedule, remat: str, rows: int = 2) -> dict:
-    config = dataclasses.replace(VALIDATION_MODEL, remat=remat)
-    sizes = {a: 1 for a in AXES} | parse_axis_sizes(mesh_text)
-    est = estimate(PlanInput(config, sizes, strategy, schedule, microbatches, micro_batch_size=rows,
-                             hardware=HARDWARE["cpu"]))
-    mesh, rules = make_mesh(**parse_axis_sizes(mesh_text)), preset(strategy)
-    step = build_step(GPT(config, rngs=nnx.Rngs(0)), optax.adamw(1e-3), gpt_loss, mesh, rules,
-                      microbatches=microbatches, schedule=schedule)
-    batch = np.zeros((est["tokens_per_step"] // config.seq_len, config.seq_len + 1), np.int32)
-    compiled = step.lower(step.state, step.shard_batch(batch)).compile()
-    ma = compiled.memory_analysis()
-    measured = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
-    counted = hlo.bytes_by_kind(compiled.as_text())
-    predicted = dict(est["comm_bytes_per_step"])
-    if step.schedule:
-        predicted["collective-permute"] = compiled_pipeline_permute_bytes(step.schedule, config, rows)
-    predicted_memory = est["memory_bytes_per_device"]["total"]
-    return dict(
-        strategy=rules.name, mesh=mesh_text, schedule=schedule or "-", remat=remat,
-        memory_predicted=predicted_memory, memory_compiled=measured,
-        memory_rel_err=predicted_memory / measured - 1,
-        comm_predicted=predicted, comm_compiled=counted, comm_exact=predicted == counted,
-    )
-
-
-def validate(rows: int = 2) -> list[dict]:
-    return [validate_one(*case, rows=rows) for case in VALIDATION]
-
-
-def format_validation(results: list[dict]) -> str:
-    lines = [f"{'strategy':<16}{'mesh':<24}{'schedule':<13}{'remat':<6}{'memory est':>12}{'compiled':>12}{'err':>8}"
-             f"  comm bytes by kind (est = compiled)"]
-    for r in results:
-        comm = ", ".join(f"{k} {v}" for k, v in sorted(r["comm_compiled"].items()))
-        mark = "exact" if r["comm_exact"] else f"MISMATCH est {r['comm_predicted']}"
-        lines.append(f"{r['strategy']:<16}{r['mesh']:<24}{r['schedule']:<13}{r['remat']:<6}{r['memory_predicted']:>12}"
-                     f"{r['memory_compiled']:>12}{r['memory_rel_err'] * 100:>7.1f}%  {mark}: {comm}")
-    return "\n".join(lines)
-
-
-# --- command line ---------------------------------------------------------------------------
-
-
-def add_parser(commands) -> None:
-    parser = commands.add_parser("plan", help="memory, communication and overlap estimates; --validate checks them against XLA")
-    add = parser.add_argument
-    add("--model", choices=GPT_SIZES, help="a named model; the size flags below override its fields")
-    for flag, field in (("--layers", "layers"), ("--d-model", "embed"), ("--heads", "heads"), ("--d-ff", "mlp"),
-                        ("--vocab", "vocab"), ("--seq-len", "seq_len")):
-        add(flag, dest=field, type=int, help=f"GPTConfig.{field}")
-    add("--mesh", default="data=8", help="mesh sizes, e.g. data=2,fsdp=4,tensor=8,stage=1 (no devices needed)")
-    add("--strategy", default="dp", help="rules preset, e.g. dp+fsdp+tp+sp+pp")
-    add("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb-h1"), help="pipeline schedule (with pp)")
-    add("--microbatches", type=int, help="micro-batches per step (with pp)")
-    add("--virtual", type=int, help="model chunks per device (interleaved)")
-    add("--micro-batch-size", type=int, default=1, help="rows per micro-batch per data shard")
-    add("--precision", choices=PRECISIONS, default="bf16", help="compute dtype (params and Adam stay fp32)")
-    add("--remat", choices=("none", "full"), default="none")
-    add("--hardware", choices=HARDWARE, default="h100")
-    for flag, field, unit in (("--peak-tflops", "peak_flops", 1e12), ("--hbm-gib", "hbm_bytes", GiB),
-                              ("--hbm-bw-gbs", "hbm_bw", 1e9), ("--intra-bw-gbs", "intra_bw", 1e9),
-                              ("--inter-bw-gbs", "inter_bw", 1e9)):
-        add(flag, dest=field, type=float, help=f"override the profile's {field} (in {flag.rsplit('-', 1)[-1]})")
-    add("--gpus-per-node", type=int)
-    add("--json", metavar="FILE", help="also write the estimate (or the validation rows) to FILE")
-    add("--validate", action="store_true", help="build small steps on fake CPU devices and compare with XLA")
-    parser.set_defaults(run=run, _units={"peak_flops": 1e12, "hbm_bytes": GiB, "hbm_bw": 1e9,
-                                         "intra_bw": 1e9, "inter_bw": 1e9, "gpus_per_node": 1})
-
-
-def plan_input(args) -> PlanInput:
-    config = GPT_SIZES.get(args.model, GPTConfig())
-    fields = {f: getattr(args, f) for f in ("layers", "embed", "heads", "mlp", "vocab", "seq_len") if getattr(args, f)}
-    try:
-        config = dataclasses.replace(config, **fields, dtype=PRECISIONS[args.precision], remat=args.remat)
-    except ValueError as e:  # e.g. embed not divisible by heads
-        raise ShardingError(str(e)) from None
-    hw = HARDWARE[args.hardware]
-    hw = dataclasses.replace(hw, **{f: getattr(args, f) * unit for f, unit in args._units.items()
-                                    if getattr(args, f, None) is not None})
-    sizes = {a: 1 for a in AXES} | parse_axis_sizes(args.mesh)
-    if -1 in sizes.values():
-        raise ShardingError(f"--mesh {args.mesh}: give every size; the planner has no devices to fill '-1' from")
-    return PlanInput(config, sizes, args.strategy, args.schedule, args.microbatches, args.virtual,
-                     args.micro_batch_size, hw)
-
-
-def run(args) -> int:
-    if args.validate:
-        use_fake_cpu_devices(8)
-        results = []
-        print(format_validation([]))
-        for case in VALIDATION:
-            results.append(validate_one(*case))
-            print(format_validation(results[-1:]).splitlines()[1], flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
-        ok = all(r["comm_exact"] and abs(r["memory_rel_err"]) <= MEMORY_TOLERANCE for r in results)
-        print(f"{'all' if ok else 'NOT all'} within {MEMORY_TOLERANCE:.0%} of compiled memory with exact collective bytes")
-        return 0 if ok else 1
-    est = estimate(plan_input(args))
-    print(report(est))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(est, f, indent=1)
-    return 0

@@ -1,0 +1,133 @@
+"""The flags `jshard` sub-commands share: one name, one meaning and one help text each.
+
+    --model NAME         a named size (`models.GPT_SIZES`); --layers, --embed, --heads,
+                         --mlp and --vocab override its fields
+    --seq-len N          tokens per row
+    --strategy PRESET    rules preset, e.g. dp+fsdp+tp+sp+pp
+    --mesh SIZES         e.g. data=2,fsdp=2,tensor=2; one axis may be -1 (the devices left);
+                         not given: `rules.default_mesh` of the strategy over the devices
+    --precision NAME     compute dtype (`models.PRECISIONS`)
+    --remat POLICY       activation checkpointing of each block (`models.stack.REMAT_POLICIES`)
+    --schedule, --microbatches, --virtual    the pipeline, when the strategy has pp
+    --fake-devices N     CPU devices to fake when no accelerator is present
+    --json FILE          also write the command's result to FILE
+
+A command's defaults differ only where its job does (`bench step` times one device by
+default, so that its ratio is pure overhead); each says so in its help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from jshard.mesh import parse_axis_sizes
+from jshard.models import GPT_SIZES, PRECISIONS, GPTConfig
+from jshard.models.stack import REMAT_POLICIES
+from jshard.parallel.schedules import SCHEDULES
+from jshard.rules import Rules, default_mesh
+
+MODEL_FIELDS = ("layers", "embed", "heads", "mlp", "vocab")  # GPTConfig fields a flag overrides
+
+
+class FlagError(ValueError):
+    """Flags that cannot be used together or do not fit the model. Raised before device work."""
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive int")
+    return value
+
+
+def _shown(help: str, default, shown=None) -> str:
+    shown = default if shown is None else shown
+    return help if shown is None else f"{help} (default: {shown})"
+
+
+# Each `add_*` registers its flags with a default; `shown` is the default the help names
+# where the value is decided later (`jshard train` takes None, then its TrainConfig's).
+
+
+def add_model(parser, default: str | None, shown: str | None = None, seq_len_help: str = "tokens per row") -> None:
+    add = parser.add_argument
+    add("--model", choices=GPT_SIZES, default=default, help=_shown("a named model size", default, shown))
+    for field in MODEL_FIELDS:
+        add(f"--{field}", type=positive_int, help=f"override the model's {field} (GPTConfig.{field})")
+    add("--seq-len", type=positive_int, help=seq_len_help)
+
+
+def model_overrides(args) -> dict[str, int]:
+    """The size flags given: {GPTConfig field: value}."""
+    return {f: getattr(args, f) for f in MODEL_FIELDS if getattr(args, f, None) is not None}
+
+
+def model_config(name: str, overrides: dict, **fields) -> GPTConfig:
+    """Named size `name` with `overrides` (the size flags), then `fields`; FlagError if they do not fit."""
+    try:
+        return dataclasses.replace(GPT_SIZES[name], **overrides, **fields)
+    except ValueError as e:  # e.g. embed not divisible by heads
+        given = "".join(f" --{k.replace('_', '-')} {v}" for k, v in overrides.items())
+        raise FlagError(f"--model {name}{given}: {e}") from None
+
+
+def add_strategy(parser, default: str | None, shown: str | None = None) -> None:
+    parser.add_argument("--strategy", default=default,
+                        help=_shown("rules preset, e.g. dp, zero3+tp, dp+fsdp+tp+sp, pp+fsdp", default, shown))
+
+
+def add_mesh(parser, default: str | None = None, shown: str | None = None) -> None:
+    parser.add_argument(
+        "--mesh", default=default,
+        help=_shown("mesh axis sizes, e.g. data=2,fsdp=2,tensor=2,stage=1; one may be -1, the devices left", default,
+                    shown or "the strategy's axes over the devices: each inner one 2, the outermost the rest"))
+
+
+def add_precision(parser, default: str | None, shown: str | None = None) -> None:
+    parser.add_argument("--precision", choices=PRECISIONS, default=default,
+                        help=_shown("compute dtype; params and optimizer state stay fp32", default, shown))
+
+
+def add_remat(parser, default: str | None = "none", shown: str | None = None) -> None:
+    parser.add_argument("--remat", choices=REMAT_POLICIES, default=default,
+                        help=_shown("activation checkpointing of each block", default, shown))
+
+
+def add_pipeline(parser, microbatches: int | None = None, shown: str | None = None, schedule: str = "optional") -> None:
+    """--schedule (`schedule`: "optional", "required", or "none" where a command takes several),
+    --microbatches and --virtual. Their values are checked by `make_schedule`, whose errors say
+    what fits (so they are plain ints here, not argparse's terser refusals)."""
+    add = parser.add_argument
+    if schedule != "none":
+        add("--schedule", choices=tuple(SCHEDULES), required=schedule == "required",
+            help="pipeline schedule" + ("" if schedule == "required" else ", when the strategy has pp (default: gpipe)"))
+    add("--microbatches", type=int, default=microbatches,
+        help=_shown("pipeline micro-batches per step", microbatches, shown))
+    add("--virtual", type=int, help="model chunks per device, interleaved schedule only (default: 2)")
+
+
+def add_fake_devices(parser, default: int | None = 8, shown: int | None = None) -> None:
+    parser.add_argument("--fake-devices", type=positive_int, default=default,
+                        help=_shown("CPU devices to fake when no accelerator is present", default, shown))
+
+
+def add_json(parser, what: str = "the result") -> None:
+    parser.add_argument("--json", metavar="FILE", help=f"also write {what} to FILE as JSON")
+
+
+def write_json(path: str | None, value) -> None:
+    """`--json FILE`: the value, indented; nothing without a path."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(value, f, indent=1)
+            f.write("\n")
+
+
+def mesh_sizes(text: str | None, rules: Rules, devices: int) -> dict[str, int]:
+    """--mesh as {axis: size}, or when not given the strategy's default mesh over `devices`."""
+    return parse_axis_sizes(text) if text else default_mesh(rules, devices)

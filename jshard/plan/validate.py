@@ -1,0 +1,90 @@
+"""The planner against the compiler: `jshard plan --validate` builds small steps on fake CPU
+devices and compares the estimate's memory with `compiled.memory_analysis()` (within 10%)
+and its collective bytes with the compiled HLO's (exactly). docs/planning.md shows the table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jshard import hlo
+from jshard.mesh import STANDARD_AXES, make_mesh, mesh_shape
+from jshard.models import GPT, GPTConfig, gpt_loss
+from jshard.parallel.step import build_step
+from jshard.plan.estimate import HARDWARE, PlanInput, estimate
+from jshard.rules import default_mesh, example_mesh, preset
+
+# Every strategy on its example mesh (`rules.EXAMPLE_MESHES`), each remat policy with and
+# without tensor and sequence parallelism, and every pipeline schedule: (strategy,
+# micro-batches, schedule, remat, mesh), mesh "example" or "default" (`rules.default_mesh`).
+VALIDATION = (
+    ("dp", None, None, "none"), ("zero1", None, None, "none"), ("zero2", None, None, "none"),
+    ("zero3", None, None, "none"), ("dp+tp", None, None, "none"), ("dp+tp+sp", None, None, "none"),
+    ("dp+fsdp", None, None, "none"), ("fsdp+tp", None, None, "none"),
+    ("dp+fsdp+tp", None, None, "none"), ("dp+fsdp+tp+sp", None, None, "none"), ("dp", None, None, "full"),
+    ("dp", None, None, "selective"), ("dp+tp+sp", None, None, "full"), ("dp+tp+sp", None, None, "selective"),
+    ("dp+pp", 4, "gpipe", "none"), ("dp+pp", 4, "1f1b", "none"), ("dp+pp", 4, "interleaved", "none", "default"),
+    ("dp+pp", 4, "zb-h1", "none"),
+)
+VALIDATION_MODEL = GPTConfig(seq_len=64, embed=128, heads=4, mlp=512, layers=8)
+MEMORY_TOLERANCE = 0.10
+
+
+def compiled_pipeline_permute_bytes(schedule, config: GPTConfig, rows: int) -> int:
+    """What hlo.collectives counts for the executor's two ppermutes: they sit in a `cond`
+    inside the scan over ticks, so it counts them on every tick; the planner's figure
+    (`sends`) counts only the ticks in which some stage sends."""
+    return 2 * schedule.ticks * rows * config.seq_len * config.embed * jnp.dtype(config.dtype).itemsize
+
+
+def validate_one(strategy: str, microbatches, schedule, remat: str, mesh: str = "example", rows: int = 2,
+                 devices=None) -> dict:
+    """One VALIDATION case on `devices` (default: all): the strategy's example mesh with its
+    outermost axis taking the rest, or its default mesh."""
+    config = dataclasses.replace(VALIDATION_MODEL, remat=remat)
+    devices = jax.devices() if devices is None else devices
+    rules = preset(strategy)
+    shape = example_mesh(strategy, len(devices)) if mesh == "example" else default_mesh(rules, len(devices))
+    mesh = make_mesh(devices, **shape)
+    sizes = {a: 1 for a in STANDARD_AXES} | mesh_shape(mesh)
+    est = estimate(PlanInput(config, sizes, strategy, schedule, microbatches, micro_batch_size=rows,
+                             hardware=HARDWARE["cpu"]))
+    step = build_step(GPT(config, rngs=nnx.Rngs(0)), optax.adamw(1e-3), gpt_loss, mesh, rules,
+                      microbatches=microbatches, schedule=schedule)
+    batch = np.zeros((est["tokens_per_step"] // config.seq_len, config.seq_len + 1), np.int32)
+    compiled = step.lower(step.state, step.shard_batch(batch)).compile()
+    ma = compiled.memory_analysis()
+    measured = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
+    counted = hlo.bytes_by_kind(compiled.as_text())
+    predicted = dict(est["comm_bytes_per_step"])
+    if step.schedule:
+        predicted["collective-permute"] = compiled_pipeline_permute_bytes(step.schedule, config, rows)
+    predicted_memory = est["memory_bytes_per_device"]["total"]
+    return dict(
+        strategy=rules.name, mesh=",".join(f"{a}={n}" for a, n in mesh_shape(mesh).items() if n > 1),
+        schedule=schedule or "-", remat=remat,
+        memory_predicted=predicted_memory, memory_compiled=measured,
+        memory_rel_err=predicted_memory / measured - 1,
+        comm_predicted=predicted, comm_compiled=counted, comm_exact=predicted == counted,
+    )
+
+
+def within_tolerance(result: dict) -> bool:
+    return result["comm_exact"] and abs(result["memory_rel_err"]) <= MEMORY_TOLERANCE
+
+
+def format_validation(results: list[dict]) -> str:
+    lines = [f"{'strategy':<16}{'mesh':<24}{'schedule':<13}{'remat':<6}{'memory est':>12}{'compiled':>12}{'err':>8}"
+             f"  comm bytes by kind (est = compiled)"]
+    for r in results:
+        comm = ", ".join(f"{k} {v}" for k, v in sorted(r["comm_compiled"].items()))
+        mark = "exact" if r["comm_exact"] else f"MISMATCH est {r['comm_predicted']}"
+        lines.append(f"{r['strategy']:<16}{r['mesh']:<24}{r['schedule']:<13}{r['remat']:<6}{r['memory_predicted']:>12}"
+                     f"{r['memory_compiled']:>12}{r['memory_rel_err'] * 100:>7.1f}%  {mark}: {comm}")
+    return "\n".join(lines)
