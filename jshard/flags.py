@@ -62,6 +62,17 @@ def add_model(parser, default: str | None, shown: str | None = None, seq_len_hel
     add("--seq-len", type=positive_int, help=seq_len_help)
 
 
+def add_bench(parser, model_shown: str, batch_size: int, repeats: int = 5) -> None:
+    """A benchmark that builds its own model and times rows of steps: the model flags, --batch-size,
+    --repeats, --json (the rows), --fake-devices."""
+    add_model(parser, None, model_shown, seq_len_help="tokens per row, and the model's longest (default: the model's)")
+    parser.add_argument("--batch-size", type=positive_int, default=batch_size, help=f"rows per step (default: {batch_size})")
+    parser.add_argument("--repeats", type=positive_int, default=repeats,
+                        help=f"timed steps; the median is reported (default: {repeats})")
+    add_json(parser, "the rows")
+    add_fake_devices(parser)
+
+
 def model_overrides(args) -> dict[str, int]:
     """The size flags given: {GPTConfig field: value}."""
     return {f: getattr(args, f) for f in MODEL_FIELDS if getattr(args, f, None) is not None}
@@ -74,6 +85,16 @@ def model_config(name: str, overrides: dict, **fields) -> GPTConfig:
     except ValueError as e:  # e.g. embed not divisible by heads
         given = "".join(f" --{k.replace('_', '-')} {v}" for k, v in overrides.items())
         raise FlagError(f"--model {name}{given}: {e}") from None
+
+
+def built_model(args, name: str, defaults: dict | None = None, **fields) -> GPTConfig:
+    """The model a command builds from its flags alone (`plan`, the benches): `args.model`, or
+    else `name` with `defaults`; the size flags and --seq-len (its longest sequence) override
+    both, then `fields`."""
+    sizes = ({} if args.model else defaults or {}) | model_overrides(args)
+    if args.seq_len:
+        sizes["seq_len"] = args.seq_len
+    return model_config(args.model or name, sizes, **fields)
 
 
 def add_strategy(parser, default: str | None, shown: str | None = None) -> None:

@@ -81,8 +81,9 @@ class Collective:
 
     @property
     def bytes(self) -> int:
-        """K per execution, per device, as above."""
-        return sum(self.buffers)
+        """K per execution, per device, as above; 0 for a group of one device, which moves
+        nothing (XLA:CPU keeps a psum over a mesh axis of size 1, e.g. `data=1`)."""
+        return sum(self.buffers) if self.group > 1 or self.kind == "collective-permute" else 0
 
 
 def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
@@ -144,4 +145,4 @@ def bytes_by_kind(hlo_text: str) -> dict[str, int]:
     totals: dict[str, int] = collections.Counter()
     for c in collectives(hlo_text):
         totals[c.kind] += c.bytes * c.count
-    return dict(totals)
+    return {kind: n for kind, n in totals.items() if n}

@@ -88,6 +88,14 @@ def test_reduce_scatter_bytes_follow_the_group_in_the_mesh_form():
     assert hlo.bytes_by_kind(module(line)) == {"reduce-scatter": 65536}
 
 
+@pytest.mark.parametrize("groups", ["{{0},{1},{2},{3}}", "mesh['data'=1,'tensor'=4] {'data'}"])
+def test_a_group_of_one_device_moves_nothing(groups):
+    """XLA:CPU keeps a psum over an axis of size 1 (the gradient's over data=1): no bytes move."""
+    line = f"%ar = f32[64]{{0}} all-reduce(%g), channel_id=1, replica_groups={groups}, to_apply=%add"
+    (found,) = hlo.collectives(module(line))
+    assert (found.group, found.bytes) == (1, 0) and hlo.bytes_by_kind(module(line)) == {}
+
+
 def test_loop_trips_and_async_pairs():
     text = (
         "HloModule m, num_partitions=4\n\n"

@@ -186,7 +186,7 @@ def test_bench_pipeline_rows(tmp_path):
     from jshard.cli import main
 
     out = tmp_path / "rows.json"
-    argv = ["bench", "pipeline", "--layers", "2", "--embed", "32", "--batch-size", "16", "--seq-len", "16",
+    argv = ["bench", "pipeline", "--layers", "2", "--embed", "32", "--mlp", "128", "--batch-size", "16", "--seq-len", "16",
             "--microbatches", "2", "--repeats", "1", "--schedules", "1f1b,zb-h1", "--json", str(out)]
     assert main(argv) == 0
     rows = json.loads(out.read_text())

@@ -192,7 +192,7 @@ def test_bench_strategies_rows(tmp_path):
     from jshard.cli import main
 
     out = tmp_path / "rows.json"
-    argv = ["bench", "strategies", "--plans", "zero3@fsdp=8;dp+tp@data=2,tensor=4", "--layers", "2", "--embed", "32",
+    argv = ["bench", "strategies", "--strategies", "zero3@fsdp=8;dp+tp", "--layers", "2", "--embed", "32", "--mlp", "128",
             "--seq-len", "8", "--batch-size", "8", "--repeats", "1", "--json", str(out)]
     assert main(argv) == 0
     rows = __import__("json").loads(out.read_text())
@@ -240,7 +240,7 @@ def test_batch_not_divisible_by_batch_shards():
         step.shard_batch(np.ones((12, MLP_CONFIG.dim), np.float32))
 
 
-def test_train_refuses_bad_plans_before_placing(capsys):
+def test_train_refuses_bad_strategies_before_placing(capsys):
     from jshard.cli import main
 
     assert main(["train", "--strategy", "dp", "--mesh", "data=2,stage=4"]) == 2

@@ -41,18 +41,13 @@ def add_parser(benches) -> None:
     flags.add_mesh(parser, shown="dp+pp's default mesh: stage=2, data the rest")
     add("--schedules", default=",".join(SCHEDULES), help="comma-separated, from: " + ", ".join(SCHEDULES))
     flags.add_pipeline(parser, microbatches=8, schedule="none")
-    flags.add_model(parser, "small", "small with 8 layers", seq_len_help="tokens per row, and the model's longest "
-                                                                         "(default: 64)")
-    add("--batch-size", type=flags.positive_int, default=32, help="rows per step (default: 32)")
-    add("--repeats", type=flags.positive_int, default=5, help="timed steps; the median is reported (default: 5)")
-    flags.add_json(parser, "the rows")
-    flags.add_fake_devices(parser)
+    flags.add_bench(parser, "small with 8 layers and seq-len 64", batch_size=32)
     parser.set_defaults(run=run)
 
 
 def run(args) -> int:
     use_fake_cpu_devices_unless_accelerated(args.fake_devices)
-    config = flags.model_config(args.model, {"layers": 8, **flags.model_overrides(args)}, seq_len=args.seq_len or 64)
+    config = flags.built_model(args, "small", {"layers": 8, "seq_len": 64})  # 8 layers: 4 stages of 2 chunks
     batch = np.random.default_rng(0).integers(0, config.vocab, (args.batch_size, config.seq_len + 1))
     expected = float(gpt_loss(GPT(config, rngs=nnx.Rngs(0)), batch))
     pipelined = jshard.preset("dp+pp")
@@ -68,7 +63,7 @@ def run(args) -> int:
     flat_s = median_step_seconds(flat, flat.shard_batch(batch), args.repeats)
     device = jax.devices()[0]
     print(f"# jshard bench pipeline: {jax.device_count()} × {device.device_kind} ({device.platform}), "
-          f"mesh {format_mesh(mesh_shape(mesh))}, m={args.microbatches}, GPT layers={config.layers} "
+          f"mesh {format_mesh({a: n for a, n in mesh_shape(mesh).items() if n > 1})}, m={args.microbatches}, GPT layers={config.layers} "
           f"embed={config.embed} seq={config.seq_len} batch={args.batch_size}, AdamW, fp32, median of {args.repeats}")
     print(f"# unpipelined (dp over all {jax.device_count()} devices): {flat_s * 1e3:.1f} ms; textbook pipelined "
           f"= (1 + bubble) x {RECOMPUTE:.2f} of it (backward recomputes the chunk's forward)")

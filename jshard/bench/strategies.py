@@ -44,11 +44,7 @@ def add_parser(benches) -> None:
     add("--strategies", help="';'-separated presets, each on its example mesh (rules.EXAMPLE_MESHES, its outermost "
                              "axis taking the devices) or on preset@mesh, e.g. 'dp;zero3@fsdp=8' (default: every "
                              "strategy without a pipeline)")
-    flags.add_model(parser, "small", seq_len_help="tokens per row, and the model's longest (default: 64)")
-    add("--batch-size", type=flags.positive_int, default=16, help="rows per step (default: 16)")
-    add("--repeats", type=flags.positive_int, default=5, help="timed steps; the median is reported (default: 5)")
-    flags.add_json(parser, "the rows")
-    flags.add_fake_devices(parser)
+    flags.add_bench(parser, "small with seq-len 64", batch_size=16)
     parser.set_defaults(run=run)
 
 
@@ -127,7 +123,7 @@ HEADER = (f"{'strategy':<16}{'mesh':<24}{'comm B':>11}{'textbook':>11}{'ratio':>
 
 def run(args) -> int:
     use_fake_cpu_devices_unless_accelerated(args.fake_devices)
-    config = flags.model_config(args.model, flags.model_overrides(args), seq_len=args.seq_len or 64)
+    config = flags.built_model(args, "small", {"seq_len": 64})
     batch = np.random.default_rng(0).integers(0, config.vocab, (args.batch_size, config.seq_len + 1))
     reference = nnx.grad(gpt_loss)(GPT(config, rngs=nnx.Rngs(0)), batch)
     device = jax.devices()[0]

@@ -35,7 +35,7 @@ HARDWARE_FLAGS = (  # flag, Hardware field, unit
 def add_parser(commands) -> None:
     parser = commands.add_parser("plan", help="memory, communication and overlap estimates; --validate checks them against XLA")
     add = parser.add_argument
-    flags.add_model(parser, "small", seq_len_help="tokens per row, and the model's longest (default: the model's)")
+    flags.add_model(parser, None, "small", seq_len_help="tokens per row, and the model's longest (default: the model's)")
     flags.add_strategy(parser, "dp")
     flags.add_mesh(parser, shown="the strategy's axes over --devices: each inner one 2, the outermost the rest")
     add("--devices", type=flags.positive_int, default=8, help="devices to plan for when --mesh is not given (default: 8)")
@@ -55,10 +55,7 @@ def add_parser(commands) -> None:
 
 
 def plan_input(args) -> PlanInput:
-    fields = {"dtype": PRECISIONS[args.precision], "remat": args.remat}
-    if args.seq_len:
-        fields["seq_len"] = args.seq_len
-    config = flags.model_config(args.model, flags.model_overrides(args), **fields)
+    config = flags.built_model(args, "small", dtype=PRECISIONS[args.precision], remat=args.remat)
     hw = dataclasses.replace(HARDWARE[args.hardware], **{field: getattr(args, field) * unit
                                                           for _, field, unit in HARDWARE_FLAGS
                                                           if getattr(args, field) is not None})

@@ -80,11 +80,11 @@ def within_tolerance(result: dict) -> bool:
 
 
 def format_validation(results: list[dict]) -> str:
-    lines = [f"{'strategy':<16}{'mesh':<24}{'schedule':<13}{'remat':<6}{'memory est':>12}{'compiled':>12}{'err':>8}"
+    lines = [f"{'strategy':<16}{'mesh':<24}{'schedule':<13}{'remat':<10}{'memory est':>12}{'compiled':>12}{'err':>8}"
              f"  comm bytes by kind (est = compiled)"]
     for r in results:
         comm = ", ".join(f"{k} {v}" for k, v in sorted(r["comm_compiled"].items()))
         mark = "exact" if r["comm_exact"] else f"MISMATCH est {r['comm_predicted']}"
-        lines.append(f"{r['strategy']:<16}{r['mesh']:<24}{r['schedule']:<13}{r['remat']:<6}{r['memory_predicted']:>12}"
+        lines.append(f"{r['strategy']:<16}{r['mesh']:<24}{r['schedule']:<13}{r['remat']:<10}{r['memory_predicted']:>12}"
                      f"{r['memory_compiled']:>12}{r['memory_rel_err'] * 100:>7.1f}%  {mark}: {comm}")
     return "\n".join(lines)
