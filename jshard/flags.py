@@ -1,7 +1,7 @@
 """The flags `jshard` sub-commands share: one name, one meaning and one help text each.
 
-    --model NAME         a named size (`models.GPT_SIZES`); --layers, --embed, --heads,
-                         --mlp and --vocab override its fields
+    --model NAME         a named size (`models.SIZES`: GPTs and Llamas); --layers, --embed,
+                         --heads, --kv-heads (Llama), --mlp and --vocab override its fields
     --seq-len N          tokens per row
     --strategy PRESET    rules preset, e.g. dp+fsdp+tp+sp+pp
     --mesh SIZES         e.g. data=2,fsdp=2,tensor=2; one axis may be -1 (the devices left);
@@ -23,12 +23,12 @@ import dataclasses
 import json
 
 from jshard.mesh import parse_axis_sizes
-from jshard.models import GPT_SIZES, PRECISIONS, GPTConfig
+from jshard.models import PRECISIONS, SIZES
 from jshard.models.stack import REMAT_POLICIES
 from jshard.parallel.schedules import SCHEDULES
 from jshard.rules import Rules, default_mesh
 
-MODEL_FIELDS = ("layers", "embed", "heads", "mlp", "vocab")  # GPTConfig fields a flag overrides
+MODEL_FIELDS = ("layers", "embed", "heads", "kv_heads", "mlp", "vocab")  # config fields a flag overrides
 
 
 class FlagError(ValueError):
@@ -56,9 +56,9 @@ def _shown(help: str, default, shown=None) -> str:
 
 def add_model(parser, default: str | None, shown: str | None = None, seq_len_help: str = "tokens per row") -> None:
     add = parser.add_argument
-    add("--model", choices=GPT_SIZES, default=default, help=_shown("a named model size", default, shown))
+    add("--model", choices=SIZES, default=default, help=_shown("a named model size", default, shown))
     for field in MODEL_FIELDS:
-        add(f"--{field}", type=positive_int, help=f"override the model's {field} (GPTConfig.{field})")
+        add(f"--{field.replace('_', '-')}", type=positive_int, help=f"override the model's {field}")
     add("--seq-len", type=positive_int, help=seq_len_help)
 
 
@@ -78,16 +78,20 @@ def model_overrides(args) -> dict[str, int]:
     return {f: getattr(args, f) for f in MODEL_FIELDS if getattr(args, f, None) is not None}
 
 
-def model_config(name: str, overrides: dict, **fields) -> GPTConfig:
+def model_config(name: str, overrides: dict, **fields):
     """Named size `name` with `overrides` (the size flags), then `fields`; FlagError if they do not fit."""
+    given = "".join(f" --{k.replace('_', '-')} {v}" for k, v in overrides.items())
+    known = {f.name for f in dataclasses.fields(SIZES[name])}
+    if unknown := [k for k in overrides if k not in known]:
+        raise FlagError(f"--model {name}{given}: a {type(SIZES[name]).__name__} has no "
+                        f"{', '.join(unknown)}. Fix: drop --{unknown[0].replace('_', '-')}, or pick a model that has it.")
     try:
-        return dataclasses.replace(GPT_SIZES[name], **overrides, **fields)
+        return dataclasses.replace(SIZES[name], **overrides, **fields)
     except ValueError as e:  # e.g. embed not divisible by heads
-        given = "".join(f" --{k.replace('_', '-')} {v}" for k, v in overrides.items())
         raise FlagError(f"--model {name}{given}: {e}") from None
 
 
-def built_model(args, name: str, defaults: dict | None = None, **fields) -> GPTConfig:
+def built_model(args, name: str, defaults: dict | None = None, **fields):
     """The model a command builds from its flags alone (`plan`, the benches): `args.model`, or
     else `name` with `defaults`; the size flags and --seq-len (its longest sequence) override
     both, then `fields`."""

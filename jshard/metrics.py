@@ -22,7 +22,6 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jshard.models import GPTConfig
 
 PROFILE_STEPS = 3  # steps traced by `train --profile` and `bench step --profile`, after compiling
 
@@ -32,11 +31,10 @@ GPU_BF16_PEAKS = {"B200": 2250e12, "H200": 989e12, "H100": 989e12, "A100": 312e1
 CPU_MATMUL = 1024  # the square matmul that measures a CPU host's peak
 
 
-def gpt_flops_per_token(config: GPTConfig, seq_len: int) -> float:
-    """Training FLOPs per token of `config` on sequences of `seq_len` tokens."""
-    h = config.embed
-    weights = config.layers * (4 * h * h + 2 * h * config.mlp) + config.vocab * h
-    return 6 * weights + 12 * config.layers * seq_len * h
+def flops_per_token(config, seq_len: int) -> float:
+    """Training FLOPs per token of a decoder `config` (GPT or Llama: its `matmul_weights`) on
+    sequences of `seq_len` tokens."""
+    return 6 * config.matmul_weights + 12 * config.layers * seq_len * config.embed
 
 
 @dataclasses.dataclass(frozen=True)

@@ -393,6 +393,20 @@ class LayerNorm(nnx.Module):
         return (y * param(self.scale) + param(self.bias)).astype(self.dtype)
 
 
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm over the last dim (named `name`), with a scale and no bias (Llama's)."""
+
+    def __init__(self, features: int, *, name: str = "embed", epsilon: float = 1e-6, dtype=jnp.float32,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        self.epsilon, self.dtype = epsilon, dtype
+        self.scale = nnx.Param(jnp.ones((features,), param_dtype), **named(name))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x.astype(jnp.float32)
+        y = x * lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + self.epsilon)
+        return (y * param(self.scale)).astype(self.dtype)
+
+
 # -- loss -------------------------------------------------------------------------------------
 
 

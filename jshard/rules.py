@@ -39,7 +39,7 @@ from jshard.mesh import STANDARD_AXES, mesh_shape
 Axes = Union[None, str, tuple[str, ...]]
 Kind = Literal["param", "grad", "opt"]
 
-LOGICAL_NAMES = ("batch", "seq", "embed", "mlp", "heads", "kv", "vocab", "layers")
+LOGICAL_NAMES = ("batch", "seq", "embed", "mlp", "heads", "kv_heads", "kv", "vocab", "layers")
 ZERO_KINDS = {"opt": 1, "grad": 2, "param": 3}  # lowest ZeRO stage that shards each kind
 
 
@@ -267,7 +267,7 @@ def preset(name: str, strict: bool = False) -> Rules:
 
     # Priority order matters only where two names want one axis: attention activations
     # (batch, seq, heads, kv) give `tensor` to heads, and seq falls back to replicated.
-    tensor_names = [("vocab", "tensor"), ("heads", "tensor"), ("mlp", "tensor")] if tp else []
+    tensor_names = [("vocab", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor")] if tp else []
     batch_axes = tuple(a for a, on in (("data", "dp" in parts), ("fsdp", bool(zeros))) if on)
     params = tensor_names + ([("embed", "fsdp")] if zeros else []) + ([("layers", "stage")] if "pp" in parts else [])
     activations = [("batch", batch_axes)] + tensor_names + ([("seq", "tensor")] if sp else [])

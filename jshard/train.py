@@ -38,8 +38,8 @@ from jshard import data, flags, optim
 from jshard.checkpoint import Checkpoints
 from jshard.distributed import axes_across_processes, initialize, is_main_process
 from jshard.mesh import mesh_shape, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags
-from jshard.metrics import PROFILE_STEPS, MetricsFile, device_peak, gpt_flops_per_token
-from jshard.models import GPT, GPT_SIZES, PRECISIONS, GPTConfig, gpt_loss
+from jshard.metrics import PROFILE_STEPS, MetricsFile, device_peak, flops_per_token
+from jshard.models import PRECISIONS, SIZES, GPTConfig, LlamaConfig, decoder, gpt_loss
 from jshard.models.stack import REMAT_POLICIES
 from jshard.parallel import ShardedStep, TrainState, build_step, check_strategy, stage_axes
 from jshard.placement import describe, format_bytes
@@ -56,9 +56,10 @@ class TrainConfig:
     """Everything a run depends on; `jshard train`'s flags and its --config JSON mirror it."""
 
     model: str = "small"
-    layers: int | None = None  # None: the named model's; these four override its sizes
+    layers: int | None = None  # None: the named model's; these override its sizes
     embed: int | None = None
     heads: int | None = None
+    kv_heads: int | None = None  # a Llama's
     mlp: int | None = None
     vocab: int | None = None
     mesh: str | None = None  # None: the strategy's default mesh over the devices (rules.default_mesh)
@@ -161,7 +162,7 @@ def run(args) -> int:
 
 REQUIRED_INTS = ("steps", "batch_size", "grad_accum", "fake_devices")
 OPTIONAL_INTS = ("seq_len", "microbatches", "virtual", "checkpoint_every", "log_every") + flags.MODEL_FIELDS
-CHOICES = {"model": GPT_SIZES, "precision": PRECISIONS, "remat": REMAT_POLICIES}
+CHOICES = {"model": SIZES, "precision": PRECISIONS, "remat": REMAT_POLICIES}
 
 
 def _check_values(config: TrainConfig) -> None:
@@ -195,7 +196,7 @@ class Setup:
     """A checked run: what it trains, where, on which data."""
 
     config: TrainConfig
-    model: GPTConfig
+    model: GPTConfig | LlamaConfig
     seq_len: int
     mesh: jax.sharding.Mesh
     rules: jshard.Rules
@@ -208,7 +209,7 @@ class Setup:
     seed: int
 
 
-def _model_identity(model: GPTConfig) -> dict:
+def _model_identity(model: GPTConfig | LlamaConfig) -> dict:
     """What a checkpoint must match to be this model's: the architecture, not how it computes."""
     return {k: v for k, v in dataclasses.asdict(model).items() if k not in ("dtype", "remat")}
 
@@ -296,7 +297,8 @@ def _setup_lines(p: Setup, abstract_model, abstract_opt) -> list[str]:
     if p.microbatches:
         pipeline = f", schedule {c.schedule or 'gpipe'} over {p.microbatches} micro-batches"
     lines = [
-        f"model       GPT {c.model}: {m.layers} layers, embed {m.embed}, {m.heads} heads, mlp {m.mlp}, "
+        f"model       {type(m).__name__[:-6]} {c.model}: {m.layers} layers, embed {m.embed}, {m.heads} heads"
+        f"{f' ({m.kv_heads} kv)' if hasattr(m, 'kv_heads') else ''}, mlp {m.mlp}, "
         f"{_fmt_count(count)} params, bytes as tokens (vocab {m.vocab})",
         f"devices     {jax.device_count()} × {jax.devices()[0].device_kind}, mesh {mesh}" + _processes(p.mesh),
         f"strategy    {p.rules.name} (ZeRO stage {p.rules.zero}){pipeline}",
@@ -345,7 +347,7 @@ def _start(p: Setup, tx, say) -> tuple[ShardedStep, TrainState, int, int]:
     """The step, and the state, step number and data position the run starts from."""
 
     def make_model():
-        return GPT(p.model, rngs=nnx.Rngs(p.seed))
+        return decoder(p.model, nnx.Rngs(p.seed))
 
     abstract = nnx.eval_shape(make_model)
     say(f"jshard train: {p.config.model} GPT on {data.CORPUS}")
@@ -373,7 +375,7 @@ def _train(p: Setup, out) -> TrainResult:
     stream = data.TextBatches(data.corpus_tokens(), p.seq_len, p.seed)
     batch_sharding = jax.sharding.NamedSharding(p.mesh, jax.P(p.batch_axes))
     micro_rows, tokens = c.batch_size // c.grad_accum, c.batch_size * p.seq_len
-    flops_per_step = gpt_flops_per_token(p.model, p.seq_len) * tokens
+    flops_per_step = flops_per_token(p.model, p.seq_len) * tokens
     peak = device_peak(jax.devices(), p.model.dtype, c.peak_tflops)
     log_every = c.log_every or max(1, c.steps // 10)
     traced = _traced(c, start)

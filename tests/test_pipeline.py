@@ -1,6 +1,7 @@
 """The pipeline executor, every schedule: against the unpipelined single-device reference,
 alone and with FSDP, TP and SP on the other axes; its buffers and sends counted; bad input."""
 
+import functools
 import json
 
 import jax
@@ -10,14 +11,14 @@ from flax import nnx
 
 import jshard
 from jshard import hlo
-from jshard.models import GPT, DeepMLP, GPTConfig, MLPConfig, gpt_loss, mlp_loss
+from jshard.models import DeepMLP, MLPConfig, gpt_loss, mlp_loss
 from jshard.parallel import build_step
 from jshard.parallel.pipeline import compile_program
 from jshard.parallel.schedules import SCHEDULES, ScheduleError, make_schedule
+import decoders
 from test_strategies import OPTIMIZER, SEED, TOLERANCE, assert_trees_close, relative_error
 
 MLP_CONFIG = MLPConfig(dim=32, layers=8)
-GPT_CONFIG = GPTConfig(vocab=64, seq_len=16, embed=32, heads=4, mlp=64, layers=4)
 
 
 def assert_matches_one_device(make, loss_fn, batch, preset, sizes, microbatches, schedule, steps=0):
@@ -49,18 +50,23 @@ def test_schedule_mlp(schedule, stages, per_stage):
                               steps=2 if per_stage == 1 else 0)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize(
-    "preset, sizes, microbatches",
-    [
-        ("fsdp+tp+pp", dict(fsdp=2, tensor=2, stage=2), 2),  # ZeRO-3 × TP × PP on one 2×2×2 mesh
-        ("dp+tp+sp+pp", dict(data=2, tensor=2, stage=2), 4),
-        ("zero2+pp", dict(fsdp=4, stage=2), 2),
-    ],
-)
-def test_schedule_gpt_with_other_strategies(schedule, preset, sizes, microbatches):
-    batch = np.random.default_rng(SEED).integers(0, GPT_CONFIG.vocab, (16, 17))
-    make = lambda: GPT(GPT_CONFIG, rngs=nnx.Rngs(SEED))  # noqa: E731
+PIPELINED = [
+    ("fsdp+tp+pp", dict(fsdp=2, tensor=2, stage=2), 2),  # ZeRO-3 × TP × PP on one 2×2×2 mesh
+    ("dp+tp+sp+pp", dict(data=2, tensor=2, stage=2), 4),
+    ("zero2+pp", dict(fsdp=4, stage=2), 2),
+]
+# The GPT on every (schedule, preset); the Llama on every schedule under ZeRO-3 × TP × PP and
+# every preset under 1F1B (what differs between the decoders is inside a stage, not the schedule).
+CASES = [("gpt", schedule, *case) for schedule in SCHEDULES for case in PIPELINED] + [
+    ("llama", schedule, *case) for schedule in SCHEDULES for case in PIPELINED
+    if case[0] == "fsdp+tp+pp" or schedule == "1f1b"]
+
+
+@pytest.mark.parametrize("model, schedule, preset, sizes, microbatches", CASES,
+                         ids=[f"{m}-{s}-{p}" for m, s, p, *_ in CASES])
+def test_schedule_decoder_with_other_strategies(model, schedule, preset, sizes, microbatches):
+    batch = np.random.default_rng(SEED).integers(0, decoders.CONFIGS[model].vocab, (16, 17))
+    make = functools.partial(decoders.make, model, SEED, layers=4)
     steps = 1 if schedule == "1f1b" else 0  # the update itself is schedule-independent: one is enough
     assert_matches_one_device(make, gpt_loss, batch, preset, sizes, microbatches, schedule, steps)
 

@@ -11,16 +11,17 @@ from jshard.models import GPT_SIZES
 from jshard.parallel.schedules import make_schedule
 
 
+@pytest.mark.parametrize("model", plan.VALIDATION_MODELS)
 @pytest.mark.parametrize("case", plan.VALIDATION, ids=lambda c: "/".join(map(str, c)))
-def test_estimate_matches_compiler(case):
-    r = plan.validate_one(*case)
+def test_estimate_matches_compiler(case, model):
+    r = plan.validate_one(*case, model=plan.VALIDATION_MODELS[model])
     assert r["comm_predicted"] == r["comm_compiled"]  # bytes per collective kind: exact
     assert abs(r["memory_rel_err"]) <= plan.MEMORY_TOLERANCE, r
 
 
 def test_plan_cli_json_and_warnings(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    argv = ["plan", "--model", "llama-70b-like", "--mesh", "stage=4,tensor=16", "--strategy", "tp+pp",
+    argv = ["plan", "--model", "llama-3.1-70b", "--mesh", "stage=4,tensor=16", "--strategy", "tp+pp",
             "--schedule", "1f1b", "--microbatches", "2", "--hbm-gib", "40", "--json", str(out)]
     assert main(argv) == 0
     est = json.loads(out.read_text())

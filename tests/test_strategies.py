@@ -18,6 +18,7 @@ import jshard
 from jshard import hlo
 from jshard.models import GPT, DeepMLP, GPTConfig, MLPConfig, gpt_loss, mlp_loss
 from jshard.parallel import build_step
+import decoders
 from meshes import STRATEGIES
 from reference import train_on_one_device
 
@@ -34,8 +35,8 @@ PLANS = STRATEGIES + [("dp+zero1+tp", dict(data=2, fsdp=2, tensor=2)), ("dp+zero
 MODELS = {
     "mlp": (lambda seed: DeepMLP(MLPConfig(dim=32, layers=3), rngs=nnx.Rngs(seed)), mlp_loss,
             lambda rng: rng.standard_normal((16, 32), dtype=np.float32)),
-    "gpt": (lambda seed: GPT(GPTConfig(vocab=64, seq_len=16, embed=32, heads=4, mlp=64, layers=2), rngs=nnx.Rngs(seed)),
-            gpt_loss, lambda rng: rng.integers(0, 64, (8, 17))),
+    **{name: (functools.partial(decoders.make, name), gpt_loss, lambda rng: rng.integers(0, 64, (8, 17)))
+       for name in decoders.CONFIGS},
 }
 
 

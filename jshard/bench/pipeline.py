@@ -26,7 +26,7 @@ import jshard
 from jshard import flags
 from jshard.mesh import mesh_shape, use_fake_cpu_devices_unless_accelerated
 from jshard.metrics import median_step_seconds
-from jshard.models import GPT, gpt_loss
+from jshard.models import decoder, gpt_loss
 from jshard.parallel import build_step
 from jshard.parallel.pipeline import compile_program
 from jshard.parallel.schedules import SCHEDULES
@@ -49,13 +49,13 @@ def run(args) -> int:
     use_fake_cpu_devices_unless_accelerated(args.fake_devices)
     config = flags.built_model(args, "small", {"layers": 8, "seq_len": 64})  # 8 layers: 4 stages of 2 chunks
     batch = np.random.default_rng(0).integers(0, config.vocab, (args.batch_size, config.seq_len + 1))
-    expected = float(gpt_loss(GPT(config, rngs=nnx.Rngs(0)), batch))
+    expected = float(gpt_loss(decoder(config, nnx.Rngs(0)), batch))
     pipelined = jshard.preset("dp+pp")
     mesh = jshard.make_mesh(**flags.mesh_sizes(args.mesh, pipelined, jax.device_count()))
     tx = optax.adamw(1e-3)
 
     def make_model():
-        return GPT(config, rngs=nnx.Rngs(0))
+        return decoder(config, nnx.Rngs(0))
 
     flat_rules = jshard.preset("dp")  # every device a data shard
     flat = build_step(make_model(), tx, gpt_loss, jshard.make_mesh(**default_mesh(flat_rules, jax.device_count())),

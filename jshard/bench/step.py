@@ -43,7 +43,7 @@ import jshard
 from jshard import flags
 from jshard.flags import FlagError
 from jshard.mesh import GPU_XLA_FLAGS, mesh_shape, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags
-from jshard.metrics import (CPU_MATMUL, PROFILE_STEPS, best_seconds, device_peak, gpt_flops_per_token,
+from jshard.metrics import (CPU_MATMUL, PROFILE_STEPS, best_seconds, device_peak, flops_per_token,
                             measured_matmul_flops)
 from jshard.models import GPT, PRECISIONS, GPTConfig, gpt_loss
 from jshard.parallel import build_step
@@ -217,6 +217,9 @@ def _platform_defaults(args, platform: str):
     model, batch, precision = DEFAULTS["cpu" if platform == "cpu" else "gpu"]
     config = flags.model_config(args.model or model, flags.model_overrides(args),
                                 dtype=PRECISIONS[args.precision or precision])
+    if not isinstance(config, GPTConfig):
+        raise FlagError(f"--model {args.model}: bench step's plain Flax baseline (PlainGPT) is the GPT's; "
+                        "a plain Llama baseline is not written yet. Fix: a GPT size (tiny ... gpt-1b).")
     seq = args.seq_len or config.seq_len
     batch = args.batch_size or batch
     if seq > config.seq_len:
@@ -258,7 +261,7 @@ def measure(args) -> dict:
         [(step, step.state, step.shard_batch(tokens)), (plain_fn, plain_state, jax.device_put(tokens, rows))],
         args.repeats, args.profile)
 
-    flops = gpt_flops_per_token(config, seq) * batch * seq / step_s
+    flops = flops_per_token(config, seq) * batch * seq / step_s
     return dict(
         device=f"{len(devices)} x {kind}", model_params=int(params), tokens_per_s=batch * seq / step_s,
         tflops=flops / 1e12, mfu_datasheet=flops / datasheet.flops if datasheet else None,

@@ -29,7 +29,7 @@ import jshard
 from jshard import flags, hlo, plan
 from jshard.mesh import mesh_shape, parse_axis_sizes, use_fake_cpu_devices_unless_accelerated
 from jshard.metrics import median_step_seconds
-from jshard.models import GPT, GPTConfig, gpt_loss
+from jshard.models import GPTConfig, decoder, gpt_loss
 from jshard.parallel import ShardedStep, build_step
 from jshard.rules import EXAMPLE_MESHES, example_mesh, format_mesh
 
@@ -82,7 +82,7 @@ def bench_strategy(preset: str, sizes: dict[str, int], config: GPTConfig, batch,
     tx = optax.adamw(1e-3)
 
     def make_model():
-        return GPT(config, rngs=nnx.Rngs(0))
+        return decoder(config, nnx.Rngs(0))
 
     step = build_step(make_model(), tx, gpt_loss, mesh, rules)
     tokens = step.shard_batch(batch)
@@ -125,7 +125,7 @@ def run(args) -> int:
     use_fake_cpu_devices_unless_accelerated(args.fake_devices)
     config = flags.built_model(args, "small", {"seq_len": 64})
     batch = np.random.default_rng(0).integers(0, config.vocab, (args.batch_size, config.seq_len + 1))
-    reference = nnx.grad(gpt_loss)(GPT(config, rngs=nnx.Rngs(0)), batch)
+    reference = nnx.grad(gpt_loss)(decoder(config, nnx.Rngs(0)), batch)
     device = jax.devices()[0]
     print(f"# jshard bench strategies: {jax.device_count()} × {device.device_kind} ({device.platform}), GPT "
           f"layers={config.layers} embed={config.embed} heads={config.heads} seq={config.seq_len} batch={args.batch_size}, "

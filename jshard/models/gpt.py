@@ -45,24 +45,30 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.embed // self.heads
 
+    # Linears reading a block's normed residual (qkv, up): under TP each reduces its own input
+    # gradient, so the planner counts them (`plan.estimate.tensor_traffic`).
+    input_projections = 2
+
+    @property
+    def matmul_weights(self) -> int:
+        """N of the 6·N FLOPs per token: attention and MLP matrices, and the head (tied or not)."""
+        h = self.embed
+        return self.layers * (4 * h * h + 2 * h * self.mlp) + self.vocab * h
+
     def __post_init__(self):
         if self.embed % self.heads:
             raise ValueError(f"GPTConfig: embed={self.embed} must divide by heads={self.heads}")
 
 
-# Named sizes, for every command's --model. `seq_len` is the longest sequence (position
-# embeddings). The Llama-like ones keep jshard's block (two-matrix GELU MLP, full multi-head
-# attention, tied head) with d-ff 1.5 × Llama's, so the MLP has SwiGLU's weight count: 8.3 B
-# and 79 B params. gpt-1b: ~1 B params (18 layers of 50.3 M + a 103 M tied embedding), head
-# dim 128 as fused attention kernels like it.
+# Named sizes, for every command's --model (with the Llamas: `models.SIZES`). `seq_len` is
+# the longest sequence (position embeddings). gpt-1b: ~1 B params (18 layers of 50.3 M + a
+# 103 M tied embedding), head dim 128 as fused attention kernels like it.
 GPT_SIZES = {
     "tiny": GPTConfig(seq_len=64, embed=64, heads=4, mlp=256, layers=2),
     "small": GPTConfig(seq_len=128, embed=128, heads=4, mlp=512, layers=4),
     "base": GPTConfig(seq_len=1024, embed=768, heads=12, mlp=3072, layers=12),  # GPT-2 small's shape
     "gpt-125m": GPTConfig(vocab=50304, seq_len=1024, embed=768, heads=12, mlp=3072, layers=12),
     "gpt-1b": GPTConfig(vocab=50304, seq_len=2048, embed=2048, heads=16, mlp=8192, layers=18),
-    "llama-8b-like": GPTConfig(vocab=128256, seq_len=8192, embed=4096, heads=32, mlp=21504, layers=32),
-    "llama-70b-like": GPTConfig(vocab=128256, seq_len=8192, embed=8192, heads=64, mlp=43008, layers=80),
 }
 PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16}  # GPTConfig.dtype, the compute dtype
 

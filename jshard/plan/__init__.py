@@ -19,11 +19,11 @@ from jshard.mesh import STANDARD_AXES, use_fake_cpu_devices
 from jshard.models import PRECISIONS
 from jshard.plan.estimate import (GiB, HARDWARE, Hardware, PlanInput, estimate, layout_table_of, report, sends,
                                   state_bytes, traffic)
-from jshard.plan.validate import (MEMORY_TOLERANCE, VALIDATION, format_validation, validate_one,
+from jshard.plan.validate import (MEMORY_TOLERANCE, VALIDATION, VALIDATION_MODELS, format_validation, validate_one,
                                   within_tolerance)
 from jshard.rules import ShardingError, preset
 
-__all__ = ["HARDWARE", "MEMORY_TOLERANCE", "VALIDATION", "Hardware", "PlanInput", "add_parser", "estimate",
+__all__ = ["HARDWARE", "MEMORY_TOLERANCE", "VALIDATION", "VALIDATION_MODELS", "Hardware", "PlanInput", "add_parser", "estimate",
            "format_validation", "layout_table_of", "report", "sends", "state_bytes", "traffic", "validate_one"]
 
 HARDWARE_FLAGS = (  # flag, Hardware field, unit
@@ -71,8 +71,8 @@ def run(args) -> int:
         use_fake_cpu_devices(args.fake_devices)
         results = []
         print(format_validation([]))
-        for case in VALIDATION:
-            results.append(validate_one(*case))
+        for case, model in ((case, model) for model in VALIDATION_MODELS.values() for case in VALIDATION):
+            results.append(validate_one(*case, model=model))
             print(format_validation(results[-1:]).splitlines()[1], flush=True)
         flags.write_json(args.json, results)
         ok = all(map(within_tolerance, results))

@@ -1,4 +1,4 @@
-"""The planner's formulas: for a GPT, a mesh, a strategy (rules preset), a pipeline schedule,
+"""The planner's formulas: for a decoder (GPT or Llama), a mesh, a strategy (rules preset), a pipeline schedule,
 precision, remat policy, micro-batch size and a hardware profile, `estimate` gives per device:
 
     memory   params, grads, Adam's two moments in the layouts the rules give (placed exactly as
@@ -24,7 +24,7 @@ from flax import nnx
 
 from jshard import metrics
 from jshard.mesh import STANDARD_AXES as AXES
-from jshard.models import GPT, GPTConfig
+from jshard.models import GPTConfig, decoder
 from jshard.parallel.pipeline import compile_program
 from jshard.parallel.step import check_strategy
 from jshard.placement import LayoutTable, format_bytes, layout_table
@@ -85,9 +85,9 @@ CE_FP32_PER_VOCAB = 6.0  # logits, softmax and their gradient per token, fp32 (3
 
 
 def layout_table_of(config: GPTConfig, sizes: dict[str, int], rules: Rules) -> LayoutTable:
-    """The GPT's layout table, the step's own (`placement.layout_table`), from abstract shapes
+    """The decoder's layout table, the step's own (`placement.layout_table`), from abstract shapes
     on an abstract mesh: no memory is allocated, no device is needed."""
-    model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: decoder(config, nnx.Rngs(0)))
     return layout_table(nnx.state(model, nnx.Param), _abstract_mesh(sizes), rules)
 
 
@@ -134,7 +134,7 @@ def _add(table: dict, kind: str, axes, nbytes: float) -> None:
 
 
 def param_traffic(params, sizes: dict[str, int], rules: Rules, batch_axes, stage_axis=None,
-                  remat: bool = False) -> dict:
+                  remat: bool = False, tied_head: bool = True) -> dict:
     """{(kind, axes): bytes} of the gradient and weight collectives, per device per step.
 
     ZeRO-3 gathers each param forward and reduce-scatters its gradient; the layer stack's
@@ -150,7 +150,7 @@ def param_traffic(params, sizes: dict[str, int], rules: Rules, batch_axes, stage
     out: dict = {}
     for p in params:
         in_param = {a for axes in p.param for a in axes} & zero
-        tied = p.path.startswith("token_embed") and rules.zero >= 2
+        tied = p.path.startswith("token_embed") and tied_head and rules.zero >= 2
         if in_param:
             size = p.bytes // shards(p.param, sizes, skip=in_param)
             again = p.stacked_kernel or (remat and p.names[:1] == ("layers",))
@@ -171,9 +171,12 @@ def tensor_traffic(config: GPTConfig, params, rows: int, seq: int, layers_run: i
                    tensor: tuple[str, ...]) -> dict:
     """{(kind, tensor axes): bytes} of Megatron TP / SP for `rows` sequences through `layers_run` layers.
 
-    Per block, A = (rows, seq, embed) in the compute dtype: TP all-reduces A 4 times (2
-    forward, 2 backward); SP all-gathers and reduce-scatters it 4 times each. The
-    vocab-parallel embedding and tied head add 2 A (forward lookup, head's input gradient),
+    Per block, A = (rows, seq, embed) in the compute dtype, and c = the block's input
+    projections (`config.input_projections`: column-parallel linears reading the normed
+    residual, each reducing its own input gradient; the GPT's qkv and up, 2): TP all-reduces A
+    2 + c times (2 forward, c backward); SP all-gathers it 4 times (2 forward, where linears
+    reading one input share a gather, 2 backward) and reduce-scatters it 2 + c times. The
+    vocab-parallel embedding and head add 2 A (forward lookup, head's input gradient),
     the vocab-parallel cross-entropy 3 all-reduces of (rows, seq) in fp32, and under SP the
     params that see seq-split inputs (norms, position table) all-reduce their gradients.
     Under remat (full or selective) each block's forward runs again in backward up to its
@@ -184,16 +187,17 @@ def tensor_traffic(config: GPTConfig, params, rows: int, seq: int, layers_run: i
         return {}
     a = rows * seq * config.embed * jnp.dtype(config.dtype).itemsize
     out: dict = {}
-    blocks = 4 * layers_run * a + 2 * a
+    c = config.input_projections
+    blocks, reductions = 4 * layers_run * a + 2 * a, (2 + c) * layers_run * a + 2 * a
     again = layers_run * a if config.remat != "none" else 0
     ce = 3 * rows * seq * 4
     if sp:
         _add(out, "all-gather", tensor, blocks + 2 * again)
-        _add(out, "reduce-scatter", tensor, blocks + again)
+        _add(out, "reduce-scatter", tensor, reductions + again)
         replicated = sum(p.bytes for p in params if "norm" in p.path or p.path.startswith("pos_embed"))
         _add(out, "all-reduce", tensor, ce + replicated)
     else:
-        _add(out, "all-reduce", tensor, blocks + again + ce)
+        _add(out, "all-reduce", tensor, reductions + again + ce)
     return out
 
 
@@ -201,7 +205,8 @@ def traffic(config: GPTConfig, params, sizes: dict[str, int], rules: Rules, batc
             stage_axis: str | None = None) -> dict:
     """{(kind, axes): bytes} per device per step, but the pipeline's sends: params, TP / SP
     over `rows` local sequences through this stage's layers, and the loss's all-reduce."""
-    comm = param_traffic(params, sizes, rules, batch_axes, stage_axis, remat=config.remat != "none")
+    comm = param_traffic(params, sizes, rules, batch_axes, stage_axis, remat=config.remat != "none",
+                         tied_head=config.tied_head)
     layers_run = config.layers // (sizes[stage_axis] if stage_axis else 1)
     sp = bool(split_axes(rules, sizes, "seq"))
     tensor = split_axes(rules, sizes, "mlp")
@@ -329,7 +334,7 @@ def estimate(plan: PlanInput) -> dict:
 
     # time
     tokens = rows * seq * m * data_shards
-    flops_model = metrics.gpt_flops_per_token(config, seq) * tokens
+    flops_model = metrics.flops_per_token(config, seq) * tokens
     if config.remat == "full" or schedule:  # one more forward: +1/3 of 6N
         flops_run = flops_model * 8 / 6
     elif config.remat == "selective":  # the attention core's forward again: QK^T and PV
@@ -377,9 +382,12 @@ def estimate(plan: PlanInput) -> dict:
             warnings.append(f"{name} overlap ratio {r:.2f} > 1: its communication cannot hide behind compute")
     if schedule and m < stages:
         warnings.append(f"m < p: {m} micro-batches for {stages} stages leave most of the pipeline idle")
+    if not isinstance(config, GPTConfig):
+        warnings.append(f"activations: the GPT block's measured bytes per token; a {type(config).__name__[:-6]} "
+                        "block's (gated MLP, grouped KV heads) are not yet measured")
 
     return dict(
-        model=dataclasses.asdict(config) | {"dtype": jnp.dtype(config.dtype).name,
+        model=dataclasses.asdict(config) | {"kind": type(config).__name__[:-6], "dtype": jnp.dtype(config.dtype).name,
                                             "params": sum(math.prod(p.shape) for p in params)},
         mesh=dict(sizes), strategy=rules.name, schedule=schedule and type(schedule).__name__,
         microbatches=m, micro_batch_size=rows, hardware=dataclasses.asdict(hw),
@@ -398,7 +406,8 @@ def report(est: dict) -> str:
     hw = est["hardware"]
     mesh = " ".join(f"{a}={n}" for a, n in est["mesh"].items())
     lines = [
-        f"jshard plan: GPT {model['layers']} layers, embed {model['embed']}, heads {model['heads']}, mlp {model['mlp']}, "
+        f"jshard plan: {model['kind']} {model['layers']} layers, embed {model['embed']}, heads {model['heads']}"
+        + (f" ({model['kv_heads']} kv)" if "kv_heads" in model else "") + f", mlp {model['mlp']}, "
         f"vocab {model['vocab']}, seq {model['seq_len']}: {model['params'] / 1e9:.3g} B params, {model['dtype']}, remat {model['remat']}",
         f"  mesh        {mesh} on {hw['name']} ({hw['gpus_per_node']} per node)",
         f"  strategy    {est['strategy']}" + (f", {est['schedule']} m={est['microbatches']}" if est["schedule"] else "")

@@ -15,7 +15,7 @@ from flax import nnx
 
 from jshard import hlo
 from jshard.mesh import STANDARD_AXES, make_mesh, mesh_shape
-from jshard.models import GPT, GPTConfig, gpt_loss
+from jshard.models import GPTConfig, LlamaConfig, decoder, gpt_loss
 from jshard.parallel.step import build_step
 from jshard.plan.estimate import HARDWARE, PlanInput, estimate
 from jshard.rules import default_mesh, example_mesh, preset
@@ -33,6 +33,9 @@ VALIDATION = (
     ("dp+pp", 4, "zb-h1", "none"),
 )
 VALIDATION_MODEL = GPTConfig(seq_len=64, embed=128, heads=4, mlp=512, layers=8)
+# Both decoders run every case; the Llama's 8 query heads share 4 KV heads.
+VALIDATION_MODELS = {"gpt": VALIDATION_MODEL,
+                     "llama": LlamaConfig(seq_len=64, embed=128, heads=8, kv_heads=4, mlp=384, layers=8)}
 MEMORY_TOLERANCE = 0.10
 
 
@@ -44,10 +47,10 @@ def compiled_pipeline_permute_bytes(schedule, config: GPTConfig, rows: int) -> i
 
 
 def validate_one(strategy: str, microbatches, schedule, remat: str, mesh: str = "example", rows: int = 2,
-                 devices=None) -> dict:
+                 devices=None, model=VALIDATION_MODEL) -> dict:
     """One VALIDATION case on `devices` (default: all): the strategy's example mesh with its
-    outermost axis taking the rest, or its default mesh."""
-    config = dataclasses.replace(VALIDATION_MODEL, remat=remat)
+    outermost axis taking the rest, or its default mesh; `model` a GPT's or a Llama's config."""
+    config = dataclasses.replace(model, remat=remat)
     devices = jax.devices() if devices is None else devices
     rules = preset(strategy)
     shape = example_mesh(strategy, len(devices)) if mesh == "example" else default_mesh(rules, len(devices))
@@ -55,7 +58,7 @@ def validate_one(strategy: str, microbatches, schedule, remat: str, mesh: str = 
     sizes = {a: 1 for a in STANDARD_AXES} | mesh_shape(mesh)
     est = estimate(PlanInput(config, sizes, strategy, schedule, microbatches, micro_batch_size=rows,
                              hardware=HARDWARE["cpu"]))
-    step = build_step(GPT(config, rngs=nnx.Rngs(0)), optax.adamw(1e-3), gpt_loss, mesh, rules,
+    step = build_step(decoder(config, nnx.Rngs(0)), optax.adamw(1e-3), gpt_loss, mesh, rules,
                       microbatches=microbatches, schedule=schedule)
     batch = np.zeros((est["tokens_per_step"] // config.seq_len, config.seq_len + 1), np.int32)
     compiled = step.lower(step.state, step.shard_batch(batch)).compile()
@@ -67,7 +70,7 @@ def validate_one(strategy: str, microbatches, schedule, remat: str, mesh: str = 
         predicted["collective-permute"] = compiled_pipeline_permute_bytes(step.schedule, config, rows)
     predicted_memory = est["memory_bytes_per_device"]["total"]
     return dict(
-        strategy=rules.name, mesh=",".join(f"{a}={n}" for a, n in mesh_shape(mesh).items() if n > 1),
+        model=type(config).__name__[:-6], strategy=rules.name, mesh=",".join(f"{a}={n}" for a, n in mesh_shape(mesh).items() if n > 1),
         schedule=schedule or "-", remat=remat,
         memory_predicted=predicted_memory, memory_compiled=measured,
         memory_rel_err=predicted_memory / measured - 1,
@@ -80,11 +83,11 @@ def within_tolerance(result: dict) -> bool:
 
 
 def format_validation(results: list[dict]) -> str:
-    lines = [f"{'strategy':<16}{'mesh':<24}{'schedule':<13}{'remat':<10}{'memory est':>12}{'compiled':>12}{'err':>8}"
+    lines = [f"{'model':<7}{'strategy':<16}{'mesh':<24}{'schedule':<13}{'remat':<10}{'memory est':>12}{'compiled':>12}{'err':>8}"
              f"  comm bytes by kind (est = compiled)"]
     for r in results:
         comm = ", ".join(f"{k} {v}" for k, v in sorted(r["comm_compiled"].items()))
         mark = "exact" if r["comm_exact"] else f"MISMATCH est {r['comm_predicted']}"
-        lines.append(f"{r['strategy']:<16}{r['mesh']:<24}{r['schedule']:<13}{r['remat']:<10}{r['memory_predicted']:>12}"
+        lines.append(f"{r['model']:<7}{r['strategy']:<16}{r['mesh']:<24}{r['schedule']:<13}{r['remat']:<10}{r['memory_predicted']:>12}"
                      f"{r['memory_compiled']:>12}{r['memory_rel_err'] * 100:>7.1f}%  {mark}: {comm}")
     return "\n".join(lines)

@@ -1,0 +1,162 @@
+"""A Llama-family decoder whose every param and activation carries logical axis names.
+
+    tokens (batch, seq)
+      -> token embedding                                       (batch, seq, embed)
+      -> L × [x += attention(rmsnorm(x)); x += swiglu(rmsnorm(x))]  blocks stacked on `layers`
+      -> rmsnorm -> head (its own, or tied to the embedding)   (batch, seq, vocab)
+
+What makes it Llama rather than GPT-2: RMSNorm without bias, rotary position embeddings on
+queries and keys (no position table), a gated MLP of three matrices (SwiGLU), and grouped-
+query attention: `kv_heads` key / value heads, each shared by heads / kv_heads query heads.
+KV heads have their own logical name, `kv_heads`, so the rules can split them over `tensor`
+as they split `heads`; where they do not divide the axis, the placement says so and how to
+fix it (as for any named dim). Query head h reads KV head h // (heads / kv_heads): a block
+of query heads and its KV heads land on the same device, so no KV head moves.
+
+The stages a pipeline cuts are the GPT's (`embed`, `blocks`, `logits`), so `gpt_loss`
+trains it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jshard import nn
+from jshard.models.gpt import HIDDEN, PER_HEAD, RESIDUAL
+from jshard.models.stack import scan_layers, stack_layers
+
+KV = ("batch", "seq", None, "kv_heads", "kv")  # None: the key / value dim
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab: int = 256  # bytes
+    seq_len: int = 128  # longest sequence (rotary needs no table; the data and planner read it)
+    embed: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    mlp: int = 384  # the gated MLP's width (three matrices)
+    layers: int = 4
+    rope_theta: float = 10000.0
+    tied_head: bool = False
+    dtype: jnp.dtype = jnp.float32  # compute dtype; params stay float32
+    remat: str = "none"  # see stack.py
+    norm_epsilon: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed // self.heads
+
+    input_projections = 3  # q, kv, gate_up: see GPTConfig
+
+    @property
+    def matmul_weights(self) -> int:
+        """N of the 6·N FLOPs per token: q and out (h × h), k and v (h × kv_heads·head_dim), the
+        three MLP matrices, and the head (tied or not)."""
+        h = self.embed
+        return self.layers * (2 * h * h + 2 * h * self.kv_heads * self.head_dim + 3 * h * self.mlp) + self.vocab * h
+
+    def __post_init__(self):
+        if self.embed % self.heads:
+            raise ValueError(f"LlamaConfig: embed={self.embed} must divide by heads={self.heads}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"LlamaConfig: heads={self.heads} must divide by kv_heads={self.kv_heads}")
+
+
+# The published shapes (Meta's model cards and config.json), and small ones for CPUs.
+LLAMA_SIZES = {
+    "llama-tiny": LlamaConfig(seq_len=64, embed=64, heads=4, kv_heads=2, mlp=192, layers=2),
+    "llama-small": LlamaConfig(seq_len=128, embed=128, heads=4, kv_heads=2, mlp=384, layers=4),
+    "llama-3.2-1b": LlamaConfig(vocab=128256, seq_len=8192, embed=2048, heads=32, kv_heads=8, mlp=8192, layers=16,
+                                rope_theta=500000.0, tied_head=True),
+    "llama-3.1-8b": LlamaConfig(vocab=128256, seq_len=8192, embed=4096, heads=32, kv_heads=8, mlp=14336, layers=32,
+                                rope_theta=500000.0),
+    "llama-3.1-70b": LlamaConfig(vocab=128256, seq_len=8192, embed=8192, heads=64, kv_heads=8, mlp=28672, layers=80,
+                                 rope_theta=500000.0),
+}
+
+
+INIT = nnx.initializers.normal(0.02)
+
+
+def rotary(x: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding of (batch, seq, heads, head_dim) queries or keys, positions
+    0..seq-1, in float32: each pair (i, i + head_dim/2) turned by position · theta^(-2i/head_dim)."""
+    half = x.shape[-1] // 2
+    frequencies = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * frequencies  # (seq, half)
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        self.theta = config.rope_theta
+        linear = dict(kernel_init=INIT, dtype=config.dtype, rngs=rngs)
+        self.q = nn.Linear(config.embed, (config.heads, config.head_dim), in_names="embed",
+                           out_names=("heads", "kv"), **linear)
+        self.kv = nn.Linear(config.embed, (2, config.kv_heads, config.head_dim), in_names="embed",
+                            out_names=(None, "kv_heads", "kv"), **linear)
+        self.out = nn.Linear((config.heads, config.head_dim), config.embed, in_names=("heads", "kv"),
+                             out_names="embed", **linear)
+
+    def __call__(self, x):
+        q = rotary(self.q(x, RESIDUAL), self.theta)
+        kv = self.kv(x, RESIDUAL)
+        k, v = rotary(kv[:, :, 0], self.theta), kv[:, :, 1]
+        return self.out(jax.nn.dot_product_attention(q, k, v, is_causal=True), PER_HEAD)
+
+
+class SwiGLU(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        linear = dict(kernel_init=INIT, dtype=config.dtype, rngs=rngs)
+        # gate and up as one matmul: one input gradient to reduce under TP, not two
+        self.gate_up = nn.Linear(config.embed, (2, config.mlp), in_names="embed", out_names=(None, "mlp"), **linear)
+        self.down = nn.Linear(config.mlp, config.embed, in_names="mlp", out_names="embed", **linear)
+
+    def __call__(self, x):
+        gate_up = self.gate_up(x, RESIDUAL)
+        return self.down(jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], HIDDEN)
+
+
+class Block(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        norm = dict(epsilon=config.norm_epsilon, dtype=config.dtype)
+        self.attn_norm, self.attn = nn.RMSNorm(config.embed, **norm), Attention(config, rngs=rngs)
+        self.mlp_norm, self.mlp = nn.RMSNorm(config.embed, **norm), SwiGLU(config, rngs=rngs)
+
+    def __call__(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.token_embed = nn.Embed(config.vocab, config.embed, names=("vocab", "embed"),
+                                    embedding_init=INIT, dtype=config.dtype, rngs=rngs)
+        self.blocks = stack_layers(lambda rngs: Block(config, rngs=rngs), config.layers, rngs, config.remat)
+        self.final_norm = nn.RMSNorm(config.embed, epsilon=config.norm_epsilon, dtype=config.dtype)
+        if not config.tied_head:
+            self.head = nn.Linear(config.embed, config.vocab, in_names="embed", out_names="vocab",
+                                  kernel_init=INIT, dtype=config.dtype, rngs=rngs)
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """Token embeddings (batch, seq, embed) of int tokens (batch, seq); positions are rotary."""
+        if tokens.shape[1] > self.config.seq_len:
+            raise ValueError(f"sequence of {tokens.shape[1]} tokens is longer than seq_len={self.config.seq_len}")
+        return self.token_embed(tokens, ("batch", "seq"), RESIDUAL)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """(batch, seq, vocab) logits of the last block's output."""
+        x = self.final_norm(x)
+        return self.token_embed.attend(x, RESIDUAL) if self.config.tied_head else self.head(x, RESIDUAL)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """Logits (batch, seq, vocab) for int tokens (batch, seq)."""
+        return self.logits(scan_layers(self.blocks, self.embed(tokens)))

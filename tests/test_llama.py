@@ -1,0 +1,81 @@
+"""The Llama decoder: its published shapes, rotary positions, grouped KV heads under the
+rules, and the commands that take it. Parity on every strategy and schedule is in
+test_strategies.py and test_pipeline.py (parametrised over both decoders, `decoders.py`)."""
+
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jshard
+from jshard.cli import main
+from jshard.models import LLAMA_SIZES, Llama, LlamaConfig, gpt_loss
+from jshard.models.llama import rotary
+from jshard.parallel import build_step
+from jshard.rules import ShardingError
+from jshard.train import TrainConfig, train
+
+
+@pytest.mark.parametrize("name, published", [
+    # Parameter counts of Meta's checkpoints (Hugging Face model cards).
+    ("llama-3.2-1b", 1_235_814_400), ("llama-3.1-8b", 8_030_261_248), ("llama-3.1-70b", 70_553_706_496),
+])
+def test_named_sizes_have_the_published_parameter_counts(name, published):
+    model = nnx.eval_shape(lambda: Llama(LLAMA_SIZES[name], rngs=nnx.Rngs(0)))
+    assert sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == published
+
+
+def test_matmul_weights_count_the_6n_flops_of_the_params():
+    config = LLAMA_SIZES["llama-3.1-8b"]
+    model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    # Every kernel is a matmul once per token; the input embedding is a lookup, norm scales are not.
+    matrices = sum(v.size for path, v in params.items() if path[-1] == "kernel")
+    assert config.matmul_weights == matrices
+
+
+def test_rotary_scores_depend_on_the_distance_only():
+    # q·k after rotation at positions (i, j) equals the same q·k at (i + s, j + s).
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((2, 16), dtype=np.float32)
+    seq = np.zeros((1, 12, 1, 16), np.float32)
+    rq, rk = rotary(seq + q, 10000.0)[0, :, 0], rotary(seq + k, 10000.0)[0, :, 0]
+    assert np.allclose(rq[2] @ rk[7], rq[5] @ rk[10], rtol=1e-5)
+    assert np.allclose(rq[0] @ rk[0], q @ k, rtol=1e-5)  # position 0: no rotation
+    assert not np.allclose(rq[2] @ rk[7], rq[2] @ rk[8], rtol=1e-3)
+
+
+def test_kv_heads_that_do_not_divide_the_tensor_axis_are_one_error():
+    config = LlamaConfig(vocab=64, seq_len=16, embed=32, heads=8, kv_heads=2, mlp=64, layers=2)
+    with pytest.raises(ShardingError) as error:
+        build_step(Llama(config, rngs=nnx.Rngs(0)), optax.sgd(0.1), gpt_loss, jshard.make_mesh(data=2, tensor=4),
+                   jshard.preset("dp+tp"))
+    assert "blocks/attn/kv/kernel" in str(error.value) and "('kv_heads', size 2) does not divide by tensor=4" in str(error.value)
+
+
+def test_a_gpt_has_no_kv_heads(capsys):
+    assert main(["plan", "--model", "small", "--kv-heads", "2"]) == 2
+    assert "a GPTConfig has no kv_heads" in capsys.readouterr().err
+
+
+def test_plan_counts_the_real_architecture(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "llama-3.1-8b", "--strategy", "fsdp+tp", "--mesh", "fsdp=8,tensor=8",
+                 "--json", str(out)]) == 0
+    est = json.loads(out.read_text())
+    assert est["model"]["params"] == 8_030_261_248 and est["model"]["kind"] == "Llama"
+    assert "Llama 32 layers, embed 4096, heads 32 (8 kv)" in capsys.readouterr().out
+    assert any("not yet measured" in w for w in est["warnings"])  # activations: the GPT block's coefficients
+
+
+def test_bench_step_refuses_a_llama_before_device_work(capsys):
+    assert main(["bench", "step", "--model", "llama-tiny"]) == 2
+    assert "PlainGPT" in capsys.readouterr().err
+
+
+def test_train_learns_a_llama():
+    result = train(TrainConfig(model="llama-tiny", strategy="dp+fsdp+tp", steps=40, batch_size=16, seq_len=32))
+    assert result.losses[-1] < 0.75 * result.losses[0], result.losses
