@@ -16,7 +16,8 @@ from flax import nnx
 from jshard import mesh
 from jshard.bench import step as bench_step
 from jshard.cli import main
-from jshard.models import GPT, GPT_SIZES, gpt_loss
+from jshard.bench.plain import plain_from, plain_loss
+from jshard.models import GPT, GPT_SIZES, SIZES, decoder, gpt_loss
 
 TINY = ["--model", "tiny", "--batch-size", "8", "--seq-len", "32", "--repeats", "2"]
 
@@ -51,13 +52,13 @@ def test_two_devices_copy_between_them_and_a_profile(tmp_path, capsys):
     assert list((tmp_path / "trace").rglob("*.xplane.pb"))
 
 
+@pytest.mark.parametrize("name", ["tiny", "llama-tiny"])
 @pytest.mark.parametrize("tied_head", [True, False])
-def test_plain_model_is_jshards_model(tied_head):
-    config = dataclasses.replace(GPT_SIZES["tiny"], tied_head=tied_head)
-    model = GPT(config, rngs=nnx.Rngs(1))
+def test_plain_model_is_jshards_model(name, tied_head):
+    config = dataclasses.replace(SIZES[name], tied_head=tied_head)
+    model = decoder(config, nnx.Rngs(1))
     tokens = np.random.default_rng(0).integers(0, config.vocab, (4, 33))
-    plain = bench_step.plain_from(model)
-    np.testing.assert_allclose(float(bench_step.plain_loss(plain, tokens)), float(gpt_loss(model, tokens)), rtol=1e-6)
+    np.testing.assert_allclose(float(plain_loss(plain_from(model), tokens)), float(gpt_loss(model, tokens)), rtol=1e-6)
 
 
 def test_bad_seq_len_is_refused(capsys):

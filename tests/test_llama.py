@@ -71,9 +71,15 @@ def test_plan_counts_the_real_architecture(tmp_path, capsys):
     assert any("not yet measured" in w for w in est["warnings"])  # activations: the GPT block's coefficients
 
 
-def test_bench_step_refuses_a_llama_before_device_work(capsys):
-    assert main(["bench", "step", "--model", "llama-tiny"]) == 2
-    assert "PlainGPT" in capsys.readouterr().err
+def test_bench_step_times_a_llama_against_its_plain_flax_twin(tmp_path, capsys):
+    out = tmp_path / "step.json"
+    assert main(["bench", "step", "--model", "llama-tiny", "--batch-size", "8", "--seq-len", "32", "--repeats", "2",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "model       Llama llama-tiny" in text
+    jshard_loss, plain_loss = text.split("first-step loss jshard ")[1].split(" (same")[0].split(", plain ")
+    assert jshard_loss == plain_loss  # the same model from the same weights, to 6 decimals
+    assert json.loads(out.read_text())["model_params"] == 131_392
 
 
 def test_train_learns_a_llama():

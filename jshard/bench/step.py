@@ -9,7 +9,7 @@ One run, on the same devices:
     step_s             jshard's train step (`build_step`: jit of shard_map) with AdamW,
                        warmed up, then the median of `--repeats` synchronised steps, timed
                        in alternation with the plain step's (both see the same host load)
-    plain_step_s       the same GPT written in plain Flax NNX + optax (`PlainGPT`: no jshard
+    plain_step_s       the same model written in plain Flax NNX + optax (`bench/plain.py`: no jshard
                        layer, rule or step), through `jax.jit`, timed the same way; it starts
                        from jshard's initial weights and the first losses are compared, so it
                        is the same model. On a mesh of more than one device it is plain data
@@ -45,7 +45,8 @@ from jshard.flags import FlagError
 from jshard.mesh import GPU_XLA_FLAGS, mesh_shape, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags
 from jshard.metrics import (CPU_MATMUL, PROFILE_STEPS, best_seconds, device_peak, flops_per_token,
                             measured_matmul_flops)
-from jshard.models import GPT, PRECISIONS, GPTConfig, gpt_loss
+from jshard.bench.plain import PlainDecoder, plain_from, plain_loss
+from jshard.models import PRECISIONS, decoder, gpt_loss
 from jshard.parallel import build_step
 from jshard.rules import format_mesh
 
@@ -73,80 +74,7 @@ def add_parser(benches) -> None:
     parser.set_defaults(run=run)
 
 
-# -- the plain Flax model: the same GPT as jshard.models.GPT, with Flax's own layers ----------
-
-
-class PlainBlock(nnx.Module):
-    """One pre-norm block; attribute names and kernel shapes are jshard's, so weights load."""
-
-    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
-        heads, dtype, init = (config.heads, config.head_dim), config.dtype, nnx.initializers.normal(0.02)
-        self.attn_norm = nnx.LayerNorm(config.embed, epsilon=1e-6, dtype=dtype, rngs=rngs)
-        self.qkv = nnx.LinearGeneral(config.embed, (3, *heads), use_bias=False, kernel_init=init, dtype=dtype, rngs=rngs)
-        self.out = nnx.LinearGeneral(heads, config.embed, axis=(-2, -1), use_bias=False, kernel_init=init,
-                                     dtype=dtype, rngs=rngs)
-        self.mlp_norm = nnx.LayerNorm(config.embed, epsilon=1e-6, dtype=dtype, rngs=rngs)
-        self.up = nnx.Linear(config.embed, config.mlp, use_bias=False, kernel_init=init, dtype=dtype, rngs=rngs)
-        self.down = nnx.Linear(config.mlp, config.embed, use_bias=False, kernel_init=init, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x):
-        qkv = self.qkv(self.attn_norm(x))
-        x = x + self.out(jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True))
-        return x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
-
-
-class PlainGPT(nnx.Module):
-    """jshard's GPT (`jshard.models.gpt`) as a Flax user would write it: layers stacked with
-    `nnx.vmap` and run with `nnx.scan`, Flax's pattern for deep models, as jshard's are."""
-
-    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
-        init, dtype = nnx.initializers.normal(0.02), config.dtype
-        self.token_embed = nnx.Embed(config.vocab, config.embed, embedding_init=init, dtype=dtype, rngs=rngs)
-        self.pos_embed = nnx.Embed(config.seq_len, config.embed, embedding_init=init, dtype=dtype, rngs=rngs)
-
-        @nnx.split_rngs(splits=config.layers)
-        @nnx.vmap(in_axes=0, out_axes=0)
-        def make_blocks(rngs):
-            return PlainBlock(config, rngs=rngs)
-
-        self.blocks = make_blocks(rngs)
-        self.final_norm = nnx.LayerNorm(config.embed, epsilon=1e-6, dtype=dtype, rngs=rngs)
-        self.head = None if config.tied_head else nnx.Linear(config.embed, config.vocab, use_bias=False,
-                                                              kernel_init=init, dtype=dtype, rngs=rngs)
-
-    def __call__(self, tokens):
-        x = self.token_embed(tokens) + self.pos_embed(jnp.arange(tokens.shape[1]))
-
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        def run_blocks(x, block):
-            return block(x)
-
-        x = self.final_norm(run_blocks(x, self.blocks))
-        return self.token_embed.attend(x) if self.head is None else self.head(x)
-
-
-def plain_loss(model: PlainGPT, tokens) -> jax.Array:
-    """Next-token cross-entropy on (batch, seq+1) tokens, in float32 (as `gpt_loss`)."""
-    logits = model(tokens[:, :-1]).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-
-def plain_from(model: GPT) -> PlainGPT:
-    """A PlainGPT holding a copy of `model`'s weights. jshard's blocks nest their linears one level
-    deeper (`attn.qkv`, `mlp.up`); the plain block holds them directly."""
-    plain = PlainGPT(model.config, rngs=nnx.Rngs(0))
-    # Copies: jshard's step donates the model's arrays.
-    weights = jax.tree.map(jnp.copy, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-    blocks = weights["blocks"]
-    weights["blocks"] = {**{k: v for k, v in blocks.items() if k not in ("attn", "mlp")},
-                         **blocks["attn"], **blocks["mlp"]}
-    state = nnx.state(plain, nnx.Param)
-    nnx.replace_by_pure_dict(state, weights)
-    nnx.update(plain, state)
-    return plain
-
-
-def plain_step(model: PlainGPT, tx, devices):
+def plain_step(model: PlainDecoder, tx, devices):
     """A plain train step: `jax.jit` of split/merge (Flax's fast path: `nnx.jit` would walk
     the object graph in Python every call, which the baseline must not pay and jshard does
     not), donated state, batch split over `devices`, params and optimizer state replicated."""
@@ -217,9 +145,6 @@ def _platform_defaults(args, platform: str):
     model, batch, precision = DEFAULTS["cpu" if platform == "cpu" else "gpu"]
     config = flags.model_config(args.model or model, flags.model_overrides(args),
                                 dtype=PRECISIONS[args.precision or precision])
-    if not isinstance(config, GPTConfig):
-        raise FlagError(f"--model {args.model}: bench step's plain Flax baseline (PlainGPT) is the GPT's; "
-                        "a plain Llama baseline is not written yet. Fix: a GPT size (tiny ... gpt-1b).")
     seq = args.seq_len or config.seq_len
     batch = args.batch_size or batch
     if seq > config.seq_len:
@@ -250,7 +175,7 @@ def measure(args) -> dict:
 
     tokens = np.random.default_rng(0).integers(0, config.vocab, (batch, seq + 1))
     tx = optax.adamw(1e-4)
-    model = GPT(config, rngs=nnx.Rngs(0))
+    model = decoder(config, nnx.Rngs(0))
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     plain = plain_from(model)  # before build_step takes the model's arrays
 
@@ -286,7 +211,8 @@ def report(r: dict, args, flags: str) -> str:
     matmul_n = CPU_MATMUL if r["platform"] == "cpu" else GPU_MATMUL
     lines = [
         f"# jshard bench step: {r['device']} ({r['platform']}), jax {jax.__version__}, XLA flags: {flags}",
-        f"  model       GPT {r['model']}: {c.layers} layers, embed {c.embed}, {c.heads} heads, mlp {c.mlp}, "
+        f"  model       {type(c).__name__[:-6]} {r['model']}: {c.layers} layers, embed {c.embed}, {c.heads} heads, "
+        f"mlp {c.mlp}, "
         f"vocab {c.vocab}, {r['model_params'] / 1e6:.3f} M params",
         f"  step        batch {r['batch']} x seq {r['seq']}, {r['precision']} compute, AdamW, {args.strategy} on "
         f"{r['mesh']}; warm-up, then median of {args.repeats}, alternating with plain",
