@@ -2,7 +2,7 @@
 
     --model NAME         a named size (`models.SIZES`: GPTs and Llamas); --layers, --embed,
                          --heads, --kv-heads (Llama), --mlp and --vocab override its fields
-    --seq-len N          tokens per row
+    --seq-len N          tokens per row;  --attention auto|xla|cudnn  the attention kernel
     --strategy PRESET    rules preset, e.g. dp+fsdp+tp+sp+pp
     --mesh SIZES         e.g. data=2,fsdp=2,tensor=2; one axis may be -1 (the devices left);
                          not given: `rules.default_mesh` of the strategy over the devices
@@ -23,6 +23,7 @@ import dataclasses
 import json
 
 from jshard.mesh import parse_axis_sizes
+from jshard.nn import ATTENTION
 from jshard.models import PRECISIONS, SIZES
 from jshard.models.stack import REMAT_POLICIES
 from jshard.parallel.schedules import SCHEDULES
@@ -60,6 +61,8 @@ def add_model(parser, default: str | None, shown: str | None = None, seq_len_hel
     for field in MODEL_FIELDS:
         add(f"--{field.replace('_', '-')}", type=positive_int, help=f"override the model's {field}")
     add("--seq-len", type=positive_int, help=seq_len_help)
+    add("--attention", choices=ATTENTION, help="attention kernel: auto (cuDNN's flash kernel on a GPU in bf16 where "
+                                               "the head dim allows, else XLA's), xla or cudnn (default: auto)")
 
 
 def add_bench(parser, model_shown: str, batch_size: int, repeats: int = 5) -> None:
@@ -73,9 +76,9 @@ def add_bench(parser, model_shown: str, batch_size: int, repeats: int = 5) -> No
     add_fake_devices(parser)
 
 
-def model_overrides(args) -> dict[str, int]:
-    """The size flags given: {GPTConfig field: value}."""
-    return {f: getattr(args, f) for f in MODEL_FIELDS if getattr(args, f, None) is not None}
+def model_overrides(args) -> dict:
+    """The model flags given (sizes, --attention): {config field: value}."""
+    return {f: getattr(args, f) for f in MODEL_FIELDS + ("attention",) if getattr(args, f, None) is not None}
 
 
 def model_config(name: str, overrides: dict, **fields):

@@ -393,6 +393,35 @@ class LayerNorm(nnx.Module):
         return (y * param(self.scale) + param(self.bias)).astype(self.dtype)
 
 
+# -- attention ----------------------------------------------------------------------------
+
+ATTENTION = ("auto", "xla", "cudnn")
+
+
+def attention_implementation(choice: str, dtype, head_dim: int, platform: str | None = None) -> str:
+    """Which kernel `attention` runs: "xla" (XLA's: keeps the seq × seq scores for backward)
+    or "cudnn" (cuDNN's fused flash kernel: no scores kept). cuDNN needs a GPU, bf16 or fp16,
+    and a head dim <= 128 and a multiple of 8; "auto" takes it where those hold (JAX's own
+    default is XLA everywhere). `platform`: the default backend's unless given (the planner
+    gives its hardware profile's)."""
+    platform = platform or jax.default_backend()
+    fits = platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim <= 128 and head_dim % 8 == 0
+    if choice not in ATTENTION:
+        raise ValueError(f"attention {choice!r}: choose one of {', '.join(ATTENTION)}")
+    if choice == "cudnn" and not fits:
+        raise ValueError(
+            f"attention 'cudnn' needs a GPU, bf16 or fp16 and a head dim <= 128 and a multiple of 8; here: "
+            f"{platform}, {jnp.dtype(dtype).name}, head dim {head_dim}. Fix: attention 'auto' or 'xla'.")
+    return "cudnn" if choice == "auto" and fits else "xla" if choice == "auto" else choice
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, choice: str = "auto") -> jax.Array:
+    """Causal attention of (batch, seq, heads, head_dim) queries over (batch, seq, kv_heads,
+    head_dim) keys and values (kv_heads dividing heads: grouped-query), by `choice`'s kernel."""
+    implementation = attention_implementation(choice, q.dtype, q.shape[-1])
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+
+
 class RMSNorm(nnx.Module):
     """Root-mean-square norm over the last dim (named `name`), with a scale and no bias (Llama's)."""
 

@@ -39,6 +39,7 @@ from jshard.checkpoint import Checkpoints
 from jshard.distributed import axes_across_processes, initialize, is_main_process
 from jshard.mesh import mesh_shape, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags
 from jshard.metrics import PROFILE_STEPS, MetricsFile, device_peak, flops_per_token
+from jshard.nn import attention_implementation
 from jshard.models import PRECISIONS, SIZES, GPTConfig, LlamaConfig, decoder, gpt_loss
 from jshard.models.stack import REMAT_POLICIES
 from jshard.parallel import ShardedStep, TrainState, build_step, check_strategy, stage_axes
@@ -62,6 +63,7 @@ class TrainConfig:
     kv_heads: int | None = None  # a Llama's
     mlp: int | None = None
     vocab: int | None = None
+    attention: str | None = None  # None: the model's (auto: cuDNN flash on a GPU in bf16, else XLA)
     mesh: str | None = None  # None: the strategy's default mesh over the devices (rules.default_mesh)
     strategy: str = "dp+fsdp+tp"
     schedule: str | None = None  # pipeline schedule; None: build_step's default (GPipe)
@@ -211,7 +213,7 @@ class Setup:
 
 def _model_identity(model: GPTConfig | LlamaConfig) -> dict:
     """What a checkpoint must match to be this model's: the architecture, not how it computes."""
-    return {k: v for k, v in dataclasses.asdict(model).items() if k not in ("dtype", "remat")}
+    return {k: v for k, v in dataclasses.asdict(model).items() if k not in ("dtype", "remat", "attention")}
 
 
 def set_up(config: TrainConfig) -> Setup:
@@ -222,8 +224,12 @@ def set_up(config: TrainConfig) -> Setup:
     use_fake_cpu_devices_unless_accelerated(config.fake_devices)
     rules = jshard.preset(config.strategy)
     mesh = jshard.make_mesh(**flags.mesh_sizes(config.mesh, rules, jax.device_count()))
-    overrides = {f: getattr(config, f) for f in flags.MODEL_FIELDS if getattr(config, f) is not None}
+    overrides = {f: getattr(config, f) for f in flags.MODEL_FIELDS + ("attention",) if getattr(config, f) is not None}
     model = flags.model_config(config.model, overrides, dtype=PRECISIONS[config.precision], remat=config.remat)
+    try:
+        attention_implementation(model.attention, model.dtype, model.head_dim)
+    except ValueError as e:
+        raise TrainError(f"--attention {model.attention}: {e}") from None
     seq_len = config.seq_len or min(64, model.seq_len)
     if seq_len > model.seq_len:
         raise TrainError(

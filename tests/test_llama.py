@@ -11,9 +11,11 @@ import pytest
 from flax import nnx
 
 import jshard
-from jshard.cli import main
+from jshard import plan as plan_module
+from jshard.cli import build_parser, main
 from jshard.models import LLAMA_SIZES, Llama, LlamaConfig, gpt_loss
 from jshard.models.llama import rotary
+from jshard.nn import attention_implementation
 from jshard.parallel import build_step
 from jshard.rules import ShardingError
 from jshard.train import TrainConfig, train
@@ -85,3 +87,43 @@ def test_bench_step_times_a_llama_against_its_plain_flax_twin(tmp_path, capsys):
 def test_train_learns_a_llama():
     result = train(TrainConfig(model="llama-tiny", strategy="dp+fsdp+tp", steps=40, batch_size=16, seq_len=32))
     assert result.losses[-1] < 0.75 * result.losses[0], result.losses
+
+
+# -- the attention kernel: cuDNN's flash kernel where it can run, XLA's elsewhere ------------
+
+
+@pytest.mark.parametrize("choice, platform, dtype, head_dim, expected", [
+    ("auto", "cpu", "bfloat16", 128, "xla"),
+    ("auto", "gpu", "bfloat16", 128, "cudnn"),
+    ("auto", "gpu", "float32", 128, "xla"),  # cuDNN's kernel is bf16 / fp16 only
+    ("auto", "gpu", "bfloat16", 100, "xla"),  # head dim not a multiple of 8
+    ("auto", "gpu", "bfloat16", 256, "xla"),
+    ("xla", "gpu", "bfloat16", 128, "xla"),
+    ("cudnn", "gpu", "float16", 64, "cudnn"),
+])
+def test_attention_implementation(choice, platform, dtype, head_dim, expected):
+    assert attention_implementation(choice, dtype, head_dim, platform) == expected
+
+
+def test_cudnn_where_it_cannot_run_is_one_error(capsys):
+    with pytest.raises(ValueError, match="needs a GPU, bf16 or fp16"):
+        attention_implementation("cudnn", "bfloat16", 64, "cpu")
+    assert main(["train", "--model", "llama-tiny", "--attention", "cudnn", "--steps", "1"]) == 2
+    assert "--attention cudnn: attention 'cudnn' needs a GPU" in capsys.readouterr().err
+    assert main(["plan", "--model", "llama-tiny", "--attention", "cudnn", "--hardware", "cpu"]) == 2
+
+
+def test_the_plan_follows_the_kernel():
+    def plan_of(*flags):
+        args = build_parser().parse_args(["plan", "--model", "llama-3.1-8b", "--strategy", "fsdp", "--mesh", "fsdp=8",
+                                          *flags])
+        return plan_module.estimate(plan_module.plan_input(args))
+
+    flash, xla = plan_of("--precision", "bf16"), plan_of("--precision", "bf16", "--attention", "xla")
+    assert (flash["attention"], xla["attention"]) == ("cudnn", "xla")
+    config = LLAMA_SIZES["llama-3.1-8b"]
+    # XLA keeps the scores, 2.33 elements per (head, key) per token per layer, in bf16.
+    scores = 2.33 * config.heads * config.seq_len * 2 * config.layers * config.seq_len
+    difference = xla["memory_bytes_per_device"]["activations"] - flash["memory_bytes_per_device"]["activations"]
+    assert difference == pytest.approx(scores, rel=1e-6)
+    assert plan_of("--precision", "fp32")["attention"] == "xla"

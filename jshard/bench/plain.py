@@ -14,6 +14,7 @@ from flax import nnx
 
 from jshard.models import GPTConfig, LlamaConfig
 from jshard.models.llama import rotary
+from jshard.nn import attention_implementation
 
 INIT = nnx.initializers.normal(0.02)
 
@@ -23,6 +24,7 @@ class GPTBlock(nnx.Module):
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         heads, dtype = (config.heads, config.head_dim), config.dtype
+        self.implementation = attention_implementation(config.attention, dtype, config.head_dim)  # jshard's kernel
         self.attn_norm = nnx.LayerNorm(config.embed, epsilon=1e-6, dtype=dtype, rngs=rngs)
         self.qkv = nnx.LinearGeneral(config.embed, (3, *heads), use_bias=False, kernel_init=INIT, dtype=dtype, rngs=rngs)
         self.out = nnx.LinearGeneral(heads, config.embed, axis=(-2, -1), use_bias=False, kernel_init=INIT,
@@ -33,7 +35,8 @@ class GPTBlock(nnx.Module):
 
     def __call__(self, x):
         qkv = self.qkv(self.attn_norm(x))
-        x = x + self.out(jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True))
+        x = x + self.out(jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True,
+                                                      implementation=self.implementation))
         return x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
 
 
@@ -42,6 +45,7 @@ class LlamaBlock(nnx.Module):
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         heads, dtype, self.theta = (config.heads, config.head_dim), config.dtype, config.rope_theta
+        self.implementation = attention_implementation(config.attention, dtype, config.head_dim)  # jshard's kernel
         linear = dict(use_bias=False, kernel_init=INIT, dtype=dtype, rngs=rngs)
         self.attn_norm = nnx.RMSNorm(config.embed, epsilon=config.norm_epsilon, dtype=dtype, rngs=rngs)
         self.q = nnx.LinearGeneral(config.embed, heads, **linear)
@@ -55,7 +59,8 @@ class LlamaBlock(nnx.Module):
         h = self.attn_norm(x)
         kv = self.kv(h)
         q, k = rotary(self.q(h), self.theta), rotary(kv[:, :, 0], self.theta)
-        x = x + self.out(jax.nn.dot_product_attention(q, k, kv[:, :, 1], is_causal=True))
+        x = x + self.out(jax.nn.dot_product_attention(q, k, kv[:, :, 1], is_causal=True,
+                                                      implementation=self.implementation))
         gate_up = self.gate_up(self.mlp_norm(x))
         return x + self.down(jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1])
 

@@ -40,6 +40,7 @@ class GPTConfig:
     tied_head: bool = True
     dtype: jnp.dtype = jnp.float32  # compute dtype; params stay float32
     remat: str = "none"  # activation checkpointing of each block: none, full or selective (see stack.py)
+    attention: str = "auto"  # the kernel: auto, xla or cudnn (`nn.attention_implementation`)
 
     @property
     def head_dim(self) -> int:
@@ -58,6 +59,8 @@ class GPTConfig:
     def __post_init__(self):
         if self.embed % self.heads:
             raise ValueError(f"GPTConfig: embed={self.embed} must divide by heads={self.heads}")
+        if self.attention not in nn.ATTENTION:
+            raise ValueError(f"GPTConfig: attention={self.attention!r}; choose one of {', '.join(nn.ATTENTION)}")
 
 
 # Named sizes, for every command's --model (with the Llamas: `models.SIZES`). `seq_len` is
@@ -80,7 +83,7 @@ def _init(config: GPTConfig, residual_out: bool = False):
 
 class Attention(nnx.Module):
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
-        heads = (config.heads, config.head_dim)
+        heads, self.choice = (config.heads, config.head_dim), config.attention
         self.qkv = nn.Linear(
             config.embed, (3, *heads), in_names="embed", out_names=(None, "heads", "kv"),
             kernel_init=_init(config), dtype=config.dtype, rngs=rngs,
@@ -92,7 +95,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x):
         qkv = self.qkv(x, RESIDUAL)
-        y = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True)
+        y = nn.attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], self.choice)
         return self.out(y, PER_HEAD)
 
 

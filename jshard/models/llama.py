@@ -45,6 +45,7 @@ class LlamaConfig:
     tied_head: bool = False
     dtype: jnp.dtype = jnp.float32  # compute dtype; params stay float32
     remat: str = "none"  # see stack.py
+    attention: str = "auto"  # the kernel: auto, xla or cudnn (`nn.attention_implementation`)
     norm_epsilon: float = 1e-5
 
     @property
@@ -65,6 +66,8 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig: embed={self.embed} must divide by heads={self.heads}")
         if self.heads % self.kv_heads:
             raise ValueError(f"LlamaConfig: heads={self.heads} must divide by kv_heads={self.kv_heads}")
+        if self.attention not in nn.ATTENTION:
+            raise ValueError(f"LlamaConfig: attention={self.attention!r}; choose one of {', '.join(nn.ATTENTION)}")
 
 
 # The published shapes (Meta's model cards and config.json), and small ones for CPUs.
@@ -96,7 +99,7 @@ def rotary(x: jax.Array, theta: float) -> jax.Array:
 
 class Attention(nnx.Module):
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
-        self.theta = config.rope_theta
+        self.theta, self.choice = config.rope_theta, config.attention
         linear = dict(kernel_init=INIT, dtype=config.dtype, rngs=rngs)
         self.q = nn.Linear(config.embed, (config.heads, config.head_dim), in_names="embed",
                            out_names=("heads", "kv"), **linear)
@@ -109,7 +112,7 @@ class Attention(nnx.Module):
         q = rotary(self.q(x, RESIDUAL), self.theta)
         kv = self.kv(x, RESIDUAL)
         k, v = rotary(kv[:, :, 0], self.theta), kv[:, :, 1]
-        return self.out(jax.nn.dot_product_attention(q, k, v, is_causal=True), PER_HEAD)
+        return self.out(nn.attention(q, k, v, self.choice), PER_HEAD)
 
 
 class SwiGLU(nnx.Module):

@@ -28,7 +28,8 @@ from jshard.models import GPTConfig, decoder
 from jshard.parallel.pipeline import compile_program
 from jshard.parallel.step import check_strategy
 from jshard.placement import LayoutTable, format_bytes, layout_table
-from jshard.rules import Rules, preset
+from jshard.nn import attention_implementation
+from jshard.rules import Rules, ShardingError, preset
 
 GiB = 2**30
 
@@ -45,9 +46,9 @@ class Hardware:
     # Fraction of peak that large bf16 matmuls sustain (H100 cuBLAS GEMMs: about 0.7 of the
     # datasheet); the planner's compute time divides by peak × this.
     matmul_efficiency: float = 0.7
-    # GPUs run attention as a fused kernel (cuDNN / flash) that keeps no (seq × seq) scores;
-    # XLA:CPU materialises them, and they are kept for backward.
-    flash_attention: bool = True
+    # Where attention may run as cuDNN's fused flash kernel, which keeps no (seq × seq) scores
+    # (`nn.attention_implementation`: GPUs, in bf16); XLA's materialises them for backward.
+    platform: str = "gpu"
 
 
 # Datasheets (SXM parts; NVLink 4 = 450 GB/s each way, 400 Gb/s InfiniBand NIC per GPU).
@@ -56,7 +57,7 @@ HARDWARE = {
     "h100": Hardware("h100", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, 8),
     "h200": Hardware("h200", 989e12, 141e9, 4.8e12, 450e9, 50e9, 8),
     "a100": Hardware("a100", 312e12, 80 * GiB, 2.04e12, 300e9, 25e9, 8),
-    "cpu": Hardware("cpu", 0.206e12, 16 * GiB, 20e9, 10e9, 10e9, 8, matmul_efficiency=1.0, flash_attention=False),
+    "cpu": Hardware("cpu", 0.206e12, 16 * GiB, 20e9, 10e9, 10e9, 8, matmul_efficiency=1.0, platform="cpu"),
 }
 
 
@@ -291,6 +292,11 @@ def estimate(plan: PlanInput) -> dict:
     rows, seq = plan.micro_batch_size, config.seq_len
     stages = schedule.stages if schedule else 1
     n_devices = math.prod(sizes.values())
+    try:
+        attention = attention_implementation(config.attention, config.dtype, config.head_dim, hw.platform)
+    except ValueError as e:  # cudnn asked of a profile or dtype it cannot run on
+        raise ShardingError(f"--attention {config.attention}: {e}") from None
+    flash = attention == "cudnn"
 
     # memory
     memory = state_bytes(params, sizes, rules, config.layers)
@@ -302,7 +308,7 @@ def estimate(plan: PlanInput) -> dict:
         # The executor accumulates gradients in the scan's carry: input and output buffers.
         memory["grads"] *= 2
     layers_local = config.layers // stages
-    per_token_layer = activation_bytes_per_token_layer(config, tensor, sp, hw.flash_attention)
+    per_token_layer = activation_bytes_per_token_layer(config, tensor, sp, flash)
     logits = CE_FP32_PER_VOCAB * config.vocab / tensor * 4
     if schedule:
         # The executor keeps stage inputs in its slots and recomputes one chunk at a time.
@@ -317,7 +323,7 @@ def estimate(plan: PlanInput) -> dict:
         in_flight = schedule.peak_in_flight()
     else:
         # Under remat the backward recomputes one layer at a time (all of it, or what selective dropped).
-        recomputed = _all_activations(config, tensor, sp, hw.flash_attention) * {
+        recomputed = _all_activations(config, tensor, sp, flash) * {
             "full": 1, "selective": ACT_SEL_RECOMPUTE}.get(config.remat, 0)
         memory["activations"] = int(rows * seq * (config.layers * per_token_layer + recomputed + logits))
         in_flight = 1
@@ -389,7 +395,7 @@ def estimate(plan: PlanInput) -> dict:
     return dict(
         model=dataclasses.asdict(config) | {"kind": type(config).__name__[:-6], "dtype": jnp.dtype(config.dtype).name,
                                             "params": sum(math.prod(p.shape) for p in params)},
-        mesh=dict(sizes), strategy=rules.name, schedule=schedule and type(schedule).__name__,
+        attention=attention, mesh=dict(sizes), strategy=rules.name, schedule=schedule and type(schedule).__name__,
         microbatches=m, micro_batch_size=rows, hardware=dataclasses.asdict(hw),
         tokens_per_step=tokens, in_flight_microbatches=in_flight,
         memory_bytes_per_device=dict(total=int(total_memory), **{k: int(v) for k, v in memory.items()}),
@@ -408,7 +414,8 @@ def report(est: dict) -> str:
     lines = [
         f"jshard plan: {model['kind']} {model['layers']} layers, embed {model['embed']}, heads {model['heads']}"
         + (f" ({model['kv_heads']} kv)" if "kv_heads" in model else "") + f", mlp {model['mlp']}, "
-        f"vocab {model['vocab']}, seq {model['seq_len']}: {model['params'] / 1e9:.3g} B params, {model['dtype']}, remat {model['remat']}",
+        f"vocab {model['vocab']}, seq {model['seq_len']}: {model['params'] / 1e9:.3g} B params, {model['dtype']}, remat {model['remat']}, "
+        f"attention {est['attention']}",
         f"  mesh        {mesh} on {hw['name']} ({hw['gpus_per_node']} per node)",
         f"  strategy    {est['strategy']}" + (f", {est['schedule']} m={est['microbatches']}" if est["schedule"] else "")
         + f", micro-batch {est['micro_batch_size']} rows, {est['tokens_per_step']} tokens per step",
