@@ -21,7 +21,7 @@ def test_estimate_matches_compiler(case, model):
 
 def test_plan_cli_json_and_warnings(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    argv = ["plan", "--model", "llama-3.1-70b", "--mesh", "stage=4,tensor=16", "--strategy", "tp+pp",
+    argv = ["plan", "--model", "llama-3.1-70b", "--kv-heads", "16", "--mesh", "stage=4,tensor=16", "--strategy", "tp+pp",
             "--schedule", "1f1b", "--microbatches", "2", "--hbm-gib", "40", "--json", str(out)]
     assert main(argv) == 0
     est = json.loads(out.read_text())
