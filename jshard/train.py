@@ -40,7 +40,7 @@ from jshard.distributed import axes_across_processes, initialize, is_main_proces
 from jshard.mesh import mesh_shape, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags
 from jshard.metrics import PROFILE_STEPS, MetricsFile, device_peak, flops_per_token
 from jshard.nn import attention_implementation
-from jshard.models import PRECISIONS, SIZES, GPTConfig, LlamaConfig, decoder, gpt_loss
+from jshard.models import PRECISIONS, SIZES, DecoderConfig, decoder, gpt_loss
 from jshard.models.stack import REMAT_POLICIES
 from jshard.parallel import ShardedStep, TrainState, build_step, check_strategy, stage_axes
 from jshard.placement import describe, format_bytes
@@ -198,7 +198,7 @@ class Setup:
     """A checked run: what it trains, where, on which data."""
 
     config: TrainConfig
-    model: GPTConfig | LlamaConfig
+    model: DecoderConfig
     seq_len: int
     mesh: jax.sharding.Mesh
     rules: jshard.Rules
@@ -211,7 +211,7 @@ class Setup:
     seed: int
 
 
-def _model_identity(model: GPTConfig | LlamaConfig) -> dict:
+def _model_identity(model: DecoderConfig) -> dict:
     """What a checkpoint must match to be this model's: the architecture, not how it computes."""
     return {k: v for k, v in dataclasses.asdict(model).items() if k not in ("dtype", "remat", "attention")}
 

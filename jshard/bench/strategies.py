@@ -29,7 +29,7 @@ import jshard
 from jshard import flags, hlo, plan
 from jshard.mesh import mesh_shape, parse_axis_sizes, use_fake_cpu_devices_unless_accelerated
 from jshard.metrics import median_step_seconds
-from jshard.models import GPTConfig, decoder, gpt_loss
+from jshard.models import DecoderConfig, decoder, gpt_loss
 from jshard.parallel import ShardedStep, build_step
 from jshard.rules import EXAMPLE_MESHES, example_mesh, format_mesh
 
@@ -48,7 +48,7 @@ def add_parser(benches) -> None:
     parser.set_defaults(run=run)
 
 
-def textbook_bytes(step: ShardedStep, config: GPTConfig, batch_shape) -> int:
+def textbook_bytes(step: ShardedStep, config: DecoderConfig, batch_shape) -> int:
     """Bytes per device per step that the planner's formulas give for this step (`jshard.plan.traffic`)."""
     local_rows = batch_shape[0] // step.data_shards
     comm = plan.traffic(config, step.table.params, mesh_shape(step.mesh), step.rules, step.batch_axes,
@@ -56,7 +56,7 @@ def textbook_bytes(step: ShardedStep, config: GPTConfig, batch_shape) -> int:
     return sum(comm.values())
 
 
-def textbook_memory(step: ShardedStep, config: GPTConfig) -> int:
+def textbook_memory(step: ShardedStep, config: DecoderConfig) -> int:
     """The planner's training state per device (`jshard.plan.state_bytes`): no activations."""
     return sum(plan.state_bytes(step.table.params, mesh_shape(step.mesh), step.rules, config.layers).values())
 
@@ -77,7 +77,7 @@ def parity(step, tokens, reference) -> float:
     )
 
 
-def bench_strategy(preset: str, sizes: dict[str, int], config: GPTConfig, batch, reference, repeats: int) -> dict:
+def bench_strategy(preset: str, sizes: dict[str, int], config: DecoderConfig, batch, reference, repeats: int) -> dict:
     mesh, rules = jshard.make_mesh(**sizes), jshard.preset(preset)
     tx = optax.adamw(1e-3)
 

@@ -12,6 +12,7 @@ from jshard.models.mlp import DeepMLP, MLPConfig, mlp_loss
 from jshard.models.stack import StagedLoss, scan_layers, stack_layers
 
 SIZES = {**GPT_SIZES, **LLAMA_SIZES}
+DecoderConfig = GPTConfig | LlamaConfig
 DECODERS = {GPTConfig: GPT, LlamaConfig: Llama}
 
 
@@ -20,5 +21,5 @@ def decoder(config, rngs):
     return DECODERS[type(config)](config, rngs=rngs)
 
 
-__all__ = ["DECODERS", "GPT", "GPT_SIZES", "LLAMA_SIZES", "PRECISIONS", "SIZES", "GPTConfig", "Llama", "LlamaConfig",
+__all__ = ["DECODERS", "DecoderConfig", "GPT", "GPT_SIZES", "LLAMA_SIZES", "PRECISIONS", "SIZES", "GPTConfig", "Llama", "LlamaConfig",
            "decoder", "gpt_loss", "DeepMLP", "MLPConfig", "mlp_loss", "StagedLoss", "scan_layers", "stack_layers"]

@@ -24,7 +24,7 @@ from flax import nnx
 
 from jshard import metrics
 from jshard.mesh import STANDARD_AXES as AXES
-from jshard.models import GPTConfig, decoder
+from jshard.models import DecoderConfig, GPTConfig, decoder
 from jshard.parallel.pipeline import compile_program
 from jshard.parallel.step import check_strategy
 from jshard.placement import LayoutTable, format_bytes, layout_table
@@ -85,7 +85,7 @@ CE_FP32_PER_VOCAB = 6.0  # logits, softmax and their gradient per token, fp32 (3
 # --- the model's params, placed by the rules ----------------------------------------
 
 
-def layout_table_of(config: GPTConfig, sizes: dict[str, int], rules: Rules) -> LayoutTable:
+def layout_table_of(config: DecoderConfig, sizes: dict[str, int], rules: Rules) -> LayoutTable:
     """The decoder's layout table, the step's own (`placement.layout_table`), from abstract shapes
     on an abstract mesh: no memory is allocated, no device is needed."""
     model = nnx.eval_shape(lambda: decoder(config, nnx.Rngs(0)))
@@ -168,7 +168,7 @@ def param_traffic(params, sizes: dict[str, int], rules: Rules, batch_axes, stage
     return out
 
 
-def tensor_traffic(config: GPTConfig, params, rows: int, seq: int, layers_run: int, sp: bool,
+def tensor_traffic(config: DecoderConfig, params, rows: int, seq: int, layers_run: int, sp: bool,
                    tensor: tuple[str, ...]) -> dict:
     """{(kind, tensor axes): bytes} of Megatron TP / SP for `rows` sequences through `layers_run` layers.
 
@@ -202,7 +202,7 @@ def tensor_traffic(config: GPTConfig, params, rows: int, seq: int, layers_run: i
     return out
 
 
-def traffic(config: GPTConfig, params, sizes: dict[str, int], rules: Rules, batch_axes, rows: int, seq: int,
+def traffic(config: DecoderConfig, params, sizes: dict[str, int], rules: Rules, batch_axes, rows: int, seq: int,
             stage_axis: str | None = None) -> dict:
     """{(kind, axes): bytes} per device per step, but the pipeline's sends: params, TP / SP
     over `rows` local sequences through this stage's layers, and the loss's all-reduce."""
@@ -230,7 +230,7 @@ def sends(schedule) -> tuple[int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class PlanInput:
-    config: GPTConfig
+    config: DecoderConfig
     sizes: dict  # mesh axis -> size, every standard axis present
     strategy: str = "dp"
     schedule: str | None = None
@@ -257,7 +257,7 @@ def _wire_factor(kind: str, n: int) -> float:
     return {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(kind, (n - 1) / n)
 
 
-def activation_bytes_per_token_layer(config: GPTConfig, tensor: int, sp: bool, flash: bool) -> float:
+def activation_bytes_per_token_layer(config: DecoderConfig, tensor: int, sp: bool, flash: bool) -> float:
     itemsize = jnp.dtype(config.dtype).itemsize
     h = config.embed
     if config.remat == "full":
@@ -269,7 +269,7 @@ def activation_bytes_per_token_layer(config: GPTConfig, tensor: int, sp: bool, f
     return _all_activations(config, tensor, sp, flash)
 
 
-def _all_activations(config: GPTConfig, tensor: int, sp: bool, flash: bool) -> float:
+def _all_activations(config: DecoderConfig, tensor: int, sp: bool, flash: bool) -> float:
     """Bytes per token of one layer that keeps everything for its backward."""
     h, f, scores = config.embed, config.mlp, 0 if flash else config.heads * config.seq_len
     split = ACT_H_SHARDED * h + ACT_F * f + ACT_SCORES * scores

@@ -15,7 +15,7 @@ from flax import nnx
 
 from jshard import hlo
 from jshard.mesh import STANDARD_AXES, make_mesh, mesh_shape
-from jshard.models import GPTConfig, LlamaConfig, decoder, gpt_loss
+from jshard.models import DecoderConfig, GPTConfig, LlamaConfig, decoder, gpt_loss
 from jshard.parallel.step import build_step
 from jshard.plan.estimate import HARDWARE, PlanInput, estimate
 from jshard.rules import default_mesh, example_mesh, preset
@@ -39,7 +39,7 @@ VALIDATION_MODELS = {"gpt": VALIDATION_MODEL,
 MEMORY_TOLERANCE = 0.10
 
 
-def compiled_pipeline_permute_bytes(schedule, config: GPTConfig, rows: int) -> int:
+def compiled_pipeline_permute_bytes(schedule, config: DecoderConfig, rows: int) -> int:
     """What hlo.collectives counts for the executor's two ppermutes: they sit in a `cond`
     inside the scan over ticks, so it counts them on every tick; the planner's figure
     (`sends`) counts only the ticks in which some stage sends."""
