@@ -266,7 +266,8 @@ def preset(name: str, strict: bool = False) -> Rules:
     tp, sp = "tp" in parts or "sp" in parts, "sp" in parts
 
     # Priority order matters only where two names want one axis: attention activations
-    # (batch, seq, heads, kv) give `tensor` to heads, and seq falls back to replicated.
+    # (batch, seq, heads or kv_heads, kv) give `tensor` to the heads, and seq falls back to
+    # replicated. A Llama's grouped KV heads split over `tensor` as its query heads do.
     tensor_names = [("vocab", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor")] if tp else []
     batch_axes = tuple(a for a, on in (("data", "dp" in parts), ("fsdp", bool(zeros))) if on)
     params = tensor_names + ([("embed", "fsdp")] if zeros else []) + ([("layers", "stage")] if "pp" in parts else [])
