@@ -321,8 +321,9 @@ def default_mesh(rules: Rules, devices: int) -> dict[str, int]:
 
 
 def format_mesh(sizes: Mapping[str, int]) -> str:
-    """{'data': 2, 'tensor': 4} -> 'data=2,tensor=4', as --mesh takes it."""
-    return ",".join(f"{axis}={size}" for axis, size in sizes.items())
+    """{'data': 2, 'stage': 1, 'tensor': 4} -> 'data=2,tensor=4', as --mesh takes it (axes of
+    size 1 left out, as --mesh may leave them)."""
+    return ",".join(f"{axis}={size}" for axis, size in sizes.items() if size != 1)
 
 
 # -- activations -----------------------------------------------------------------------

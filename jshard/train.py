@@ -303,7 +303,7 @@ def _setup_lines(p: Setup, abstract_model, abstract_opt) -> list[str]:
     if p.microbatches:
         pipeline = f", schedule {c.schedule or 'gpipe'} over {p.microbatches} micro-batches"
     lines = [
-        f"model       {type(m).__name__[:-6]} {c.model}: {m.layers} layers, embed {m.embed}, {m.heads} heads"
+        f"model       {m.family} {c.model}: {m.layers} layers, embed {m.embed}, {m.heads} heads"
         f"{f' ({m.kv_heads} kv)' if hasattr(m, 'kv_heads') else ''}, mlp {m.mlp}, "
         f"{_fmt_count(count)} params, bytes as tokens (vocab {m.vocab})",
         f"devices     {jax.device_count()} × {jax.devices()[0].device_kind}, mesh {mesh}" + _processes(p.mesh),

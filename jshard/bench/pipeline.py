@@ -63,7 +63,7 @@ def run(args) -> int:
     flat_s = median_step_seconds(flat, flat.shard_batch(batch), args.repeats)
     device = jax.devices()[0]
     print(f"# jshard bench pipeline: {jax.device_count()} × {device.device_kind} ({device.platform}), "
-          f"mesh {format_mesh({a: n for a, n in mesh_shape(mesh).items() if n > 1})}, m={args.microbatches}, GPT layers={config.layers} "
+          f"mesh {format_mesh(mesh_shape(mesh))}, m={args.microbatches}, {config.family} layers={config.layers} "
           f"embed={config.embed} seq={config.seq_len} batch={args.batch_size}, AdamW, fp32, median of {args.repeats}")
     print(f"# unpipelined (dp over all {jax.device_count()} devices): {flat_s * 1e3:.1f} ms; textbook pipelined "
           f"= (1 + bubble) x {RECOMPUTE:.2f} of it (backward recomputes the chunk's forward)")

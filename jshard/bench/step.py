@@ -197,7 +197,7 @@ def measure(args) -> dict:
         datasheet_source=datasheet.source if datasheet else None, loss=loss, plain_loss=plain_first_loss,
         plain_tokens_per_s=batch * seq / plain_s, plain_tflops=flops * step_s / plain_s / 1e12,
         plain_mfu_measured_peak=flops * step_s / plain_s / measured_peak, n_devices=len(devices),
-        mesh=format_mesh({a: n for a, n in mesh_shape(mesh).items() if n > 1}) or "one device",
+        mesh=format_mesh(mesh_shape(mesh)) or "one device",
     )
 
 
@@ -211,7 +211,7 @@ def report(r: dict, args, flags: str) -> str:
     matmul_n = CPU_MATMUL if r["platform"] == "cpu" else GPU_MATMUL
     lines = [
         f"# jshard bench step: {r['device']} ({r['platform']}), jax {jax.__version__}, XLA flags: {flags}",
-        f"  model       {type(c).__name__[:-6]} {r['model']}: {c.layers} layers, embed {c.embed}, {c.heads} heads, "
+        f"  model       {c.family} {r['model']}: {c.layers} layers, embed {c.embed}, {c.heads} heads, "
         f"mlp {c.mlp}, "
         f"vocab {c.vocab}, {r['model_params'] / 1e6:.3f} M params",
         f"  step        batch {r['batch']} x seq {r['seq']}, {r['precision']} compute, AdamW, {args.strategy} on "

@@ -98,7 +98,7 @@ def bench_strategy(preset: str, sizes: dict[str, int], config: DecoderConfig, ba
     # Last: a timed step donates the step's initial state.
     step_s, gspmd_s = median_step_seconds(step, tokens, repeats), median_step_seconds(xla, tokens, repeats)
     return dict(
-        strategy=rules.name, mesh=format_mesh({a: n for a, n in mesh_shape(mesh).items() if n > 1}), comm_bytes=comm, textbook_bytes=textbook,
+        strategy=rules.name, mesh=format_mesh(mesh_shape(mesh)), comm_bytes=comm, textbook_bytes=textbook,
         comm_ratio=comm / textbook if textbook else float("nan"),
         memory_bytes_per_device=memory.argument_size_in_bytes + memory.output_size_in_bytes
         - memory.alias_size_in_bytes + memory.temp_size_in_bytes,
@@ -127,7 +127,7 @@ def run(args) -> int:
     batch = np.random.default_rng(0).integers(0, config.vocab, (args.batch_size, config.seq_len + 1))
     reference = nnx.grad(gpt_loss)(decoder(config, nnx.Rngs(0)), batch)
     device = jax.devices()[0]
-    print(f"# jshard bench strategies: {jax.device_count()} × {device.device_kind} ({device.platform}), GPT "
+    print(f"# jshard bench strategies: {jax.device_count()} × {device.device_kind} ({device.platform}), {config.family} "
           f"layers={config.layers} embed={config.embed} heads={config.heads} seq={config.seq_len} batch={args.batch_size}, "
           f"AdamW, fp32, median of {args.repeats}")
     if device.platform == "cpu":

@@ -49,6 +49,7 @@ class GPTConfig:
     # Linears reading a block's normed residual (qkv, up): under TP each reduces its own input
     # gradient, so the planner counts them (`plan.estimate.tensor_traffic`).
     input_projections = 2
+    family = "GPT"  # what reports call the model
 
     @property
     def matmul_weights(self) -> int:

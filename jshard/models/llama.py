@@ -53,6 +53,7 @@ class LlamaConfig:
         return self.embed // self.heads
 
     input_projections = 3  # q, kv, gate_up: see GPTConfig
+    family = "Llama"
 
     @property
     def matmul_weights(self) -> int:

@@ -389,11 +389,11 @@ def estimate(plan: PlanInput) -> dict:
     if schedule and m < stages:
         warnings.append(f"m < p: {m} micro-batches for {stages} stages leave most of the pipeline idle")
     if not isinstance(config, GPTConfig):
-        warnings.append(f"activations: the GPT block's measured bytes per token; a {type(config).__name__[:-6]} "
+        warnings.append(f"activations: the GPT block's measured bytes per token; a {config.family} "
                         "block's (gated MLP, grouped KV heads) are not yet measured")
 
     return dict(
-        model=dataclasses.asdict(config) | {"kind": type(config).__name__[:-6], "dtype": jnp.dtype(config.dtype).name,
+        model=dataclasses.asdict(config) | {"kind": config.family, "dtype": jnp.dtype(config.dtype).name,
                                             "params": sum(math.prod(p.shape) for p in params)},
         attention=attention, mesh=dict(sizes), strategy=rules.name, schedule=schedule and type(schedule).__name__,
         microbatches=m, micro_batch_size=rows, hardware=dataclasses.asdict(hw),

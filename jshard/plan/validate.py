@@ -18,7 +18,7 @@ from jshard.mesh import STANDARD_AXES, make_mesh, mesh_shape
 from jshard.models import DecoderConfig, GPTConfig, LlamaConfig, decoder, gpt_loss
 from jshard.parallel.step import build_step
 from jshard.plan.estimate import HARDWARE, PlanInput, estimate
-from jshard.rules import default_mesh, example_mesh, preset
+from jshard.rules import default_mesh, example_mesh, format_mesh, preset
 
 # Every strategy on its example mesh (`rules.EXAMPLE_MESHES`), each remat policy with and
 # without tensor and sequence parallelism, and every pipeline schedule: (strategy,
@@ -70,7 +70,7 @@ def validate_one(strategy: str, microbatches, schedule, remat: str, mesh: str = 
         predicted["collective-permute"] = compiled_pipeline_permute_bytes(step.schedule, config, rows)
     predicted_memory = est["memory_bytes_per_device"]["total"]
     return dict(
-        model=type(config).__name__[:-6], strategy=rules.name, mesh=",".join(f"{a}={n}" for a, n in mesh_shape(mesh).items() if n > 1),
+        model=config.family, strategy=rules.name, mesh=format_mesh(mesh_shape(mesh)),
         schedule=schedule or "-", remat=remat,
         memory_predicted=predicted_memory, memory_compiled=measured,
         memory_rel_err=predicted_memory / measured - 1,
