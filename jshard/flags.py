@@ -6,7 +6,8 @@
     --strategy PRESET    rules preset, e.g. dp+fsdp+tp+sp+pp
     --mesh SIZES         e.g. data=2,fsdp=2,tensor=2; one axis may be -1 (the devices left);
                          not given: `rules.default_mesh` of the strategy over the devices
-    --precision NAME     compute dtype (`models.PRECISIONS`)
+    --precision NAME     precision policy (`jshard.precision`: fp32, bf16 compute, mixed);
+                         --grad-reduce fp32|bf16 its gradient reduction dtype
     --remat POLICY       activation checkpointing of each block (`models.stack.REMAT_POLICIES`)
     --schedule, --microbatches, --virtual    the pipeline, when the strategy has pp
     --fake-devices N     CPU devices to fake when no accelerator is present
@@ -24,7 +25,8 @@ import json
 
 from jshard.mesh import parse_axis_sizes
 from jshard.nn import ATTENTION
-from jshard.models import PRECISIONS, SIZES
+from jshard.models import SIZES
+from jshard.precision import PRECISIONS, REDUCE_DTYPES, Precision, precision
 from jshard.models.stack import REMAT_POLICIES
 from jshard.parallel.schedules import SCHEDULES
 from jshard.rules import Rules, default_mesh
@@ -118,7 +120,18 @@ def add_mesh(parser, default: str | None = None, shown: str | None = None) -> No
 
 def add_precision(parser, default: str | None, shown: str | None = None) -> None:
     parser.add_argument("--precision", choices=PRECISIONS, default=default,
-                        help=_shown("compute dtype; params and optimizer state stay fp32", default, shown))
+                        help=_shown("fp32; bf16 (bf16 compute over fp32 params); mixed (bf16 params and grads, "
+                                    "fp32 master and Adam moments in the optimizer's ZeRO layout)", default, shown))
+    parser.add_argument("--grad-reduce", choices=REDUCE_DTYPES,
+                        help="dtype of the gradient reduction (default: the precision's, fp32)")
+
+
+def precision_of(args, default: str = "fp32") -> Precision:
+    """The policy --precision and --grad-reduce name (`default` where --precision is not given)."""
+    try:
+        return precision(args.precision or default, getattr(args, "grad_reduce", None))
+    except ValueError as e:
+        raise FlagError(f"--precision/--grad-reduce: {e}") from None
 
 
 def add_remat(parser, default: str | None = "none", shown: str | None = None) -> None:

@@ -10,6 +10,10 @@ each kind (see docs/strategies.md):
     reduce-scatter      the buffer before scattering          ((N-1)/N · K)
     all-to-all          the buffer each device sends          ((N-1)/N · K)
     collective-permute  the buffer each device sends          (K)
+
+XLA:CPU has no bf16 collectives: it widens each to f32 (converts around it), and so would
+double what a bf16 program moves. Given the program as jshard lowered it (StableHLO, what a
+GPU runs), `collectives(..., program=)` counts each buffer in the dtype the program gave it.
 """
 
 from __future__ import annotations
@@ -43,15 +47,6 @@ _GROUPS_MESH = re.compile(
 _MESH_AXIS = re.compile(r"'?(?P<name>[\w.\-]+)'?=(?P<size>\d+)")
 _GROUP_AXIS = re.compile(r"'?(?P<name>[\w.\-]+)'?(?::\(\d+\)(?P<sub>\d+))?")
 _PARTITIONS = re.compile(r"\bnum_partitions=(?P<n>\d+)")
-
-
-def _bytes(shapes: str) -> int:
-    """Total bytes of every array shape written in `shapes`, e.g. '(f32[8,16], bf16[4])'."""
-    total = 0
-    for m in _SHAPE.finditer(shapes):
-        itemsize = _ITEMSIZE.get(m["dtype"]) or int(m["dtype"][1:]) // 8
-        total += math.prod(int(d) for d in m["dims"].split(",") if d) * itemsize
-    return total
 
 
 def _group_size(line: str, devices: int) -> int:
@@ -118,8 +113,35 @@ def _executions(blocks: dict[str, list[str]], entry: str) -> dict[str, int]:
     return runs
 
 
-def collectives(hlo_text: str) -> list[Collective]:
-    """Every collective of a compiled HLO module, with how often it runs."""
+_PROGRAM_OP = re.compile(r'"stablehlo\.(?P<kind>all_reduce|all_gather|reduce_scatter|all_to_all|collective_permute)"')
+_PROGRAM_TYPES = re.compile(r"[)>]\s*:\s*\((?P<operands>[^)]*)\)\s*->\s*(?P<results>.*)$")
+_TENSOR = re.compile(r"tensor<(?P<dims>(?:\d+x)*)(?P<dtype>[a-z]+\d*)>")
+
+
+def program_dtypes(program_text: str) -> dict[tuple[str, int], set[str]]:
+    """{(kind, elements of K): the dtypes the program gives such buffers}, from StableHLO text."""
+    found: dict[tuple[str, int], set[str]] = collections.defaultdict(set)
+    kind = None
+    for line in program_text.splitlines():
+        if m := _PROGRAM_OP.search(line):
+            kind = m["kind"].replace("_", "-")
+        if kind and (types := _PROGRAM_TYPES.search(line)):
+            # K: the operand of a reduce-scatter, the result of the others (module docstring)
+            for t in _TENSOR.finditer(types["operands" if kind == "reduce-scatter" else "results"]):
+                elements = math.prod(int(d) for d in t["dims"].split("x") if d)
+                found[kind, elements].add({"i1": "pred"}.get(t["dtype"], t["dtype"]))
+            kind = None
+    return found
+
+
+def _itemsize(dtype: str) -> int:
+    return _ITEMSIZE.get(dtype) or int(dtype[1:]) // 8
+
+
+def collectives(hlo_text: str, program: str | None = None) -> list[Collective]:
+    """Every collective of a compiled HLO module, with how often it runs; with the lowered
+    `program` (StableHLO text), its buffers in the program's dtypes (see the module docstring)."""
+    asked = program_dtypes(program) if program else {}
     blocks, entry = _computations(hlo_text)
     runs = _executions(blocks, entry)
     devices = int(m["n"]) if (m := _PARTITIONS.search(hlo_text)) else 1
@@ -129,7 +151,13 @@ def collectives(hlo_text: str) -> list[Collective]:
             if not (m := _OP.search(line)):
                 continue
             group = _group_size(line, devices)
-            buffers = [_bytes(shape.group(0)) for shape in _SHAPE.finditer(m["result"])]
+            buffers = []
+            for shape in _SHAPE.finditer(m["result"]):
+                elements = math.prod(int(d) for d in shape["dims"].split(",") if d)
+                k = elements * (group if m["kind"] == "reduce-scatter" and not m["start"] else 1)
+                dtypes = asked.get((m["kind"], k), set())
+                dtype = next(iter(dtypes)) if len(dtypes) == 1 else shape["dtype"]
+                buffers.append(elements * _itemsize(dtype))
             # A combined collective returns a tuple of buffers; an async start returns
             # (operand, result): keep the larger, the gathered or reduced buffer.
             if m["start"]:
@@ -140,9 +168,9 @@ def collectives(hlo_text: str) -> list[Collective]:
     return found
 
 
-def bytes_by_kind(hlo_text: str) -> dict[str, int]:
+def bytes_by_kind(hlo_text: str, program: str | None = None) -> dict[str, int]:
     """{kind: bytes per device per program run}, for the kinds present."""
     totals: dict[str, int] = collections.Counter()
-    for c in collectives(hlo_text):
+    for c in collectives(hlo_text, program):
         totals[c.kind] += c.bytes * c.count
     return {kind: n for kind, n in totals.items() if n}

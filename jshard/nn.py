@@ -195,9 +195,10 @@ class ShardWithReplica(_SplitParam):
     split: Layout = dataclasses.field(metadata=dict(static=True))  # the replica's layout, as LocalBlock's
     batch_axes: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))
     path: str = dataclasses.field(metadata=dict(static=True))
+    reduce: object = dataclasses.field(default=None, metadata=dict(static=True))  # the scatter's dtype (None: the gradient's)
 
     def _local(self):
-        return _replica_with_scattered_grad(self.shard, self.replica, self.dim, self.axes, self.vary)
+        return _replica_with_scattered_grad(self.shard, self.replica, self.dim, self.axes, self.vary, self.reduce)
 
     def _held(self):  # what `_local` computes with, for its shape and dtype
         return self.replica
@@ -223,22 +224,24 @@ def recording_whole_reads(into: dict[str, tuple[str, ...]]):
         _whole_reads = outer
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _replica_with_scattered_grad(shard, replica, dim, axes, vary):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _replica_with_scattered_grad(shard, replica, dim, axes, vary, reduce):
     # Varying over the batch axes, so autodiff hands backward this device's own gradient.
     return vma.vary(replica, vary)
 
 
-def _replica_fwd(shard, replica, dim, axes, vary):
+def _replica_fwd(shard, replica, dim, axes, vary, reduce):
     # The shard is kept only for its type (a param: alive anyway).
-    return _replica_with_scattered_grad(shard, replica, dim, axes, vary), shard
+    return _replica_with_scattered_grad(shard, replica, dim, axes, vary, reduce), shard
 
 
-def _replica_bwd(dim, axes, vary, shard, cotangent):
-    grad = lax.psum_scatter(cotangent, axes, scatter_dimension=dim % cotangent.ndim, tiled=True)
-    # Typed as the shard, which may vary where the replica does not (a pipeline's stage axis).
+def _replica_bwd(dim, axes, vary, reduce, shard, cotangent):
+    grad = lax.psum_scatter(cotangent.astype(reduce or cotangent.dtype), axes,
+                            scatter_dimension=dim % cotangent.ndim, tiled=True)
+    # Typed as the shard, which may vary where the replica does not (a pipeline's stage axis),
+    # in its dtype (the master's, where the shard is the fp32 master of a bf16 replica).
     # The replica is not differentiated (None: a zero cotangent, never materialised).
-    return vma.vary(grad, vma.varying_axes(shard)), None
+    return vma.vary(grad.astype(shard.dtype), vma.varying_axes(shard)), None
 
 
 _replica_with_scattered_grad.defvjp(_replica_fwd, _replica_bwd)
@@ -272,14 +275,34 @@ def gathers_weights() -> bool:
     return _in_step() and rules.zero == 3 and any(lax.axis_size(a) > 1 for a in rules.zero_axes)
 
 
+def holds_replicas() -> bool:
+    """Inside a step whose params are replicas with sharded gradients (ZeRO-2)."""
+    rules = active_rules()
+    return _in_step() and rules.zero == 2 and any(lax.axis_size(a) > 1 for a in rules.zero_axes)
+
+
+_CASTS = {"pvary", "pcast", "convert_element_type"}
+
+
+def _only_casts(params) -> bool:
+    jaxpr = params.get("call_jaxpr")
+    return jaxpr is not None and all(str(e.primitive) in _CASTS for e in jaxpr.jaxpr.eqns)
+
+
 def remat_policy(primitive, *_, **params) -> bool:
-    """Inside a ZeRO-3 step: save everything for backward except weights gathered over ZeRO axes.
+    """Inside a ZeRO-2 or ZeRO-3 step: save everything for backward except weights gathered
+    over ZeRO axes, and except a param's mere type cast.
 
     The JAX shard_map tutorial's "FSDP as a remat policy": backward gathers each weight
     again instead of keeping every layer's gathered copy alive until then. Activations
     gathered over other axes (sequence parallelism's, over `tensor`) are kept: gathering
     them again would cost as much traffic as they save memory.
+
+    ZeRO-2's weight, the replica typed varying (`ShardWithReplica`), costs nothing to
+    recompute; saved, a layer scan would stack a copy of every layer's weights for backward.
     """
+    if str(primitive) in _CASTS or (str(primitive) == "custom_vjp_call" and _only_casts(params)):
+        return False
     if str(primitive) != "all_gather":
         return True
     axes = params.get("axis_name", ())

@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jshard.mesh import mesh_shape
+from jshard.precision import Precision, precision as precision_policy
 from jshard.rules import ZERO_KINDS, Kind, Rules, ShardingError, axes_of, layout_of, raise_problems, resolve
 
 
@@ -102,10 +103,14 @@ def place(tree, mesh: Mesh, rules: Rules, kind: Kind = "param") -> list[Placemen
 
 @dataclasses.dataclass(frozen=True)
 class ParamLayout:
-    """One param as the step holds it: its placements and layouts (a tuple of mesh axes per dim)."""
+    """One param as the step holds it: its placements and layouts (a tuple of mesh axes per
+    dim), and its dtypes under the step's precision policy (`jshard.precision`)."""
 
     placement: Placement  # in the `param` layout: spec, bytes per device, what `describe` flags
     opt_placement: Placement  # in the `opt` layout: the optimizer state's, the update's (ZeRO)
+    held: np.dtype  # the params' dtype on the devices, gathered and differentiated
+    reduce: np.dtype  # the gradient reduction's
+    master: np.dtype | None  # the optimizer's copy in the `opt` layout, beside Adam's moments; None: the param
 
     path = property(lambda self: self.placement.path)
     shape = property(lambda self: self.placement.shape)
@@ -117,12 +122,22 @@ class ParamLayout:
         return self.placement.names or (None,) * len(self.shape)
 
     @property
-    def itemsize(self) -> int:
-        return self.placement.dtype.itemsize
+    def elements(self) -> int:
+        return math.prod(self.shape)
 
     @property
     def bytes(self) -> int:
-        return math.prod(self.shape) * self.itemsize
+        """As held on the devices (and gathered)."""
+        return self.elements * self.held.itemsize
+
+    @property
+    def reduce_bytes(self) -> int:
+        return self.elements * self.reduce.itemsize
+
+    @property
+    def optimizer_dtype(self) -> np.dtype:
+        """What the optimizer updates, and its moments are in: the master's dtype, or the param's."""
+        return self.master or self.held
 
     @property
     def stacked_kernel(self) -> bool:
@@ -139,6 +154,7 @@ class LayoutTable:
     rules: Rules
     mesh_sizes: dict[str, int]
     params: tuple[ParamLayout, ...]  # in the leaf order of the params' State
+    precision: Precision | None  # None: params held as the model holds them, no master
     batch_axes: tuple[str, ...]  # the batch dim's, size-1 axes included
     stage_axes: tuple[str, ...]  # the stacked layers', of size > 1: a pipeline when not empty
 
@@ -153,11 +169,16 @@ class LayoutTable:
         return Report(self.rules, self.mesh_sizes, "param", tuple(p.placement for p in self.params))
 
 
-def layout_table(params, mesh: Mesh, rules: Rules) -> LayoutTable:
+def layout_table(params, mesh: Mesh, rules: Rules, precision: Precision | str | None = None) -> LayoutTable:
     """Resolve every layout of `params` (a State, or an abstract one) on `mesh` (or an
-    AbstractMesh: the planner needs no devices). Every bad input raises here."""
-    placed = zip(place(params, mesh, rules, "param"), place(params, mesh, rules, "opt"))
-    return LayoutTable(rules, mesh_shape(mesh), tuple(ParamLayout(*rows) for rows in placed),
+    AbstractMesh: the planner needs no devices), and every dtype under `precision` (a
+    `jshard.precision` name or policy; None: as the params are). Every bad input raises here."""
+    policy = precision_policy(precision)
+    rows = []
+    for placed, opt in zip(place(params, mesh, rules, "param"), place(params, mesh, rules, "opt")):
+        held = policy.param if policy else placed.dtype
+        rows.append(ParamLayout(placed, opt, held, policy.reduce if policy else held, policy and policy.master))
+    return LayoutTable(rules, mesh_shape(mesh), tuple(rows), policy,
                        rules.axes("batch", mesh), rules.axes("layers", mesh, "param", split=True))
 
 

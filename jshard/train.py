@@ -40,10 +40,11 @@ from jshard.distributed import axes_across_processes, initialize, is_main_proces
 from jshard.mesh import mesh_shape, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags
 from jshard.metrics import PROFILE_STEPS, MetricsFile, device_peak, flops_per_token
 from jshard.nn import attention_implementation
-from jshard.models import PRECISIONS, SIZES, DecoderConfig, decoder, gpt_loss
+from jshard.models import SIZES, DecoderConfig, decoder, gpt_loss
 from jshard.models.stack import REMAT_POLICIES
 from jshard.parallel import ShardedStep, TrainState, build_step, check_strategy, stage_axes
 from jshard.placement import describe, format_bytes
+from jshard.precision import PRECISIONS, REDUCE_DTYPES, Precision, precision
 
 PIPELINE_MICROBATCHES = 4  # when the strategy pipelines and --microbatches is not given
 
@@ -74,7 +75,8 @@ class TrainConfig:
     seq_len: int | None = None  # None: 64, or the model's when shorter
     lr: float = 3e-3
     warmup: int | None = None  # None: steps // 10
-    precision: str = "fp32"
+    precision: str = "fp32"  # jshard.precision: fp32, bf16 (compute), mixed (bf16 params, fp32 master)
+    grad_reduce: str | None = None  # the gradient reduction's dtype; None: the precision's
     grad_accum: int = 1
     remat: str = "none"
     checkpoint_dir: str | None = None
@@ -165,6 +167,7 @@ def run(args) -> int:
 REQUIRED_INTS = ("steps", "batch_size", "grad_accum", "fake_devices")
 OPTIONAL_INTS = ("seq_len", "microbatches", "virtual", "checkpoint_every", "log_every") + flags.MODEL_FIELDS
 CHOICES = {"model": SIZES, "precision": PRECISIONS, "remat": REMAT_POLICIES}
+OPTIONAL_CHOICES = {"grad_reduce": REDUCE_DTYPES}
 
 
 def _check_values(config: TrainConfig) -> None:
@@ -186,8 +189,8 @@ def _check_values(config: TrainConfig) -> None:
             raise TrainError(f"{flag(name)} must be a positive number, got {value!r}")
     if config.warmup is not None and not (isinstance(config.warmup, int) and 0 <= config.warmup < config.steps):
         raise TrainError(f"--warmup must be an int in 0..steps-1 ({config.steps - 1}), got {config.warmup!r}")
-    for name, known in CHOICES.items():
-        if getattr(config, name) not in known:
+    for name, known in CHOICES.items() | OPTIONAL_CHOICES.items():
+        if getattr(config, name) not in known and (getattr(config, name) is not None or name in CHOICES):
             raise TrainError(f"unknown {flag(name)} {getattr(config, name)!r}; choose one of {', '.join(known)}")
     if config.checkpoint_dir is None and (config.resume or config.checkpoint_every):
         raise TrainError("--resume and --checkpoint-every need --checkpoint-dir DIR")
@@ -203,6 +206,7 @@ class Setup:
     mesh: jax.sharding.Mesh
     rules: jshard.Rules
     microbatches: int | None
+    precision: Precision
     step_kwargs: dict
     batch_shards: int  # what one micro-step's batch splits into: batch axes × pipeline micro-batches
     batch_axes: tuple[str, ...]
@@ -225,7 +229,8 @@ def set_up(config: TrainConfig) -> Setup:
     rules = jshard.preset(config.strategy)
     mesh = jshard.make_mesh(**flags.mesh_sizes(config.mesh, rules, jax.device_count()))
     overrides = {f: getattr(config, f) for f in flags.MODEL_FIELDS + ("attention",) if getattr(config, f) is not None}
-    model = flags.model_config(config.model, overrides, dtype=PRECISIONS[config.precision], remat=config.remat)
+    policy = precision(config.precision, config.grad_reduce)
+    model = flags.model_config(config.model, overrides, dtype=policy.compute, remat=config.remat)
     try:
         attention_implementation(model.attention, model.dtype, model.head_dim)
     except ValueError as e:
@@ -267,18 +272,19 @@ def set_up(config: TrainConfig) -> Setup:
             checkpoints.close()
             raise
     seed = config.seed if config.seed is not None else (record["seed"] if record else 0)
-    return Setup(config, model, seq_len, mesh, rules, microbatches, step_kwargs, batch_shards, batch_axes,
+    return Setup(config, model, seq_len, mesh, rules, microbatches, policy, step_kwargs, batch_shards, batch_axes,
                 checkpoints, record, seed)
 
 
 # -- the run -----------------------------------------------------------------------------
 
 
-def _portable(state: TrainState) -> dict:
-    """What a checkpoint holds: params and the optimizer's state between steps (without
-    gradient accumulation's, empty there), so it restores under any --grad-accum; in the
-    model's layer order (`ShardedStep.to_model_order`), so under any pipeline schedule."""
-    return {"params": state.params, "opt_state": optim.inner_state(state.opt_state)}
+def _portable(step: ShardedStep, state: TrainState) -> dict:
+    """What a checkpoint holds: the params at full precision (the fp32 master under `mixed`),
+    so it restores under any --precision, and the optimizer's state between steps (without
+    gradient accumulation's, empty there), so under any --grad-accum; in the model's layer
+    order (`ShardedStep.to_model_order`), so under any pipeline schedule."""
+    return {"params": step.full_params(state), "opt_state": optim.inner_state(state.opt_state)}
 
 
 def _abstract(tree):
@@ -314,7 +320,7 @@ def _setup_lines(p: Setup, abstract_model, abstract_opt) -> list[str]:
         f"batch       {c.batch_size} rows × {p.seq_len} tokens = {c.batch_size * p.seq_len} tokens per step "
         f"over {'+'.join(p.batch_axes) or 'no axis'}" + (f", {c.grad_accum} micro-steps" if c.grad_accum > 1 else ""),
         f"training    {c.steps} steps, AdamW lr {c.lr:g} (warm-up {_warmup(c)}, cosine to {c.lr / 10:g}), "
-        f"clip 1.0, compute {c.precision}, remat {c.remat}",
+        f"clip 1.0, precision {p.precision.describe()}, remat {c.remat}",
         f"data        {len(data.corpus_tokens()) / 1e3:.1f} k tokens of public-domain text ({data.CORPUS}), "
         f"seed {p.seed}",
     ]
@@ -360,14 +366,14 @@ def _start(p: Setup, tx, say) -> tuple[ShardedStep, TrainState, int, int]:
     for line in _setup_lines(p, abstract, jax.eval_shape(tx.init, nnx.state(abstract))):
         say("  " + line)
     step = build_step(jshard.init(make_model, p.mesh, p.rules), tx, gpt_loss, p.mesh, p.rules,
-                      p.microbatches, **p.step_kwargs)
+                      p.microbatches, precision=p.precision, **p.step_kwargs)
     if not p.record:
         return step, step.state, 0, 0
     start, position = p.record["step"], p.record["data_position"]
-    saved = p.checkpoints.restore(start, _abstract(_portable(step.state)))  # into this step's layout
-    state = step.from_model_order(
-        TrainState(saved["params"], optim.with_inner_state(step.state.opt_state, saved["opt_state"], start),
-                   step.state.model_state))  # (jshard's models hold Params only)
+    saved = p.checkpoints.restore(start, _abstract(_portable(step, step.state)))  # into this step's layout
+    state = TrainState(None, optim.with_inner_state(step.state.opt_state, saved["opt_state"], start),
+                       step.state.model_state)  # (jshard's models hold Params only)
+    state = step.from_model_order(step.with_params(state, saved["params"]))
     say(f"  resumed     step {start} from {p.checkpoints.directory} (saved under {p.record['strategy']} "
         f"on {p.record['mesh']}), data position {position} rows")
     return step, state, start, position
@@ -416,7 +422,7 @@ def _train(p: Setup, out) -> TrainResult:
             if done % log_every == 0 or done == c.steps or index == start:
                 bar.write(f"step {done:5d}  {shown}" + ("  (compiling)" if index == start else ""), file=out)
             if p.checkpoints and (done == c.steps or (c.checkpoint_every and done % c.checkpoint_every == 0)):
-                p.checkpoints.save(done, _portable(step.to_model_order(state)), _record(p, done, position, loss))
+                p.checkpoints.save(done, _portable(step, step.to_model_order(state)), _record(p, done, position, loss))
                 saved_at = done
     summary = _summary(p, losses, times, start, time.perf_counter() - begin, peak, flops_per_step, saved_at)
     say(summary)

@@ -46,7 +46,7 @@ from jshard.mesh import GPU_XLA_FLAGS, mesh_shape, use_fake_cpu_devices_unless_a
 from jshard.metrics import (CPU_MATMUL, PROFILE_STEPS, best_seconds, device_peak, flops_per_token,
                             measured_matmul_flops)
 from jshard.bench.plain import PlainDecoder, plain_from, plain_loss
-from jshard.models import PRECISIONS, decoder, gpt_loss
+from jshard.models import decoder, gpt_loss
 from jshard.parallel import build_step
 from jshard.rules import format_mesh
 
@@ -143,13 +143,13 @@ def copy_gbps(devices, nbytes: int) -> float:
 
 def _platform_defaults(args, platform: str):
     model, batch, precision = DEFAULTS["cpu" if platform == "cpu" else "gpu"]
-    config = flags.model_config(args.model or model, flags.model_overrides(args),
-                                dtype=PRECISIONS[args.precision or precision])
+    policy = flags.precision_of(args, precision)
+    config = flags.model_config(args.model or model, flags.model_overrides(args), dtype=policy.compute)
     seq = args.seq_len or config.seq_len
     batch = args.batch_size or batch
     if seq > config.seq_len:
         raise FlagError(f"--seq-len {seq}: model {args.model or model} takes 1..{config.seq_len} tokens per row")
-    return args.model or model, config, seq, batch, args.precision or precision
+    return args.model or model, config, seq, batch, policy
 
 
 def mesh_of(args) -> dict[str, int]:
@@ -179,7 +179,7 @@ def measure(args) -> dict:
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     plain = plain_from(model)  # before build_step takes the model's arrays
 
-    step = build_step(model, tx, gpt_loss, mesh, jshard.preset(args.strategy))
+    step = build_step(model, tx, gpt_loss, mesh, jshard.preset(args.strategy), precision=precision)
     plain_fn, plain_state, rows = plain_step(plain, tx, devices)
     del model, plain  # the steps hold their own state now
     (step_s, loss), (plain_s, plain_first_loss) = _timed_pair(
@@ -214,7 +214,7 @@ def report(r: dict, args, flags: str) -> str:
         f"  model       {c.family} {r['model']}: {c.layers} layers, embed {c.embed}, {c.heads} heads, "
         f"mlp {c.mlp}, "
         f"vocab {c.vocab}, {r['model_params'] / 1e6:.3f} M params",
-        f"  step        batch {r['batch']} x seq {r['seq']}, {r['precision']} compute, AdamW, {args.strategy} on "
+        f"  step        batch {r['batch']} x seq {r['seq']}, precision {r['precision'].describe()}, AdamW, {args.strategy} on "
         f"{r['mesh']}; warm-up, then median of {args.repeats}, alternating with plain",
         f"  ceilings    matmul {matmul_n}² {jnp.dtype(c.dtype).name}: {r['matmul_tflops']:.3f} TFLOP/s per device; "
         f"copy ({copy_what}): {r['copy_gbps']:.1f} GB/s",

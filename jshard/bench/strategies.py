@@ -3,7 +3,8 @@
 For every strategy and combination, on the current devices (8 fake CPU devices when no
 accelerator is present), one GPT training step (AdamW) gives one row:
 
-    comm_bytes         collectives compiled into the explicit step (HLO), K bytes per device
+    comm_bytes         collectives compiled into the explicit step (HLO), K bytes per device, in
+                       the program's dtypes (XLA:CPU widens bf16 collectives to f32: `jshard.hlo`)
     textbook_bytes     what the planner's formulas say the strategy moves (`jshard.plan.traffic`)
     memory_bytes_per_device  compiled.memory_analysis(): arguments + outputs - donated + temporaries
     textbook_memory_bytes    the planner's training state: params, grads and Adam's two moments in
@@ -13,6 +14,8 @@ accelerator is present), one GPT training step (AdamW) gives one row:
                        collectives="compiler")`: plain jax.jit, the same layouts, XLA's
                        partitioner choosing the collectives), counted as comm_bytes is
     xla_parity_rel_err as parity_rel_err, for the compiler-placed step's gradients
+                       (the xla_ columns are empty under --precision mixed: that step holds
+                       params as the model does)
     step_s             median time of the explicit step (jit of shard_map)
     gspmd_step_s       median time of the compiler-placed step
     speed_ratio        step_s / gspmd_step_s
@@ -20,7 +23,10 @@ accelerator is present), one GPT training step (AdamW) gives one row:
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -31,6 +37,7 @@ from jshard.mesh import mesh_shape, parse_axis_sizes, use_fake_cpu_devices_unles
 from jshard.metrics import median_step_seconds
 from jshard.models import DecoderConfig, decoder, gpt_loss
 from jshard.parallel import ShardedStep, build_step
+from jshard.precision import Precision
 from jshard.rules import EXAMPLE_MESHES, example_mesh, format_mesh
 
 COLUMNS = ("strategy", "mesh", "comm_bytes", "textbook_bytes", "comm_ratio", "memory_bytes_per_device",
@@ -45,6 +52,7 @@ def add_parser(benches) -> None:
                              "axis taking the devices) or on preset@mesh, e.g. 'dp;zero3@fsdp=8' (default: every "
                              "strategy without a pipeline)")
     flags.add_bench(parser, "small with seq-len 64", batch_size=16)
+    flags.add_precision(parser, "fp32")
     parser.set_defaults(run=run)
 
 
@@ -61,9 +69,10 @@ def textbook_memory(step: ShardedStep, config: DecoderConfig) -> int:
     return sum(plan.state_bytes(step.table.params, mesh_shape(step.mesh), step.rules, config.layers).values())
 
 
-def comm_bytes(compiled) -> int:
-    """K bytes per device of every collective in a compiled step (HLO, loop trips counted)."""
-    return sum(c.bytes * c.count for c in hlo.collectives(compiled.as_text()))
+def comm_bytes(lowered) -> int:
+    """K bytes per device of every collective in a lowered step, compiled (HLO, loop trips
+    counted), in the program's dtypes."""
+    return sum(c.bytes * c.count for c in hlo.collectives(lowered.compile().as_text(), lowered.as_text()))
 
 
 def parity(step, tokens, reference) -> float:
@@ -77,43 +86,51 @@ def parity(step, tokens, reference) -> float:
     )
 
 
-def bench_strategy(preset: str, sizes: dict[str, int], config: DecoderConfig, batch, reference, repeats: int) -> dict:
+def bench_strategy(preset: str, sizes: dict[str, int], config: DecoderConfig, batch, reference, repeats: int,
+                   precision: Precision | None = None) -> dict:
     mesh, rules = jshard.make_mesh(**sizes), jshard.preset(preset)
     tx = optax.adamw(1e-3)
 
     def make_model():
         return decoder(config, nnx.Rngs(0))
 
-    step = build_step(make_model(), tx, gpt_loss, mesh, rules)
+    step = build_step(make_model(), tx, gpt_loss, mesh, rules, precision=precision)
     tokens = step.shard_batch(batch)
-    compiled = step.lower(step.state, tokens).compile()
-    memory = compiled.memory_analysis()
-    comm = comm_bytes(compiled)
+    lowered = step.lower(step.state, tokens)
+    memory = lowered.compile().memory_analysis()
+    comm = comm_bytes(lowered)
     textbook = textbook_bytes(step, config, batch.shape)
-
     explicit_parity = parity(step, tokens, reference)
-
-    xla = build_step(make_model(), tx, gpt_loss, mesh, rules, collectives="compiler")
-    xla_comm, xla_parity = comm_bytes(xla.lower(xla.state, tokens).compile()), parity(xla, tokens, reference)
-    # Last: a timed step donates the step's initial state.
-    step_s, gspmd_s = median_step_seconds(step, tokens, repeats), median_step_seconds(xla, tokens, repeats)
-    return dict(
+    row = dict(
         strategy=rules.name, mesh=format_mesh(mesh_shape(mesh)), comm_bytes=comm, textbook_bytes=textbook,
         comm_ratio=comm / textbook if textbook else float("nan"),
         memory_bytes_per_device=memory.argument_size_in_bytes + memory.output_size_in_bytes
         - memory.alias_size_in_bytes + memory.temp_size_in_bytes,
         textbook_memory_bytes=textbook_memory(step, config), parity_rel_err=explicit_parity,
-        xla_comm_bytes=xla_comm, xla_parity_rel_err=xla_parity,
-        step_s=step_s, gspmd_step_s=gspmd_s, speed_ratio=step_s / gspmd_s,
+        xla_comm_bytes=None, xla_parity_rel_err=None, step_s=None, gspmd_step_s=None, speed_ratio=None,
     )
+    if step.master_dtype is None:  # the compiler-placed step holds params as the model does
+        xla = build_step(make_model(), tx, gpt_loss, mesh, rules, collectives="compiler")
+        row.update(xla_comm_bytes=comm_bytes(xla.lower(xla.state, tokens)), xla_parity_rel_err=parity(xla, tokens, reference),
+                   gspmd_step_s=median_step_seconds(xla, tokens, repeats))
+    # Last: a timed step donates the step's initial state.
+    row["step_s"] = median_step_seconds(step, tokens, repeats)
+    if row["gspmd_step_s"]:
+        row["speed_ratio"] = row["step_s"] / row["gspmd_step_s"]
+    return row
+
+
+def _cell(value, width: int, spec: str) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
 
 
 def format_row(row: dict) -> str:
     return (
         f"{row['strategy']:<16}{row['mesh']:<24}{row['comm_bytes']:>11}{row['textbook_bytes']:>11}"
         f"{row['comm_ratio']:>7.2f}{row['memory_bytes_per_device']:>11}{row['textbook_memory_bytes']:>11}"
-        f"{row['parity_rel_err']:>10.1e}{row['xla_comm_bytes']:>11}{row['xla_parity_rel_err']:>10.1e}"
-        f"{row['step_s'] * 1e3:>9.1f}{row['gspmd_step_s'] * 1e3:>9.1f}{row['speed_ratio']:>7.2f}"
+        f"{row['parity_rel_err']:>10.1e}{_cell(row['xla_comm_bytes'], 11, '')}{_cell(row['xla_parity_rel_err'], 10, '.1e')}"
+        f"{row['step_s'] * 1e3:>9.1f}{_cell(row['gspmd_step_s'] and row['gspmd_step_s'] * 1e3, 9, '.1f')}"
+        f"{_cell(row['speed_ratio'], 7, '.2f')}"
     )
 
 
@@ -123,19 +140,21 @@ HEADER = (f"{'strategy':<16}{'mesh':<24}{'comm B':>11}{'textbook':>11}{'ratio':>
 
 def run(args) -> int:
     use_fake_cpu_devices_unless_accelerated(args.fake_devices)
-    config = flags.built_model(args, "small", {"seq_len": 64})
+    policy = flags.precision_of(args)
+    config = flags.built_model(args, "small", {"seq_len": 64}, dtype=policy.compute)
     batch = np.random.default_rng(0).integers(0, config.vocab, (args.batch_size, config.seq_len + 1))
-    reference = nnx.grad(gpt_loss)(decoder(config, nnx.Rngs(0)), batch)
+    # The reference: one device, fp32 throughout.
+    reference = nnx.grad(gpt_loss)(decoder(dataclasses.replace(config, dtype=jnp.float32), nnx.Rngs(0)), batch)
     device = jax.devices()[0]
     print(f"# jshard bench strategies: {jax.device_count()} × {device.device_kind} ({device.platform}), {config.family} "
           f"layers={config.layers} embed={config.embed} heads={config.heads} seq={config.seq_len} batch={args.batch_size}, "
-          f"AdamW, fp32, median of {args.repeats}")
+          f"AdamW, {policy.describe()}, median of {args.repeats}")
     if device.platform == "cpu":
         print("# fake CPU devices: times are threads of one process; bytes and memory are exact")
     print(HEADER)
     rows = []
     for preset, sizes in strategies(args.strategies, jax.device_count()):
-        rows.append(bench_strategy(preset, sizes, config, batch, reference, args.repeats))
+        rows.append(bench_strategy(preset, sizes, config, batch, reference, args.repeats, policy))
         print(format_row(rows[-1]), flush=True)
     flags.write_json(args.json, [{key: row[key] for key in COLUMNS} for row in rows])
     return 0

@@ -6,7 +6,7 @@ holds every named size, for every command's `--model`; `decoder(config, rngs)` b
 model a config describes.
 """
 
-from jshard.models.gpt import GPT, GPT_SIZES, PRECISIONS, GPTConfig, gpt_loss
+from jshard.models.gpt import GPT, GPT_SIZES, GPTConfig, gpt_loss
 from jshard.models.llama import LLAMA_SIZES, Llama, LlamaConfig
 from jshard.models.mlp import DeepMLP, MLPConfig, mlp_loss
 from jshard.models.stack import StagedLoss, scan_layers, stack_layers
@@ -21,5 +21,5 @@ def decoder(config, rngs):
     return DECODERS[type(config)](config, rngs=rngs)
 
 
-__all__ = ["DECODERS", "DecoderConfig", "GPT", "GPT_SIZES", "LLAMA_SIZES", "PRECISIONS", "SIZES", "GPTConfig", "Llama", "LlamaConfig",
+__all__ = ["DECODERS", "DecoderConfig", "GPT", "GPT_SIZES", "LLAMA_SIZES", "SIZES", "GPTConfig", "Llama", "LlamaConfig",
            "decoder", "gpt_loss", "DeepMLP", "MLPConfig", "mlp_loss", "StagedLoss", "scan_layers", "stack_layers"]

@@ -74,7 +74,6 @@ GPT_SIZES = {
     "gpt-125m": GPTConfig(vocab=50304, seq_len=1024, embed=768, heads=12, mlp=3072, layers=12),
     "gpt-1b": GPTConfig(vocab=50304, seq_len=2048, embed=2048, heads=16, mlp=8192, layers=18),
 }
-PRECISIONS = {"fp32": jnp.float32, "bf16": jnp.bfloat16}  # GPTConfig.dtype, the compute dtype
 
 
 def _init(config: GPTConfig, residual_out: bool = False):

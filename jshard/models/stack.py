@@ -76,7 +76,7 @@ def scan_layers(layers: nnx.Module, x: jax.Array) -> jax.Array:
         return layer(x)
 
     policy = REMAT_POLICIES[getattr(layers, "remat", "none")]
-    if policy is None and nn.gathers_weights():
+    if policy is None and (nn.gathers_weights() or nn.holds_replicas()):
         policy = nn.remat_policy
     if policy is not None:
         apply = nnx.remat(apply, policy=policy)

@@ -216,11 +216,13 @@ def branch(stages: Stages, kind: str, role: str, loss_abstract, microbatches: in
 
 
 def value_and_grad(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, batch, stage_axis: str,
-                   one_value: Callable[[jax.Array], jax.Array]):
+                   one_value: Callable[[jax.Array], jax.Array], accumulate=None):
     """The mean loss over this device's `batch` and its gradient with respect to `diff`.
 
     `model_of(diff)` builds the model from the differentiable params; `one_value` turns a
     micro-batch's loss into one value per batch shard (a pmean over the axes it is spread on).
+    The micro-batches' gradients add up in `accumulate` where it is wider than a param's
+    dtype (fp32 over bf16 params), else in the param's.
     """
     p, v, m = schedule.stages, schedule.virtual, schedule.microbatches
     program = compile_program(schedule)
@@ -260,7 +262,7 @@ def value_and_grad(schedule: Schedule, loss: StagedLoss, model_of: Callable, dif
     carry = (
         _zeros(jax.ShapeDtypeStruct((program.act_slots + 1, *x.shape), x.dtype), stages.act_axes),
         _zeros(jax.ShapeDtypeStruct((program.grad_slots + 1, *x.shape), x.dtype), stages.act_axes),
-        jax.tree.map(jnp.zeros_like, diff),
+        jax.tree.map(lambda w: jnp.zeros_like(w, jnp.promote_types(w.dtype, accumulate or w.dtype)), diff),
         _zeros(loss_abstract, stages.loss_axes),
     )
     (_, _, grads, loss_sum), _ = lax.scan(tick, carry, rows)

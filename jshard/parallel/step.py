@@ -51,15 +51,17 @@ from jshard.parallel import pipeline
 from jshard.parallel.schedules import Schedule, check_layers, make_schedule
 from jshard.parallel.model_state import ModelState, check_no_pipeline, sync_batch_norms
 from jshard.placement import Report, layout_table, specs
+from jshard.precision import Precision, precision as precision_policy
 from jshard.rules import Rules, ShardingError, layout_of, use_rules
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class TrainState:
-    params: nnx.State  # in the `param` layout
+    params: nnx.State  # in the `param` layout, the precision's param dtype
     opt_state: Any  # optax state, in the `opt` layout
     model_state: nnx.State  # the model's other Variables, whole on every device (`model_state.py`)
+    master: nnx.State | None = None  # the fp32 copy the optimizer updates, in the `opt` layout (`mixed`)
 
 
 def _layouts(spec_tree) -> list[nn.Layout]:
@@ -133,7 +135,8 @@ class ShardedStep:
 
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation,
                  loss_fn: Callable[[nnx.Module, Any], jax.Array], mesh: Mesh, rules: Rules,
-                 microbatches: int | None = None, schedule: str | None = None, virtual: int | None = None):
+                 microbatches: int | None = None, schedule: str | None = None, virtual: int | None = None,
+                 precision: Precision | str | None = None):
         self.mesh, self.rules, self.tx, self.loss_fn = mesh, rules, tx, loss_fn
         self.graphdef, params, others = nnx.split(model, nnx.Param, ...)
         self.others = ModelState(others)
@@ -143,7 +146,8 @@ class ShardedStep:
         self.stage_axis = next(iter(stage_axes(mesh, rules)), None)
         self.microbatches = microbatches
         self._has_stack = has_stack(model)
-        self.table = table = layout_table(params, mesh, rules)  # every bad input raises here
+        self.table = table = layout_table(params, mesh, rules, precision)  # every bad input raises here
+        self.precision = table.precision
         param_specs = table.specs(params, "param")
         self.param_layouts = table.layouts("param")
         self._param_paths = [p.path for p in table.params]
@@ -159,7 +163,9 @@ class ShardedStep:
         self.data_shards = math.prod(mesh_shape(mesh)[a] for a in self.batch_axes)
         self.batch_shards = self.data_shards * (microbatches or 1)  # what a global batch splits into
         opt_specs = specs(jax.eval_shape(tx.init, params), mesh, rules, "opt")
-        self.state_specs = TrainState(param_specs, opt_specs, self.others.specs)
+        self.master_dtype = self.precision.master if self.precision else None
+        self.state_specs = TrainState(param_specs, opt_specs, self.others.specs,
+                                      grad_specs if self.master_dtype else None)
         self._shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), self.state_specs)
         body = jax.shard_map(
             self._body, mesh=mesh, in_specs=(self.state_specs, jax.P(self.batch_axes)),
@@ -167,7 +173,8 @@ class ShardedStep:
         )
         self._step = jax.jit(body, donate_argnums=0)
         self._grads_sharded = jax.shard_map(
-            self._grads_body, mesh=mesh, in_specs=(param_specs, self.others.specs, jax.P(self.batch_axes)),
+            self._grads_body, mesh=mesh,
+            in_specs=(param_specs, self.others.specs, jax.P(self.batch_axes), self.state_specs.master),
             out_specs=(jax.P(), grad_specs), check_vma=True,
         )
         self._grads = jax.jit(self._grads_sharded)
@@ -178,9 +185,29 @@ class ShardedStep:
 
     def init_state(self, params: nnx.State, others: nnx.State) -> TrainState:
         """The state that starts training from a model's params and other Variables."""
-        params = jax.device_put(self._pipeline_order(params, self.state_specs.params), self._shardings.params)
-        opt_state = jax.jit(self.tx.init, out_shardings=self._shardings.opt_state)(params)
-        return TrainState(params, opt_state, jax.device_put(self.others.stored(others), self._shardings.model_state))
+        state = TrainState(None, None, jax.device_put(self.others.stored(others), self._shardings.model_state))
+        state = self.with_params(state, self._pipeline_order(params, self.state_specs.params))
+        opt_state = jax.jit(self.tx.init, out_shardings=self._shardings.opt_state)(self.full_params(state))
+        return dataclasses.replace(state, opt_state=opt_state)
+
+    @staticmethod
+    def _held(params, dtype, shardings):
+        """`params` placed by `shardings`, then cast shard by shard to `dtype` (None: as they are)."""
+        params = jax.device_put(params, shardings)
+        return params if dtype is None else jax.tree.map(lambda p: p.astype(dtype), params)
+
+    def with_params(self, state: TrainState, params: nnx.State) -> TrainState:
+        """`state` with `params` (in this step's layer order, any dtype and placement): the
+        held params in the precision's param dtype and, under a master, the master too.
+        How a checkpoint's full-precision params come back under any precision."""
+        param_dtype = self.precision.param if self.precision else None
+        master = self._held(params, self.master_dtype, self._shardings.master) if self.master_dtype else None
+        return dataclasses.replace(state, params=self._held(params, param_dtype, self._shardings.params),
+                                   master=master)
+
+    def full_params(self, state: TrainState) -> nnx.State:
+        """The params at full precision: the master where there is one (what a checkpoint saves)."""
+        return state.master if state.master is not None else state.params
 
     def model(self, state: TrainState) -> nnx.Module:
         """The model with the params and other Variables of `state`."""
@@ -201,7 +228,8 @@ class ShardedStep:
     def _state_order(self, state: TrainState, inverse: bool = False) -> TrainState:
         return TrainState(self._pipeline_order(state.params, self.state_specs.params, inverse),
                           self._pipeline_order(state.opt_state, self.state_specs.opt_state, inverse),
-                          state.model_state)
+                          state.model_state,
+                          self._pipeline_order(state.master, self.state_specs.master, inverse))
 
     @property
     def _interleaved(self) -> bool:
@@ -236,7 +264,7 @@ class ShardedStep:
 
     def value_and_grad(self, state: TrainState, batch) -> tuple[jax.Array, nnx.State]:
         """The loss and its gradient, as the step computes them (gradients in the `opt` layout)."""
-        loss, grads = self._grads(state.params, state.model_state, batch)
+        loss, grads = self._grads(state.params, state.model_state, batch, state.master)
         return loss, self._pipeline_order(grads, self.grad_specs, inverse=True)
 
     def lower(self, state: TrainState, batch):
@@ -253,10 +281,13 @@ class ShardedStep:
         """x, cast to varying over the batch axes it is not split over (no communication)."""
         return vma.vary(x, [a for a in self.batch_axes if a not in _axes_in(layout)])
 
-    def _differentiable(self, params):
-        """Step 1: what autodiff sees, and the layout its gradient comes out in."""
+    def _differentiable(self, params, master):
+        """Step 1: what autodiff sees, and the layout its gradient comes out in. ZeRO-2's
+        shard is the master where there is one: its gradient then leaves in the master's dtype."""
         if self.rules.zero != 2:
             return self._per_leaf(self._vary, params, self.param_layouts), self.param_layouts
+        if master is not None:
+            return self._per_leaf(self._vary, master, self.opt_layouts), self.opt_layouts
 
         def shard(w, have, want):
             return self._vary(nn.relayout_local(w, have, want), want)
@@ -274,23 +305,28 @@ class ShardedStep:
 
         def pair(shard, replica, have, want, path):
             split = [d for d, (h, w) in enumerate(zip(have, want)) if h != w]
-            if not split:
-                return self._local(shard, have, path)
+            if not split:  # (a master of a param ZeRO leaves whole: computed with in the param dtype)
+                return self._local(shard.astype(replica.dtype), have, path)
             axes = tuple(a for a in want[split[0]] if a not in have[split[0]])
             # Varying over the stage axis too: a pipeline's branches must not psum over it.
             own = self.batch_axes + ((self.stage_axis,) if self.stage_axis else ())
             vary = tuple(a for a in own if a not in _axes_in(have))
             whole = _split(have, self.stage_axis) or ((),) * replica.ndim
             return nn.ShardWithReplica(shard, replica, split[0] - replica.ndim, axes, vary, whole,
-                                       self.batch_axes, path)
+                                       self.batch_axes, path, self._reduce_dtype)
 
         return self._per_leaf(pair, shards, jax.tree.leaves(params), self.param_layouts, self.opt_layouts,
                               self._param_paths)
 
-    def _loss_and_grads(self, params, others, batch):
-        """Steps 1-3: the mean loss over the global batch, its gradient in the `opt` layout,
-        and the model's other Variables as the forward wrote them."""
-        diff, grad_layouts = self._differentiable(params)
+    @property
+    def _reduce_dtype(self):
+        return self.precision.reduce if self.precision else None
+
+    def _loss_and_grads(self, params, others, batch, master=None):
+        """Steps 1-3: the mean loss over the global batch, its gradient in the `opt` layout
+        (in the precision's reduction dtype), and the model's other Variables as the forward
+        wrote them."""
+        diff, grad_layouts = self._differentiable(params, master)
         mine = self.others.for_batch_shard(others, self.batch_axes)
 
         def model_of(diff, mine=mine):
@@ -310,7 +346,8 @@ class ShardedStep:
             return lax.pmean(loss, spread) if spread else loss
 
         if self.schedule:  # the pipeline runs its own backward, micro-batch by micro-batch
-            loss, grads = pipeline.value_and_grad(self.schedule, self.loss_fn, model_of, diff, batch, self.stage_axis, one_value)
+            loss, grads = pipeline.value_and_grad(self.schedule, self.loss_fn, model_of, diff, batch, self.stage_axis,
+                                                  one_value, self._reduce_dtype)
             written = others
         else:
             def loss_of(diff, mine):
@@ -329,6 +366,8 @@ class ShardedStep:
 
         def reduce(g, have, want):
             pending = [a for a in self.batch_axes if a not in _axes_in(have)]
+            if self._reduce_dtype is not None:
+                g = g.astype(self._reduce_dtype)
             return nn.relayout_local(g, have, want, pending) / self.data_shards
 
         grads = self._per_leaf(reduce, grads, grad_layouts, self.opt_layouts)
@@ -336,17 +375,22 @@ class ShardedStep:
 
     def _body(self, state: TrainState, batch):
         with use_rules(self.rules), nn.recording_whole_reads(self.whole_reads):
-            loss, grads, model_state = self._loss_and_grads(state.params, state.model_state, batch)
-            shards = self._per_leaf(nn.relayout_local, state.params, self.param_layouts, self.opt_layouts)
+            loss, grads, model_state = self._loss_and_grads(state.params, state.model_state, batch, state.master)
+            if state.master is not None:
+                shards = state.master
+            else:
+                shards = self._per_leaf(nn.relayout_local, state.params, self.param_layouts, self.opt_layouts)
+            grads = jax.tree.map(lambda g, w: g.astype(w.dtype), grads, shards)  # the update in the shard's dtype
             updates, opt_state = self.tx.update(grads, state.opt_state, shards)
             shards = optax.apply_updates(shards, updates)
+            held = jax.tree.map(lambda w, p: w.astype(p.dtype), shards, state.params)  # cast before the gather
             gather = functools.partial(nn.relayout_local, invariant=True)
-            params = self._per_leaf(gather, shards, self.opt_layouts, self.param_layouts)
-            return TrainState(params, opt_state, model_state), loss
+            params = self._per_leaf(gather, held, self.opt_layouts, self.param_layouts)
+            return TrainState(params, opt_state, model_state, shards if state.master is not None else None), loss
 
-    def _grads_body(self, params, others, batch):
+    def _grads_body(self, params, others, batch, master=None):
         with use_rules(self.rules), nn.recording_whole_reads(self.whole_reads):
-            return self._loss_and_grads(params, others, batch)[:2]
+            return self._loss_and_grads(params, others, batch, master)[:2]
 
     # -- what the step does with each param ------------------------------------------------
 
@@ -355,7 +399,7 @@ class ShardedStep:
         param a plain layer reads whole (gathered before use: no tensor parallelism for it).
         Those are known once the step is traced: pass a batch if it has not run yet."""
         if batch is not None:
-            jax.eval_shape(self._grads_sharded, self.state.params, self.state.model_state, batch)
+            jax.eval_shape(self._grads_sharded, self.state.params, self.state.model_state, batch, self.state.master)
         report, rows = self.table.report(), []
         for p in report.rows:
             gathered = [a for a in self.whole_reads.get(p.path, ()) if a not in self.batch_axes]
@@ -369,7 +413,8 @@ class ShardedStep:
 
 
 def build_step(model, tx, loss_fn, mesh: Mesh, rules: Rules, microbatches: int | None = None,
-               schedule: str | None = None, virtual: int | None = None, collectives: str = "explicit"):
+               schedule: str | None = None, virtual: int | None = None, collectives: str = "explicit",
+               precision: Precision | str | None = None):
     """A sharded train step for `model` under `rules` on `mesh`; `.state` holds its start.
 
     `collectives` picks who places the collectives:
@@ -383,6 +428,11 @@ def build_step(model, tx, loss_fn, mesh: Mesh, rules: Rules, microbatches: int |
       and XLA's partitioner inserting the collectives. Any model with named params, any
       Flax layer; no pipeline, so no `microbatches`, `schedule` or `virtual`.
 
+    `precision` (`jshard.precision`: 'fp32', 'bf16', 'mixed' or a `Precision`) sets the
+    dtype the step holds params in, reduces gradients in, and whether an fp32 master copy
+    sits in the optimizer's layout ('mixed'); None keeps the params as the model holds them.
+    The compute dtype is the model's own (its config's `dtype`).
+
     Both have the same surface (`.state`, `step(state, batch)`, `shard_batch`, `model`,
     `value_and_grad`, `lower`, ...), so `jshard.train` and user code take either.
     """
@@ -394,6 +444,13 @@ def build_step(model, tx, loss_fn, mesh: Mesh, rules: Rules, microbatches: int |
                 f"build_step(collectives='compiler'): {given}, but the compiler-placed step does not "
                 "pipeline. Fix: drop them, or use the explicit step (collectives='explicit')."
             )
+        policy = precision_policy(precision)
+        if policy is not None and (policy.master is not None or policy.param != np.float32):
+            raise ShardingError(
+                f"build_step(collectives='compiler'): precision {policy.name!r} holds params in "
+                f"{policy.param.name}{' with an fp32 master' if policy.master else ''}, but the compiler-placed step "
+                "holds them as the model does. Fix: precision 'fp32' or 'bf16', or the explicit step."
+            )
         from jshard.parallel.compiled import CompiledStep  # compiled.py imports this module
 
         return CompiledStep(model, tx, loss_fn, mesh, rules)
@@ -402,4 +459,4 @@ def build_step(model, tx, loss_fn, mesh: Mesh, rules: Rules, microbatches: int |
             f"build_step: collectives={collectives!r}; choose 'explicit' (jit of shard_map, every "
             "collective derived from the rules) or 'compiler' (plain jit, XLA's partitioner places them)."
         )
-    return ShardedStep(model, tx, loss_fn, mesh, rules, microbatches, schedule, virtual)
+    return ShardedStep(model, tx, loss_fn, mesh, rules, microbatches, schedule, virtual, precision)

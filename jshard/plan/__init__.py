@@ -16,7 +16,6 @@ import dataclasses
 
 from jshard import flags
 from jshard.mesh import STANDARD_AXES, use_fake_cpu_devices
-from jshard.models import PRECISIONS
 from jshard.plan.estimate import (GiB, HARDWARE, Hardware, PlanInput, estimate, layout_table_of, report, sends,
                                   state_bytes, traffic)
 from jshard.plan.validate import (MEMORY_TOLERANCE, VALIDATION, VALIDATION_MODELS, format_validation, validate_one,
@@ -55,7 +54,8 @@ def add_parser(commands) -> None:
 
 
 def plan_input(args) -> PlanInput:
-    config = flags.built_model(args, "small", dtype=PRECISIONS[args.precision], remat=args.remat)
+    policy = flags.precision_of(args)
+    config = flags.built_model(args, "small", dtype=policy.compute, remat=args.remat)
     hw = dataclasses.replace(HARDWARE[args.hardware], **{field: getattr(args, field) * unit
                                                           for _, field, unit in HARDWARE_FLAGS
                                                           if getattr(args, field) is not None})
@@ -63,7 +63,7 @@ def plan_input(args) -> PlanInput:
     if -1 in sizes.values():
         raise ShardingError(f"--mesh {args.mesh}: give every size; the planner has no devices to fill '-1' from")
     return PlanInput(config, sizes, args.strategy, args.schedule, args.microbatches, args.virtual,
-                     args.micro_batch_size, hw)
+                     args.micro_batch_size, hw, policy)
 
 
 def run(args) -> int:

@@ -29,6 +29,7 @@ from jshard.parallel.pipeline import compile_program
 from jshard.parallel.step import check_strategy
 from jshard.placement import LayoutTable, format_bytes, layout_table
 from jshard.nn import attention_implementation
+from jshard.precision import Precision
 from jshard.rules import Rules, ShardingError, preset
 
 GiB = 2**30
@@ -85,11 +86,11 @@ CE_FP32_PER_VOCAB = 6.0  # logits, softmax and their gradient per token, fp32 (3
 # --- the model's params, placed by the rules ----------------------------------------
 
 
-def layout_table_of(config: DecoderConfig, sizes: dict[str, int], rules: Rules) -> LayoutTable:
+def layout_table_of(config: DecoderConfig, sizes: dict[str, int], rules: Rules, precision=None) -> LayoutTable:
     """The decoder's layout table, the step's own (`placement.layout_table`), from abstract shapes
     on an abstract mesh: no memory is allocated, no device is needed."""
     model = nnx.eval_shape(lambda: decoder(config, nnx.Rngs(0)))
-    return layout_table(nnx.state(model, nnx.Param), _abstract_mesh(sizes), rules)
+    return layout_table(nnx.state(model, nnx.Param), _abstract_mesh(sizes), rules, precision)
 
 
 def shards(layout, sizes: dict[str, int], skip=frozenset()) -> int:
@@ -113,16 +114,30 @@ def gathered_layers_bytes(params, sizes: dict[str, int], rules: Rules, layers: i
     return 2 * one_layer // shards((split_axes(rules, sizes, "mlp"),), sizes)
 
 
+def grad_bytes(p, rules: Rules, sizes: dict[str, int]) -> int:
+    """One param's gradient per device as backward leaves it: in the param's dtype and layout,
+    or its optimizer shard under ZeRO-2/3 (ZeRO-2 scatters it in the reduction dtype onto
+    the master's: `ShardedStep._differentiable`)."""
+    if rules.zero < 2:
+        return local(p.bytes, p.param, sizes)
+    dtype = p.master if rules.zero == 2 and p.master else p.held
+    return local(p.elements * dtype.itemsize, p.opt, sizes)
+
+
 def state_bytes(params, sizes: dict[str, int], rules: Rules, layers: int) -> dict[str, int]:
-    """Training state per device: params, grads, Adam's moments, ZeRO-3's gathered layers."""
+    """Training state per device: params and grads as held, the fp32 master (mixed precision)
+    and Adam's two moments in the optimizer's layout, ZeRO-3's gathered layers."""
     zero_on = any(sizes[a] > 1 for a in rules.zero_axes)
-    grad = (lambda p: p.opt) if rules.zero >= 2 else (lambda p: p.param)
     return dict(
         params=sum(local(p.bytes, p.param, sizes) for p in params),
-        grads=sum(local(p.bytes, grad(p), sizes) for p in params),
-        optimizer=2 * sum(local(p.bytes, p.opt, sizes) for p in params),
+        grads=sum(grad_bytes(p, rules, sizes) for p in params),
+        master=sum(local(p.elements * p.master.itemsize, p.opt, sizes) for p in params if p.master),
+        optimizer=2 * sum(local(p.elements * p.optimizer_dtype.itemsize, p.opt, sizes) for p in params),
         gathered=gathered_layers_bytes(params, sizes, rules, layers) if rules.zero == 3 and zero_on else 0,
     )
+
+
+MODEL_STATE = ("params", "grads", "master", "optimizer")  # ZeRO's "model states" (its Figure 1)
 
 
 # --- communication --------------------------------------------------------------------
@@ -145,6 +160,8 @@ def param_traffic(params, sizes: dict[str, int], rules: Rules, batch_axes, stage
     reduce-scatter each gradient and gather the new params (ZeRO-2 per use, inside backward).
     What is left of the batch axes all-reduces the gradient in its optimizer layout.
     Under a pipeline, params on every stage (embeddings, final norm) sum over the stage axis.
+    Gathers move the held dtype; reductions the reduction dtype, but ZeRO-3's reduce-scatter
+    (its gather's transpose) the held one.
     """
     zero = {a for a in rules.zero_axes if sizes[a] > 1}
     plain = tuple(a for a in batch_axes if sizes[a] > 1 and a not in zero)
@@ -158,13 +175,12 @@ def param_traffic(params, sizes: dict[str, int], rules: Rules, batch_axes, stage
             _add(out, "all-gather", sorted(in_param), size * (2 if again else 1))
             _add(out, "reduce-scatter", sorted(in_param), size * (2 if tied else 1))
         elif shards(p.opt, sizes) > shards(p.param, sizes):
-            size = p.bytes // shards(p.param, sizes)
             axes = sorted({a for axes in p.opt for a in axes} - {a for axes in p.param for a in axes})
-            _add(out, "all-gather", axes, size)
-            _add(out, "reduce-scatter", axes, size * (2 if tied else 1))
-        _add(out, "all-reduce", plain, p.bytes // shards(p.opt, sizes))
+            _add(out, "all-gather", axes, p.bytes // shards(p.param, sizes))
+            _add(out, "reduce-scatter", axes, p.reduce_bytes // shards(p.param, sizes) * (2 if tied else 1))
+        _add(out, "all-reduce", plain, p.reduce_bytes // shards(p.opt, sizes))
         if stage_axis and not any(stage_axis in axes for axes in p.param):
-            _add(out, "all-reduce", (stage_axis,), p.bytes // shards(p.opt, sizes))
+            _add(out, "all-reduce", (stage_axis,), p.reduce_bytes // shards(p.opt, sizes))
     return out
 
 
@@ -238,6 +254,7 @@ class PlanInput:
     virtual: int | None = None
     micro_batch_size: int = 1  # rows per micro-batch per data shard
     hardware: Hardware = HARDWARE["h100"]
+    precision: Precision | str | None = None  # `jshard.precision`; None: the model's params as they are
 
 
 def _abstract_mesh(sizes: dict[str, int]):
@@ -282,7 +299,7 @@ def estimate(plan: PlanInput) -> dict:
     config, sizes, hw = plan.config, plan.sizes, plan.hardware
     rules = preset(plan.strategy)
     schedule = check_strategy(_abstract_mesh(sizes), rules, None, plan.microbatches, plan.schedule, plan.virtual)
-    table = layout_table_of(config, sizes, rules)
+    table = layout_table_of(config, sizes, rules, plan.precision)
     params, batch_axes = table.params, table.batch_axes
     data_shards = math.prod(sizes[a] for a in batch_axes)
     tensor_axes = split_axes(rules, sizes, "mlp")
@@ -300,10 +317,6 @@ def estimate(plan: PlanInput) -> dict:
 
     # memory
     memory = state_bytes(params, sizes, rules, config.layers)
-    if rules.zero == 2:
-        # jshard's ZeRO-2 reduce-scatters each layer's gradient inside backward, but the
-        # layer scan still stacks the replicas into a full buffer first (measured: XLA keeps it).
-        memory["grads"] += sum(local(p.bytes, p.param, sizes) for p in params)
     if schedule:
         # The executor accumulates gradients in the scan's carry: input and output buffers.
         memory["grads"] *= 2
@@ -399,12 +412,24 @@ def estimate(plan: PlanInput) -> dict:
         microbatches=m, micro_batch_size=rows, hardware=dataclasses.asdict(hw),
         tokens_per_step=tokens, in_flight_microbatches=in_flight,
         memory_bytes_per_device=dict(total=int(total_memory), **{k: int(v) for k, v in memory.items()}),
+        model_state_bytes=int(sum(memory[k] for k in MODEL_STATE)),
+        precision=_precision_line(table, rules),
         fits=total_memory <= hw.hbm_bytes,
         comm_bytes_per_step={k: int(sum(r["bytes"] for r in rows_out if r["kind"] == k)) for k in
                              sorted({r["kind"] for r in rows_out})},
         collectives=rows_out, compute_s=t_compute, overlap_ratios=ratios, bubble_fraction=bubble,
         predicted_step_s=step_s, predicted_mfu=mfu, warnings=warnings,
     )
+
+
+def _precision_line(table: LayoutTable, rules: Rules) -> str:
+    policy = table.precision
+    if policy is None:
+        return f"params {table.params[0].held.name}, no master"
+    line = policy.describe()
+    if rules.zero == 3 and policy.reduce != policy.param:  # its reduce-scatter is its gather's transpose
+        line += f" (ZeRO-3's reduce-scatter in {policy.param.name})"
+    return line
 
 
 def report(est: dict) -> str:
@@ -417,13 +442,16 @@ def report(est: dict) -> str:
         f"vocab {model['vocab']}, seq {model['seq_len']}: {model['params'] / 1e9:.3g} B params, {model['dtype']}, remat {model['remat']}, "
         f"attention {est['attention']}",
         f"  mesh        {mesh} on {hw['name']} ({hw['gpus_per_node']} per node)",
+        f"  precision   {est['precision']}",
         f"  strategy    {est['strategy']}" + (f", {est['schedule']} m={est['microbatches']}" if est["schedule"] else "")
         + f", micro-batch {est['micro_batch_size']} rows, {est['tokens_per_step']} tokens per step",
         "memory per device",
     ]
-    for key in ("params", "grads", "optimizer", "gathered", "chunk_weights", "activations", "batch"):
-        if key in mem:
+    for key in ("params", "grads", "master", "optimizer", "gathered", "chunk_weights", "activations", "batch"):
+        if mem.get(key):
             lines.append(f"  {key:<14}{format_bytes(mem[key], 2):>12}")
+        if key == "optimizer":
+            lines.append(f"  {'(model state)':<14}{format_bytes(est['model_state_bytes'], 2):>12}  = params + grads + master + optimizer")
     lines.append(f"  {'total':<14}{format_bytes(mem['total'], 2):>12}  of {format_bytes(hw['hbm_bytes'], 2)} HBM"
                  + ("" if est["fits"] else "  DOES NOT FIT"))
     lines.append("communication per step (K bytes per device; time at the link's bandwidth)")

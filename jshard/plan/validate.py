@@ -18,6 +18,7 @@ from jshard.mesh import STANDARD_AXES, make_mesh, mesh_shape
 from jshard.models import DecoderConfig, GPTConfig, LlamaConfig, decoder, gpt_loss
 from jshard.parallel.step import build_step
 from jshard.plan.estimate import HARDWARE, PlanInput, estimate
+from jshard.precision import precision as precision_policy
 from jshard.rules import default_mesh, example_mesh, format_mesh, preset
 
 # Every strategy on its example mesh (`rules.EXAMPLE_MESHES`), each remat policy with and
@@ -31,6 +32,9 @@ VALIDATION = (
     ("dp", None, None, "selective"), ("dp+tp+sp", None, None, "full"), ("dp+tp+sp", None, None, "selective"),
     ("dp+pp", 4, "gpipe", "none"), ("dp+pp", 4, "1f1b", "none"), ("dp+pp", 4, "interleaved", "none", "default"),
     ("dp+pp", 4, "zb-h1", "none"),
+    # Mixed precision (bf16 params and compute, fp32 master): see `validate_one` for what is compared.
+    ("dp", None, None, "none", "example", "mixed"), ("zero2", None, None, "none", "example", "mixed"),
+    ("zero3", None, None, "none", "example", "mixed"), ("dp+fsdp+tp", None, None, "none", "example", "mixed"),
 )
 VALIDATION_MODEL = GPTConfig(seq_len=64, embed=128, heads=4, mlp=512, layers=8)
 # Both decoders run every case; the Llama's 8 query heads share 4 KV heads.
@@ -46,33 +50,47 @@ def compiled_pipeline_permute_bytes(schedule, config: DecoderConfig, rows: int) 
     return 2 * schedule.ticks * rows * config.seq_len * config.embed * jnp.dtype(config.dtype).itemsize
 
 
-def validate_one(strategy: str, microbatches, schedule, remat: str, mesh: str = "example", rows: int = 2,
-                 devices=None, model=VALIDATION_MODEL) -> dict:
+def validate_one(strategy: str, microbatches, schedule, remat: str, mesh: str = "example", precision: str = "fp32",
+                 rows: int = 2, devices=None, model=VALIDATION_MODEL) -> dict:
     """One VALIDATION case on `devices` (default: all): the strategy's example mesh with its
-    outermost axis taking the rest, or its default mesh; `model` a GPT's or a Llama's config."""
-    config = dataclasses.replace(model, remat=remat)
+    outermost axis taking the rest, or its default mesh; `model` a GPT's or a Llama's config,
+    under `precision` (`jshard.precision`).
+
+    Collective bytes are counted in the program's dtypes (`hlo.collectives`). Memory: the
+    compiled total (arguments + outputs - donated + temporaries), except where XLA:CPU runs
+    bf16 compute: it widens bf16 values to f32 in its temporaries (activations, gathered
+    weights: twice what a GPU holds), so there the held state alone is compared, the
+    planner's params + master + optimizer against the compiled arguments less the batch."""
+    policy = precision_policy(precision)
+    config = dataclasses.replace(model, remat=remat, dtype=policy.compute)
     devices = jax.devices() if devices is None else devices
     rules = preset(strategy)
     shape = example_mesh(strategy, len(devices)) if mesh == "example" else default_mesh(rules, len(devices))
     mesh = make_mesh(devices, **shape)
     sizes = {a: 1 for a in STANDARD_AXES} | mesh_shape(mesh)
     est = estimate(PlanInput(config, sizes, strategy, schedule, microbatches, micro_batch_size=rows,
-                             hardware=HARDWARE["cpu"]))
+                             hardware=HARDWARE["cpu"], precision=policy))
     step = build_step(decoder(config, nnx.Rngs(0)), optax.adamw(1e-3), gpt_loss, mesh, rules,
-                      microbatches=microbatches, schedule=schedule)
+                      microbatches=microbatches, schedule=schedule, precision=policy)
     batch = np.zeros((est["tokens_per_step"] // config.seq_len, config.seq_len + 1), np.int32)
-    compiled = step.lower(step.state, step.shard_batch(batch)).compile()
+    lowered = step.lower(step.state, step.shard_batch(batch))
+    compiled = lowered.compile()
     ma = compiled.memory_analysis()
     measured = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
-    counted = hlo.bytes_by_kind(compiled.as_text())
+    counted = hlo.bytes_by_kind(compiled.as_text(), lowered.as_text())  # in the program's dtypes
     predicted = dict(est["comm_bytes_per_step"])
     if step.schedule:
         predicted["collective-permute"] = compiled_pipeline_permute_bytes(step.schedule, config, rows)
     predicted_memory = est["memory_bytes_per_device"]["total"]
+    compared = "total"
+    if jax.default_backend() == "cpu" and policy.compute != jnp.float32:
+        compared = "state"
+        predicted_memory = sum(est["memory_bytes_per_device"][k] for k in ("params", "master", "optimizer"))
+        measured = ma.argument_size_in_bytes - est["memory_bytes_per_device"]["batch"]
     return dict(
         model=config.family, strategy=rules.name, mesh=format_mesh(mesh_shape(mesh)),
-        schedule=schedule or "-", remat=remat,
-        memory_predicted=predicted_memory, memory_compiled=measured,
+        schedule=schedule or "-", remat=remat, precision=policy.name,
+        memory_compared=compared, memory_predicted=predicted_memory, memory_compiled=measured,
         memory_rel_err=predicted_memory / measured - 1,
         comm_predicted=predicted, comm_compiled=counted, comm_exact=predicted == counted,
     )
@@ -83,11 +101,12 @@ def within_tolerance(result: dict) -> bool:
 
 
 def format_validation(results: list[dict]) -> str:
-    lines = [f"{'model':<7}{'strategy':<16}{'mesh':<24}{'schedule':<13}{'remat':<10}{'memory est':>12}{'compiled':>12}{'err':>8}"
-             f"  comm bytes by kind (est = compiled)"]
+    lines = [f"{'model':<7}{'strategy':<16}{'mesh':<24}{'schedule':<13}{'remat':<10}{'precision':<10}{'memory est':>12}"
+             f"{'compiled':>12}{'err':>8}  comm bytes by kind (est = compiled)"]
     for r in results:
         comm = ", ".join(f"{k} {v}" for k, v in sorted(r["comm_compiled"].items()))
         mark = "exact" if r["comm_exact"] else f"MISMATCH est {r['comm_predicted']}"
-        lines.append(f"{r['model']:<7}{r['strategy']:<16}{r['mesh']:<24}{r['schedule']:<13}{r['remat']:<10}{r['memory_predicted']:>12}"
-                     f"{r['memory_compiled']:>12}{r['memory_rel_err'] * 100:>7.1f}%  {mark}: {comm}")
+        state = " (state)" if r["memory_compared"] == "state" else ""
+        lines.append(f"{r['model']:<7}{r['strategy']:<16}{r['mesh']:<24}{r['schedule']:<13}{r['remat']:<10}{r['precision']:<10}"
+                     f"{r['memory_predicted']:>12}{r['memory_compiled']:>12}{r['memory_rel_err'] * 100:>7.1f}%{state}  {mark}: {comm}")
     return "\n".join(lines)

@@ -1,0 +1,77 @@
+"""Precision policies: which dtype each thing a step holds or moves is in.
+
+    compute  activations and matmuls (the model config's `dtype`)
+    param    params as the devices hold them, gather them (ZeRO-3) and differentiate them
+    reduce   the gradient reduction: the all-reduce / reduce-scatter over the batch axes
+    master   the copy the optimizer updates, in the optimizer's (ZeRO) layout, beside Adam's
+             moments; None where the param is its own master
+
+Three policies, by name (`--precision`):
+
+    fp32   fp32 everywhere
+    bf16   bf16 compute over fp32 params: the params are the master
+    mixed  ZeRO's and Megatron's mixed precision: bf16 params and gradients on the devices,
+           an fp32 master in the optimizer's layout, sharded by ZeRO-1/2/3 with Adam's moments.
+           The update runs in fp32 on the shard and is cast to bf16 before it is gathered
+           back. Per device, with Ψ params over N devices: DP 16Ψ, ZeRO-1 4Ψ + 12Ψ/N,
+           ZeRO-2 2Ψ + 14Ψ/N (+ the fp32 gradient shard: 2Ψ/N more), ZeRO-3 16Ψ/N.
+
+Gradients are reduced in fp32 under `mixed` (`reduce`, or bf16 on request: half the bytes).
+ZeRO-3's reduce-scatter is the transpose of its bf16 gather, so it always runs in the param
+dtype; the planner's report says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    name: str
+    compute: np.dtype
+    param: np.dtype
+    reduce: np.dtype
+    master: np.dtype | None = None
+
+    def __post_init__(self):
+        for field in ("compute", "param", "reduce", "master"):
+            value = getattr(self, field)
+            if value is not None:
+                object.__setattr__(self, field, jnp.dtype(value))
+
+    def describe(self) -> str:
+        """One line for reports: 'mixed: bf16 compute, bf16 params and grads, fp32 master, fp32 reduction'."""
+        held = f"{self.param.name} params" + (f" and grads, {self.master.name} master" if self.master else "")
+        return f"{self.name}: {self.compute.name} compute, {held}, {self.reduce.name} reduction"
+
+
+PRECISIONS = {
+    "fp32": Precision("fp32", jnp.float32, jnp.float32, jnp.float32),
+    "bf16": Precision("bf16", jnp.bfloat16, jnp.float32, jnp.float32),
+    "mixed": Precision("mixed", jnp.bfloat16, jnp.bfloat16, jnp.float32, jnp.float32),
+}
+REDUCE_DTYPES = ("fp32", "bf16")
+
+
+def precision(name: str | Precision | None, reduce: str | None = None) -> Precision | None:
+    """The policy called `name` (a key of PRECISIONS), its reduction dtype replaced by `reduce`
+    ('fp32' or 'bf16') when given. A Precision passes through; None stays None (the step
+    keeps params as the model holds them)."""
+    if name is None or isinstance(name, Precision):
+        policy = name
+    elif name not in PRECISIONS:
+        raise ValueError(f"precision {name!r}: choose one of {', '.join(PRECISIONS)}")
+    else:
+        policy = PRECISIONS[name]
+    if reduce is None:
+        return policy
+    if reduce not in REDUCE_DTYPES:
+        raise ValueError(f"gradient reduction {reduce!r}: choose one of {', '.join(REDUCE_DTYPES)}")
+    if policy is None:
+        raise ValueError("a gradient reduction dtype needs a precision policy: give precision= too")
+    dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[reduce]
+    return dataclasses.replace(policy, reduce=dtype, name=policy.name if dtype == policy.reduce else f"{policy.name}/{reduce}-reduce")
