@@ -189,7 +189,7 @@ def _check_values(config: TrainConfig) -> None:
             raise TrainError(f"{flag(name)} must be a positive number, got {value!r}")
     if config.warmup is not None and not (isinstance(config.warmup, int) and 0 <= config.warmup < config.steps):
         raise TrainError(f"--warmup must be an int in 0..steps-1 ({config.steps - 1}), got {config.warmup!r}")
-    for name, known in CHOICES.items() | OPTIONAL_CHOICES.items():
+    for name, known in [*CHOICES.items(), *OPTIONAL_CHOICES.items()]:
         if getattr(config, name) not in known and (getattr(config, name) is not None or name in CHOICES):
             raise TrainError(f"unknown {flag(name)} {getattr(config, name)!r}; choose one of {', '.join(known)}")
     if config.checkpoint_dir is None and (config.resume or config.checkpoint_every):

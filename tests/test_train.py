@@ -86,6 +86,39 @@ def test_bf16_compute_trains_near_fp32(dp):
     np.testing.assert_allclose(losses, dp[0].losses, rtol=2e-2)
 
 
+def test_mixed_precision_trains_near_fp32(dp):
+    losses = run(strategy="zero2", mesh="fsdp=8", precision="mixed").losses
+    assert_falls(losses)
+    np.testing.assert_allclose(losses, dp[0].losses, rtol=2e-2)
+
+
+def test_mixed_checkpoint_holds_the_fp32_master_and_moves_between_precisions(tmp_path):
+    """Resumed under mixed it continues exactly; its params are the fp32 master, so fp32
+    resumes from it too (its losses within bf16's round-off of the mixed run's)."""
+    mixed = dict(strategy="zero3", mesh="fsdp=8", precision="mixed")
+    saved = run(**mixed, checkpoint_dir=str(tmp_path / "a"), checkpoint_every=3)
+    copy_step((None, tmp_path / "a"), 3, tmp_path / "b")
+    shutil.rmtree(tmp_path / "a" / "5")
+    resumed = run(**mixed, checkpoint_dir=str(tmp_path / "a"), resume=True)
+    assert resumed.first_step == 3 and resumed.losses == saved.losses[3:]  # bit for bit
+    with Checkpoints(tmp_path / "b") as checkpoints:
+        saved_params = checkpoints._manager.item_metadata(3).state["params"]
+    assert {np.dtype(x.dtype) for x in jax.tree.leaves(saved_params)} == {np.dtype(np.float32)}
+    as_fp32 = run(strategy="dp", mesh="data=8", precision="fp32", checkpoint_dir=str(tmp_path / "b"), resume=True)
+    np.testing.assert_allclose(as_fp32.losses, saved.losses[3:], rtol=2e-2)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("precision", "fp16", "unknown --precision 'fp16'; choose one of fp32, bf16, mixed"),
+    ("grad_reduce", "fp8", "unknown --grad-reduce 'fp8'; choose one of fp32, bf16"),
+])
+def test_bad_precision_in_a_config_is_refused(field, value, message):
+    from jshard.train import TrainError
+
+    with pytest.raises(TrainError, match=message):
+        run(**{field: value})
+
+
 def test_remat_policies_cut_activation_memory():
     tokens = np.zeros((8, 33), np.int32)
 
