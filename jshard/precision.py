@@ -19,6 +19,11 @@ Three policies, by name (`--precision`):
 Gradients are reduced in fp32 under `mixed` (`reduce`, or bf16 on request: half the bytes).
 ZeRO-3's reduce-scatter is the transpose of its bf16 gather, so it always runs in the param
 dtype; the planner's report says so.
+
+A policy is jmp's idea (param / compute / output dtypes) with what jmp has no place for: the
+reduction dtype and a master copy in the optimizer's layout. It is a dataclass here rather
+than a jmp dependency because the casts it implies live in the step, which shards them;
+optax's AdamW updates the master unchanged.
 """
 
 from __future__ import annotations

@@ -304,6 +304,12 @@ def _setup_lines(p: Setup, abstract_model, abstract_opt) -> list[str]:
     opt = describe(abstract_opt, p.mesh, p.rules, "opt")
     count = sum(math.prod(r.shape) for r in params.rows)
     per_device = sum(r.bytes_per_device // r.dtype.itemsize for r in params.rows)
+    held = p.precision.param.itemsize
+    master = ""
+    if p.precision.master:  # the optimizer's copy of the params, in the opt layout
+        sharded = describe(abstract_model, p.mesh, p.rules, "opt").rows
+        master_bytes = sum(r.bytes_per_device // r.dtype.itemsize * p.precision.master.itemsize for r in sharded)
+        master = f"{p.precision.master.name} master {format_bytes(master_bytes)}, "
     mesh = " ".join(f"{k}={v}" for k, v in mesh_shape(p.mesh).items())
     pipeline = ""
     if p.microbatches:
@@ -314,8 +320,8 @@ def _setup_lines(p: Setup, abstract_model, abstract_opt) -> list[str]:
         f"{_fmt_count(count)} params, bytes as tokens (vocab {m.vocab})",
         f"devices     {jax.device_count()} × {jax.devices()[0].device_kind}, mesh {mesh}" + _processes(p.mesh),
         f"strategy    {p.rules.name} (ZeRO stage {p.rules.zero}){pipeline}",
-        f"per device  {_fmt_count(per_device)} params ({format_bytes(params.bytes_per_device)} of "
-        f"{format_bytes(params.total_bytes)}), optimizer state {format_bytes(opt.bytes_per_device)} of "
+        f"per device  {_fmt_count(per_device)} params ({format_bytes(per_device * held)} in {p.precision.param.name} "
+        f"of {format_bytes(count * held)}), {master}optimizer state {format_bytes(opt.bytes_per_device)} of "
         f"{format_bytes(opt.total_bytes)}",
         f"batch       {c.batch_size} rows × {p.seq_len} tokens = {c.batch_size * p.seq_len} tokens per step "
         f"over {'+'.join(p.batch_axes) or 'no axis'}" + (f", {c.grad_accum} micro-steps" if c.grad_accum > 1 else ""),

@@ -55,11 +55,14 @@ PIPELINED = [
     ("dp+tp+sp+pp", dict(data=2, tensor=2, stage=2), 4),
     ("zero2+pp", dict(fsdp=4, stage=2), 2),
 ]
-# The GPT on every (schedule, preset); the Llama on every schedule under ZeRO-3 × TP × PP and
-# every preset under 1F1B (what differs between the decoders is inside a stage, not the schedule).
-CASES = [("gpt", schedule, *case) for schedule in SCHEDULES for case in PIPELINED] + [
-    ("llama", schedule, *case) for schedule in SCHEDULES for case in PIPELINED
-    if case[0] == "fsdp+tp+pp" or schedule == "1f1b"]
+# The GPT on every schedule under ZeRO-3 × TP × PP, every preset under 1F1B, and each
+# zero-bubble schedule under what its split backward most touches (ZeRO-2's per-layer scatter,
+# interleaved chunks of sequence-parallel blocks); the Llama on every preset under 1F1B (what
+# differs between the decoders is inside a stage, not the schedule).
+_GPT = {(s, "fsdp+tp+pp") for s in SCHEDULES} | {("1f1b", p) for p, *_ in PIPELINED} | {
+    ("zb-h1", "zero2+pp"), ("interleaved", "dp+tp+sp+pp")}
+CASES = [("gpt", schedule, *case) for schedule in SCHEDULES for case in PIPELINED if (schedule, case[0]) in _GPT] + [
+    ("llama", "1f1b", *case) for case in PIPELINED]
 
 
 @pytest.mark.parametrize("model, schedule, preset, sizes, microbatches", CASES,
