@@ -253,13 +253,21 @@ def _gathered_layout(names) -> Layout:
     return tuple(tuple(a for a in axes if a not in zero) for axes in layout(names, "param"))
 
 
-def param(variable: nnx.Variable) -> jax.Array:
-    """The value a layer computes with: inside a step, gathered over the ZeRO axes."""
+def param(variable: nnx.Variable, dtype=None) -> jax.Array:
+    """The value a layer computes with, in `dtype` (the layer's compute dtype; None: the
+    param's): inside a step, gathered over the ZeRO axes.
+
+    The cast comes first, so ZeRO-3 gathers bf16 weights under bf16 compute (half the bytes
+    of fp32 params, as FSDP2's param dtype), and its remat policy, which drops gathered
+    values, drops the weight it computes with, not just the wider copy before the cast.
+    """
     value = variable.get_value()
     if isinstance(value, ShardWithReplica):
-        return value._local()
+        return value._local().astype(dtype or value.dtype)
     if isinstance(value, LocalBlock):
         value = value.block
+    if dtype is not None:
+        value = value.astype(dtype)
     if not _in_step():
         return value
     names = variable.get_metadata()["out_sharding"]
@@ -281,7 +289,7 @@ def holds_replicas() -> bool:
     return _in_step() and rules.zero == 2 and any(lax.axis_size(a) > 1 for a in rules.zero_axes)
 
 
-_CASTS = {"pvary", "pcast", "convert_element_type"}
+_CASTS = {"pvary", "pcast"}  # type casts that move no data (JAX < 0.11 names the cast pvary)
 
 
 def _only_casts(params) -> bool:
@@ -300,6 +308,7 @@ def remat_policy(primitive, *_, **params) -> bool:
 
     ZeRO-2's weight, the replica typed varying (`ShardWithReplica`), costs nothing to
     recompute; saved, a layer scan would stack a copy of every layer's weights for backward.
+    (A dtype conversion is not such a cast: it is saved, or its wider input would be.)
     """
     if str(primitive) in _CASTS or (str(primitive) == "custom_vjp_call" and _only_casts(params)):
         return False
@@ -363,7 +372,7 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array, x_names: Sequence[str | None]) -> jax.Array:
         """`x` has dims `x_names`; its trailing ones are this layer's input names."""
-        return matmul(x.astype(self.dtype), x_names, param(self.kernel).astype(self.dtype), self.names)
+        return matmul(x.astype(self.dtype), x_names, param(self.kernel, self.dtype), self.names)
 
 
 class Embed(nnx.Module):
@@ -378,7 +387,7 @@ class Embed(nnx.Module):
 
     def __call__(self, ids: jax.Array, ids_names: Sequence[str | None], out_names: Sequence[str | None]) -> jax.Array:
         """Rows for int `ids`; inside a step `ids` arrive split over the batch axes only."""
-        table = param(self.embedding).astype(self.dtype)
+        table = param(self.embedding, self.dtype)
         if not _in_step():
             return constrain(jnp.take(table, ids, axis=0), out_names)
         vocab_axes, embed_axes = _gathered_layout(self.names)
@@ -391,7 +400,7 @@ class Embed(nnx.Module):
 
     def attend(self, x: jax.Array, x_names: Sequence[str | None]) -> jax.Array:
         """Logits x · tableᵀ, a head tied to this table: (..., embed) -> (..., vocab)."""
-        return matmul(x.astype(self.dtype), x_names, param(self.embedding).astype(self.dtype), self.names)
+        return matmul(x.astype(self.dtype), x_names, param(self.embedding, self.dtype), self.names)
 
 
 def _batch_only(names) -> Layout:

@@ -111,6 +111,7 @@ class ParamLayout:
     held: np.dtype  # the params' dtype on the devices, gathered and differentiated
     reduce: np.dtype  # the gradient reduction's
     master: np.dtype | None  # the optimizer's copy in the `opt` layout, beside Adam's moments; None: the param
+    compute: np.dtype  # what jshard.nn's layers cast a matrix to before they gather it (`nn.param`)
 
     path = property(lambda self: self.placement.path)
     shape = property(lambda self: self.placement.shape)
@@ -138,6 +139,14 @@ class ParamLayout:
     def optimizer_dtype(self) -> np.dtype:
         """What the optimizer updates, and its moments are in: the master's dtype, or the param's."""
         return self.master or self.held
+
+    @property
+    def gathered_bytes(self) -> int:
+        """What a ZeRO-3 gather moves of it: a matrix (a kernel, an embedding) cast to the
+        compute dtype first where that is narrower, a vector (a norm's scale) as held."""
+        matrix = len([n for n in self.names if n != "layers"]) >= 2
+        dtype = self.compute if matrix and self.compute.itemsize < self.held.itemsize else self.held
+        return self.elements * dtype.itemsize
 
     @property
     def stacked_kernel(self) -> bool:
@@ -177,7 +186,8 @@ def layout_table(params, mesh: Mesh, rules: Rules, precision: Precision | str | 
     rows = []
     for placed, opt in zip(place(params, mesh, rules, "param"), place(params, mesh, rules, "opt")):
         held = policy.param if policy else placed.dtype
-        rows.append(ParamLayout(placed, opt, held, policy.reduce if policy else held, policy and policy.master))
+        rows.append(ParamLayout(placed, opt, held, policy.reduce if policy else held, policy and policy.master,
+                                policy.compute if policy else held))
     return LayoutTable(rules, mesh_shape(mesh), tuple(rows), policy,
                        rules.axes("batch", mesh), rules.axes("layers", mesh, "param", split=True))
 

@@ -7,6 +7,7 @@ and pipeline schedule. Counted: each collective's bytes in the dtype the program
 memory by ZeRO stage, and the planner against ZeRO's Figure 1.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -83,8 +84,9 @@ MLP_BATCH = np.ones((16, MLP.dim), np.float32)
 
 
 def program_traffic(preset, sizes, policy) -> dict[str, int]:
-    step = build_step(DeepMLP(MLP, rngs=nnx.Rngs(0)), OPTIMIZER, mlp_loss, jshard.make_mesh(**sizes),
-                      jshard.preset(preset), precision=policy)
+    policy = precision(policy)
+    model = DeepMLP(dataclasses.replace(MLP, dtype=policy.compute), rngs=nnx.Rngs(0))
+    step = build_step(model, OPTIMIZER, mlp_loss, jshard.make_mesh(**sizes), jshard.preset(preset), precision=policy)
     lowered = step.lower(step.state, step.shard_batch(MLP_BATCH))
     totals = {}
     for c in hlo.collectives(lowered.compile().as_text(), lowered.as_text()):
@@ -111,6 +113,13 @@ def test_mixed_moves_bf16_params_and_reduces_in_its_dtype(preset, sizes, reduce,
 def test_zero3_under_mixed_moves_half_the_bytes_of_fp32():
     fp32, mixed = (sum(program_traffic("zero3", dict(fsdp=8), name).values()) for name in ("fp32", "mixed"))
     assert mixed / fp32 == 0.5
+
+
+def test_zero3_under_bf16_compute_gathers_bf16_and_again_in_backward():
+    """fp32 params, bf16 compute: each weight is cast before it is gathered, so the gathers
+    move bf16, and backward gathers again (what it computes with is the gather's output)."""
+    half_psi = sum(x.size for x in jax.tree.leaves(nnx.state(DeepMLP(MLP, rngs=nnx.Rngs(0))))) * 2
+    assert program_traffic("zero3", dict(fsdp=8), "bf16") == {"all-gather": 2 * half_psi, "reduce-scatter": half_psi}
 
 
 def test_collective_bytes_follow_the_programs_dtype_not_xla_cpus():

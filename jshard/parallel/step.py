@@ -11,8 +11,10 @@ the batch axes (activation rule `batch`). The body:
        weights (the transpose: a reduce-scatter) and reduce-scatter ZeRO-2 gradients per
        layer; tensor / sequence parallel collectives follow from the names (`jshard.nn`).
     3. grads to the `opt` layout: reduce-scatter over ZeRO axes not yet scattered, sum
-       over the other batch axes, divide by the number of batch shards.
-    4. optax update on the `opt` shard of each param, then back to the `param` layout:
+       over the other batch axes (in the precision's reduction dtype), divide by the
+       number of batch shards.
+    4. optax update on the `opt` shard of each param (under `mixed`, of its fp32 master,
+       `TrainState.master`), cast to the held dtype, then back to the `param` layout:
        an all-gather for ZeRO-1/2, nothing for DP and ZeRO-3.
 
 A split param reaches the model as its block (`nn.LocalBlock`): `nn.param` computes with it;

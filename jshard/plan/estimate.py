@@ -110,7 +110,7 @@ def split_axes(rules: Rules, sizes: dict[str, int], name: str) -> tuple[str, ...
 
 def gathered_layers_bytes(params, sizes: dict[str, int], rules: Rules, layers: int) -> int:
     """ZeRO-3: two layers' weights gathered at once (one in use, the next arriving), still split by tensor."""
-    one_layer = sum(p.bytes for p in params if p.names and p.names[0] == "layers") // layers
+    one_layer = sum(p.gathered_bytes for p in params if p.names and p.names[0] == "layers") // layers
     return 2 * one_layer // shards((split_axes(rules, sizes, "mlp"),), sizes)
 
 
@@ -160,8 +160,9 @@ def param_traffic(params, sizes: dict[str, int], rules: Rules, batch_axes, stage
     reduce-scatter each gradient and gather the new params (ZeRO-2 per use, inside backward).
     What is left of the batch axes all-reduces the gradient in its optimizer layout.
     Under a pipeline, params on every stage (embeddings, final norm) sum over the stage axis.
-    Gathers move the held dtype; reductions the reduction dtype, but ZeRO-3's reduce-scatter
-    (its gather's transpose) the held one.
+    Gathers move the held dtype (ZeRO-3's, of a matrix, the compute dtype where narrower: the
+    layers cast before they gather); reductions the reduction dtype, but ZeRO-3's
+    reduce-scatter is its gather's transpose, in the gather's dtype.
     """
     zero = {a for a in rules.zero_axes if sizes[a] > 1}
     plain = tuple(a for a in batch_axes if sizes[a] > 1 and a not in zero)
@@ -170,7 +171,7 @@ def param_traffic(params, sizes: dict[str, int], rules: Rules, batch_axes, stage
         in_param = {a for axes in p.param for a in axes} & zero
         tied = p.path.startswith("token_embed") and tied_head and rules.zero >= 2
         if in_param:
-            size = p.bytes // shards(p.param, sizes, skip=in_param)
+            size = p.gathered_bytes // shards(p.param, sizes, skip=in_param)
             again = p.stacked_kernel or (remat and p.names[:1] == ("layers",))
             _add(out, "all-gather", sorted(in_param), size * (2 if again else 1))
             _add(out, "reduce-scatter", sorted(in_param), size * (2 if tied else 1))
@@ -427,8 +428,9 @@ def _precision_line(table: LayoutTable, rules: Rules) -> str:
     if policy is None:
         return f"params {table.params[0].held.name}, no master"
     line = policy.describe()
-    if rules.zero == 3 and policy.reduce != policy.param:  # its reduce-scatter is its gather's transpose
-        line += f" (ZeRO-3's reduce-scatter in {policy.param.name})"
+    gathered = min(policy.param, policy.compute, key=lambda d: d.itemsize)  # the layers cast, then gather
+    if rules.zero == 3 and gathered != policy.reduce:  # its reduce-scatter is its gather's transpose
+        line += f" (ZeRO-3 gathers weights in {gathered.name} and so reduce-scatters their gradients in it)"
     return line
 
 
