@@ -155,6 +155,8 @@ def collectives(hlo_text: str, program: str | None = None) -> list[Collective]:
             for shape in _SHAPE.finditer(m["result"]):
                 elements = math.prod(int(d) for d in shape["dims"].split(",") if d)
                 k = elements * (group if m["kind"] == "reduce-scatter" and not m["start"] else 1)
+                # The program's dtype for buffers of this kind and size; where it has such
+                # buffers in two dtypes (or none), the compiled one stands.
                 dtypes = asked.get((m["kind"], k), set())
                 dtype = next(iter(dtypes)) if len(dtypes) == 1 else shape["dtype"]
                 buffers.append(elements * _itemsize(dtype))

@@ -38,7 +38,7 @@ class GPTConfig:
     mlp: int = 512
     layers: int = 4
     tied_head: bool = True
-    dtype: jnp.dtype = jnp.float32  # compute dtype; params stay float32
+    dtype: jnp.dtype = jnp.float32  # compute dtype; the params' is the step's precision policy's
     remat: str = "none"  # activation checkpointing of each block: none, full or selective (see stack.py)
     attention: str = "auto"  # the kernel: auto, xla or cudnn (`nn.attention_implementation`)
 

@@ -43,7 +43,7 @@ class LlamaConfig:
     layers: int = 4
     rope_theta: float = 10000.0
     tied_head: bool = False
-    dtype: jnp.dtype = jnp.float32  # compute dtype; params stay float32
+    dtype: jnp.dtype = jnp.float32  # compute dtype; the params' is the step's precision policy's
     remat: str = "none"  # see stack.py
     attention: str = "auto"  # the kernel: auto, xla or cudnn (`nn.attention_implementation`)
     norm_epsilon: float = 1e-5

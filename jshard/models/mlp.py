@@ -20,7 +20,7 @@ from jshard.rules import constrain
 class MLPConfig:
     dim: int = 1024
     layers: int = 4
-    dtype: jnp.dtype = jnp.float32  # compute dtype; params stay float32
+    dtype: jnp.dtype = jnp.float32  # compute dtype; the params' is the step's precision policy's
 
 
 class Layer(nnx.Module):
