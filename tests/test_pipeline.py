@@ -41,9 +41,9 @@ def assert_matches_one_device(make, loss_fn, batch, preset, sizes, microbatches,
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("stages", [2, 4])
-@pytest.mark.parametrize("per_stage", [1, 2, 4])
+@pytest.mark.parametrize("per_stage", [1, 4])
 def test_schedule_mlp(schedule, stages, per_stage):
-    microbatches = per_stage * stages  # m in {p, 2p, 4p}
+    microbatches = per_stage * stages  # m in {p, 4p}
     batch = np.random.default_rng(SEED).standard_normal((8 * microbatches, MLP_CONFIG.dim), dtype=np.float32)
     assert_matches_one_device(lambda: DeepMLP(MLP_CONFIG, rngs=nnx.Rngs(SEED)), mlp_loss, batch, "dp+pp",
                               dict(data=8 // stages, stage=stages), microbatches, schedule,
@@ -57,12 +57,12 @@ PIPELINED = [
 ]
 # The GPT on every schedule under ZeRO-3 × TP × PP, every preset under 1F1B, and each
 # zero-bubble schedule under what its split backward most touches (ZeRO-2's per-layer scatter,
-# interleaved chunks of sequence-parallel blocks); the Llama on every preset under 1F1B (what
-# differs between the decoders is inside a stage, not the schedule).
+# interleaved chunks of sequence-parallel blocks); the Llama under ZeRO-3 × TP × PP with 1F1B
+# (what differs between the decoders is inside a stage, not the schedule).
 _GPT = {(s, "fsdp+tp+pp") for s in SCHEDULES} | {("1f1b", p) for p, *_ in PIPELINED} | {
     ("zb-h1", "zero2+pp"), ("interleaved", "dp+tp+sp+pp")}
 CASES = [("gpt", schedule, *case) for schedule in SCHEDULES for case in PIPELINED if (schedule, case[0]) in _GPT] + [
-    ("llama", "1f1b", *case) for case in PIPELINED]
+    ("llama", "1f1b", *case) for case in PIPELINED if case[0] == "fsdp+tp+pp"]
 
 
 @pytest.mark.parametrize("model, schedule, preset, sizes, microbatches", CASES,

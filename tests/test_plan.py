@@ -11,8 +11,16 @@ from jshard.models import GPT_SIZES
 from jshard.parallel.schedules import make_schedule
 
 
-@pytest.mark.parametrize("model", plan.VALIDATION_MODELS)
-@pytest.mark.parametrize("case", plan.VALIDATION, ids=lambda c: "/".join(map(str, c)))
+# The GPT on every validation row; the Llama (whose every row `jshard plan --validate` prints,
+# docs/planning.md) on one per kind of formula: DP, ZeRO-3's gathers, TP+SP with and without
+# remat, a pipeline, mixed precision.
+LLAMA_ROWS = {("dp", None, None, "none"), ("zero3", None, None, "none"), ("dp+tp+sp", None, None, "none"),
+              ("dp+tp+sp", None, None, "full"), ("dp+pp", 4, "1f1b", "none"),
+              ("zero3", None, None, "none", "example", "mixed")}
+CASES = [(case, "gpt") for case in plan.VALIDATION] + [(case, "llama") for case in plan.VALIDATION if case in LLAMA_ROWS]
+
+
+@pytest.mark.parametrize("case, model", CASES, ids=["/".join(map(str, c)) + f"-{m}" for c, m in CASES])
 def test_estimate_matches_compiler(case, model):
     r = plan.validate_one(*case, model=plan.VALIDATION_MODELS[model])
     assert r["comm_predicted"] == r["comm_compiled"]  # bytes per collective kind: exact
