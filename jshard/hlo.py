@@ -176,3 +176,58 @@ def bytes_by_kind(hlo_text: str, program: str | None = None) -> dict[str, int]:
     for c in collectives(hlo_text, program):
         totals[c.kind] += c.bytes * c.count
     return {kind: n for kind, n in totals.items() if n}
+
+
+# -- matmul FLOPs ---------------------------------------------------------------------------
+
+_DEFINE = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<dtype>pred|[suf]\d+|bf16)\[(?P<dims>[\d,]*)\]")
+_DOT = re.compile(r"\bdot\(%(?P<lhs>[\w.\-]+),.*lhs_contracting_dims=\{(?P<contracted>[\d,]*)\}")
+_CONDITIONAL = re.compile(r"\sconditional\(")
+
+
+def _dims(text: str) -> list[int]:
+    return [int(d) for d in text.split(",") if d]
+
+
+def _own_flops(lines: list[str]) -> int:
+    """2·M·N·K of each dot in one computation (called computations not included)."""
+    shapes, flops = {}, 0
+    for line in lines:
+        if m := _DEFINE.match(line):
+            shapes[m["name"]] = _dims(m["dims"])
+            if dot := _DOT.search(line):
+                lhs = shapes.get(dot["lhs"], [])
+                flops += 2 * math.prod(shapes[m["name"]]) * math.prod(lhs[d] for d in _dims(dot["contracted"]) if d < len(lhs))
+    return flops
+
+
+def matmul_flops(hlo_text: str, branch_weights=None) -> float:
+    """Matmul FLOPs (2·M·N·K per dot, fused or not) per program run on one device: loop
+    bodies once per trip. A conditional counts its costliest branch, unless
+    `branch_weights(branches)` (given the conditional's number of branches) returns how often
+    each branch runs per run of the computation holding it (a pipeline's tick table, say),
+    or None to keep the costliest."""
+    blocks, entry = _computations(hlo_text)
+    own = {name: _own_flops(lines) for name, lines in blocks.items()}
+    memo: dict[str, float] = {}
+
+    def total(name: str) -> float:
+        if name in memo:
+            return memo[name]
+        flops = float(own[name])
+        for line in blocks[name]:
+            loop = _WHILE.search(line)
+            trips = int(t["n"]) if loop and (t := _TRIPS.search(line)) else 1
+            if (branches := _BRANCHES.search(line)) and _CONDITIONAL.search(line):
+                names = [n.strip().lstrip("%") for n in branches["names"].split(",")]
+                costs = [total(n) for n in names if n in blocks]
+                weights = branch_weights(len(costs)) if branch_weights else None
+                flops += sum(w * c for w, c in zip(weights, costs)) if weights is not None else max(costs, default=0)
+                continue
+            for callee in (m["name"] for m in _CALLED.finditer(line)):
+                if callee in blocks and not (loop and callee != loop["body"]):
+                    flops += total(callee) * (trips if loop else 1)
+        memo[name] = flops
+        return flops
+
+    return total(entry)

@@ -19,9 +19,18 @@ from jax import lax
 
 def varying_axes(x) -> frozenset[str]:
     """The manual mesh axes over which `x` may differ between devices (its vma)."""
-    aval = jax.typeof(x)
+    return aval_axes(jax.typeof(x))
+
+
+def aval_axes(aval) -> frozenset[str]:
+    """The vma of an abstract value (a jaxpr variable's `aval`, `jax.typeof(x)`)."""
     manual = getattr(aval, "manual_axis_type", None)  # JAX >= 0.10; earlier: aval.vma
     return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+def zeros(aval):
+    """Zeros of an abstract value's shape, dtype and vma."""
+    return vary(jnp.zeros(aval.shape, aval.dtype), aval_axes(aval))
 
 
 def vary(x, axes):

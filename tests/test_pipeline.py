@@ -13,6 +13,7 @@ import jshard
 from jshard import hlo
 from jshard.models import DeepMLP, MLPConfig, gpt_loss, mlp_loss
 from jshard.parallel import build_step
+from jshard.parallel import pipeline
 from jshard.parallel.pipeline import compile_program
 from jshard.parallel.schedules import SCHEDULES, ScheduleError, make_schedule
 import decoders
@@ -74,10 +75,47 @@ def test_schedule_decoder_with_other_strategies(model, schedule, preset, sizes, 
     assert_matches_one_device(make, gpt_loss, batch, preset, sizes, microbatches, schedule, steps)
 
 
-def mlp_step(schedule, stages, microbatches, dim=MLP_CONFIG.dim):
+def mlp_step(schedule, stages, microbatches, dim=MLP_CONFIG.dim, stage_remat=None):
     model = DeepMLP(MLPConfig(dim=dim, layers=8), rngs=nnx.Rngs(0))
     return build_step(model, OPTIMIZER, mlp_loss, jshard.make_mesh(data=8 // stages, stage=stages),
-                      jshard.preset("dp+pp"), microbatches, schedule)
+                      jshard.preset("dp+pp"), microbatches, schedule, stage_remat=stage_remat)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_stage_recompute_matches_one_device(schedule):
+    """stage_remat="full" (keep the stage input, recompute the chunk's forward in backward)."""
+    batch = np.random.default_rng(SEED).standard_normal((8 * 4, MLP_CONFIG.dim), dtype=np.float32)
+    step = mlp_step(schedule, 2, 4, stage_remat="full")
+    loss, grads = step.value_and_grad(step.state, step.shard_batch(batch))
+    reference = DeepMLP(MLP_CONFIG, rngs=nnx.Rngs(0))
+    expected_loss, expected_grads = nnx.value_and_grad(mlp_loss)(reference, batch)
+    assert relative_error(loss, expected_loss) <= TOLERANCE
+    assert_trees_close(grads, expected_grads, "gradient")
+
+
+def _flops(step, batch):
+    """Matmul FLOPs per device of the compiled step: the pipeline's per stage, averaged."""
+    text = step.lower(step.state, step.shard_batch(batch)).compile().as_text()
+    if step.schedule is None:
+        return hlo.matmul_flops(text)
+    return float(np.mean(pipeline.matmul_flops(step.schedule, text, step.stage_remat)))
+
+
+def test_flops_of_every_schedule():
+    """Counted from the compiled programs: keeping the residuals, every schedule does the
+    unpipelined step's matmuls (ZB-H1's B + W split the backward, adding nothing); recomputing
+    the stage's forward adds a third; ZB-H1 recomputing for B and for W, two thirds."""
+    stages, microbatches = 2, 4
+    batch = np.ones((8 * microbatches, MLP_CONFIG.dim), np.float32)
+    flat = build_step(DeepMLP(MLP_CONFIG, rngs=nnx.Rngs(0)), OPTIMIZER, mlp_loss, jshard.make_mesh(data=8),
+                      jshard.preset("dp"))
+    # Per device the same work: 1/8 of the rows through every layer, or 1/4 through half of them.
+    unpipelined = _flops(flat, batch)
+    for schedule in SCHEDULES:
+        kept = _flops(mlp_step(schedule, stages, microbatches), batch) / unpipelined
+        recomputed = _flops(mlp_step(schedule, stages, microbatches, stage_remat="full"), batch) / unpipelined
+        assert kept == pytest.approx(1.0, abs=1e-9), schedule
+        assert recomputed == pytest.approx(5 / 3 if schedule == "zb-h1" else 4 / 3, rel=1e-9), schedule
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -109,20 +147,29 @@ def test_buffers_sized_by_peak_in_flight(schedule):
 
 
 def test_one_f_one_b_needs_less_memory_than_gpipe():
-    """At m = 4p, GPipe holds m stage inputs per device and 1F1B p: the compiled step's
-    temporary memory differs by exactly the buffer slots saved, one activation each."""
+    """At m = 4p, GPipe holds m stage inputs per device and 1F1B p: recomputing the stage, the
+    compiled step's temporary memory differs by exactly the buffer slots saved, one activation
+    each. Keeping the residuals, 1F1B's memory does not grow with m, GPipe's does."""
     stages, microbatches, dim = 2, 8, 256
     batch = np.ones(((8 // stages) * microbatches * 64, dim), np.float32)  # 64 rows per micro-batch and device
     temp, slots = {}, {}
     for schedule in ("gpipe", "1f1b"):
-        step = mlp_step(schedule, stages, microbatches, dim)
+        step = mlp_step(schedule, stages, microbatches, dim, stage_remat="full")
         compiled = step.lower(step.state, step.shard_batch(batch)).compile()
         temp[schedule] = compiled.memory_analysis().temp_size_in_bytes
-        program = compile_program(step.schedule)
+        program = compile_program(step.schedule, "full")
         slots[schedule] = program.act_slots + program.grad_slots
     activation = 64 * dim * 4
     assert slots["gpipe"] - slots["1f1b"] == microbatches - stages
     assert temp["gpipe"] - temp["1f1b"] == (slots["gpipe"] - slots["1f1b"]) * activation
+
+    def kept(schedule, m):  # the same micro-batch (64 rows per device), m of them
+        step = mlp_step(schedule, stages, m, dim)
+        rows = np.ones(((8 // stages) * m * 64, dim), np.float32)
+        return step.lower(step.state, step.shard_batch(rows)).compile().memory_analysis().temp_size_in_bytes
+
+    assert kept("1f1b", 4) == kept("1f1b", 16)
+    assert kept("gpipe", 16) > kept("gpipe", 4)
 
 
 @pytest.mark.parametrize("schedule", ["interleaved", "1f1b"])

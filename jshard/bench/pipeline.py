@@ -4,13 +4,16 @@ Per schedule, one GPT training step (AdamW) pipelined over `stage`:
 
     ticks, bubble      the tick table's length and idle slots per busy slot (unit costs)
     slots              activation + gradient buffer slots per device (the executor's buffers)
+    flops              compiled matmul FLOPs per device (mean over stages) / the unpipelined step's
     temp_bytes         compiled.memory_analysis() temporaries per device, and / GPipe's
     step_s             median step time, and / GPipe's
     vs_flat            step time / the same step unpipelined (the stage axis used as data)
     parity_rel_err     the step's loss against one device's
 
-The textbook: a pipelined step costs (1 + bubble) × the work, and this executor's backward
-recomputes the chunk's forward (BW = F + 2F instead of 2F): 4/3 of the unpipelined work.
+The textbook: a pipelined step costs (1 + bubble) × the work. By default each stage keeps
+its residuals from F to the backward, so the work is the unpipelined step's; with
+`--stage-remat full` the backward recomputes the chunk's forward (BW = F + 2F instead of
+2F: 4/3 of the work; ZB-H1's B and W each recompute it: 5/3).
 On fake CPU devices all "devices" share the host's cores, so an idle stage frees a core
 instead of wasting it: there the measured ratio shows the extra work, not the bubble.
 """
@@ -28,11 +31,15 @@ from jshard.mesh import mesh_shape, use_fake_cpu_devices_unless_accelerated
 from jshard.metrics import median_step_seconds
 from jshard.models import decoder, gpt_loss
 from jshard.parallel import build_step
-from jshard.parallel.pipeline import compile_program
+from jshard import hlo
+from jshard.parallel.pipeline import STAGE_REMAT, compile_program, matmul_flops
 from jshard.parallel.schedules import SCHEDULES
 from jshard.rules import default_mesh, format_mesh
 
-RECOMPUTE = 4 / 3  # F + (F + 2F) per micro-batch and stage, against F + 2F
+def recompute(schedule: str, stage_remat: str) -> float:
+    """The work of a pipelined step over the unpipelined one: F + 2F kept, F + (F + 2F)
+    recomputed, F + (F + B) + (F + W) recomputed for each half of ZB-H1's split backward."""
+    return 1.0 if stage_remat == "none" else 5 / 3 if schedule == "zb-h1" else 4 / 3
 
 
 def add_parser(benches) -> None:
@@ -41,6 +48,8 @@ def add_parser(benches) -> None:
     flags.add_mesh(parser, shown="dp+pp's default mesh: stage=2, data the rest")
     add("--schedules", default=",".join(SCHEDULES), help="comma-separated, from: " + ", ".join(SCHEDULES))
     flags.add_pipeline(parser, microbatches=8, schedule="none")
+    add("--stage-remat", choices=STAGE_REMAT, default="none",
+        help="what a stage keeps from F to its backward: none = its residuals (default), full = its input only")
     flags.add_bench(parser, "small with 8 layers and seq-len 64", batch_size=32)
     parser.set_defaults(run=run)
 
@@ -60,33 +69,40 @@ def run(args) -> int:
     flat_rules = jshard.preset("dp")  # every device a data shard
     flat = build_step(make_model(), tx, gpt_loss, jshard.make_mesh(**default_mesh(flat_rules, jax.device_count())),
                       flat_rules)
-    flat_s = median_step_seconds(flat, flat.shard_batch(batch), args.repeats)
+    flat_tokens = flat.shard_batch(batch)
+    flat_s = median_step_seconds(flat, flat_tokens, args.repeats)
+    flat_flops = hlo.matmul_flops(flat.lower(flat.state, flat_tokens).compile().as_text())
     device = jax.devices()[0]
     print(f"# jshard bench pipeline: {jax.device_count()} × {device.device_kind} ({device.platform}), "
           f"mesh {format_mesh(mesh_shape(mesh))}, m={args.microbatches}, {config.family} layers={config.layers} "
-          f"embed={config.embed} seq={config.seq_len} batch={args.batch_size}, AdamW, fp32, median of {args.repeats}")
-    print(f"# unpipelined (dp over all {jax.device_count()} devices): {flat_s * 1e3:.1f} ms; textbook pipelined "
-          f"= (1 + bubble) x {RECOMPUTE:.2f} of it (backward recomputes the chunk's forward)")
+          f"embed={config.embed} seq={config.seq_len} batch={args.batch_size}, AdamW, fp32, stage remat "
+          f"{args.stage_remat}, median of {args.repeats}")
+    print(f"# unpipelined (dp over all {jax.device_count()} devices): {flat_s * 1e3:.1f} ms, {flat_flops / 1e9:.3f} "
+          f"GFLOP of matmuls per device; textbook pipelined = (1 + bubble) x the work (flops) of it")
     if device.platform == "cpu":
         print("# fake CPU devices share the host's cores: idle stages cost nothing, so vs_flat shows work, not bubble")
-    print(f"{'schedule':<13}{'ticks':>6}{'bubble':>8}{'slots':>7}{'temp B':>11}{'/gpipe':>8}"
+    print(f"{'schedule':<13}{'ticks':>6}{'bubble':>8}{'slots':>7}{'flops':>7}{'temp B':>11}{'/gpipe':>8}"
           f"{'step ms':>9}{'/gpipe':>8}{'vs_flat':>8}{'textbook':>9}{'parity':>9}")
     rows = []
     for name in filter(None, args.schedules.split(",")):
         step = build_step(make_model(), tx, gpt_loss, mesh, pipelined, args.microbatches, name.strip(),
-                          args.virtual if name.strip() == "interleaved" else None)  # v is interleaved's alone
+                          args.virtual if name.strip() == "interleaved" else None,  # v is interleaved's alone
+                          stage_remat=args.stage_remat)
         tokens = step.shard_batch(batch)
-        program, schedule = compile_program(step.schedule), step.schedule
-        temp = step.lower(step.state, tokens).compile().memory_analysis().temp_size_in_bytes
+        program, schedule = compile_program(step.schedule, args.stage_remat), step.schedule
+        compiled = step.lower(step.state, tokens).compile()
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        flops = float(np.mean(matmul_flops(schedule, compiled.as_text(), args.stage_remat))) / flat_flops
         loss, _ = step.value_and_grad(step.state, tokens)
-        row = dict(schedule=schedule.name, ticks=schedule.ticks, bubble=schedule.bubble_fraction,
-                   slots=program.act_slots + program.grad_slots, temp_bytes=temp,
+        row = dict(schedule=schedule.name, stage_remat=args.stage_remat, ticks=schedule.ticks,
+                   bubble=schedule.bubble_fraction, slots=program.act_slots + program.grad_slots,
+                   flops_vs_flat=flops, textbook_flops=recompute(schedule.name, args.stage_remat), temp_bytes=temp,
                    step_s=median_step_seconds(step, tokens, args.repeats), flat_step_s=flat_s,
-                   textbook_vs_flat=(1 + schedule.bubble_fraction) * RECOMPUTE,
+                   textbook_vs_flat=(1 + schedule.bubble_fraction) * recompute(schedule.name, args.stage_remat),
                    parity_rel_err=abs(float(loss) - expected) / abs(expected))
         rows.append(row)
         first = rows[0]
-        print(f"{row['schedule']:<13}{row['ticks']:>6}{row['bubble']:>8.3f}{row['slots']:>7}{temp:>11}"
+        print(f"{row['schedule']:<13}{row['ticks']:>6}{row['bubble']:>8.3f}{row['slots']:>7}{flops:>7.3f}{temp:>11}"
               f"{temp / first['temp_bytes']:>8.2f}{row['step_s'] * 1e3:>9.1f}{row['step_s'] / first['step_s']:>8.2f}"
               f"{row['step_s'] / flat_s:>8.2f}{row['textbook_vs_flat']:>9.2f}{row['parity_rel_err']:>9.1e}", flush=True)
     flags.write_json(args.json, rows)

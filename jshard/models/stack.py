@@ -64,13 +64,11 @@ def has_stack(model: nnx.Module) -> bool:
     return any(isinstance(node, nnx.Module) and hasattr(node, "remat") for _, node in nnx.iter_graph(model))
 
 
-def scan_layers(layers: nnx.Module, x: jax.Array) -> jax.Array:
-    """x <- layer(x) for each layer of a stack, in order.
-
-    Each layer is rematerialised as the stack's `remat` policy says (`stack_layers`). In
-    a step that gathers weights (ZeRO-3) it is rematerialised at least without its
-    gathered weights: backward gathers them again instead of keeping all layers' alive.
-    """
+def layer_call(layers: nnx.Module) -> Callable[[nnx.Module, jax.Array], jax.Array]:
+    """What `scan_layers` applies to each layer: its call, rematerialised as the stack's
+    `remat` policy says (`stack_layers`); in a step that gathers weights (ZeRO-3) at least
+    without its gathered weights: backward gathers them again instead of keeping all
+    layers' alive."""
 
     def apply(layer, x):
         return layer(x)
@@ -78,14 +76,24 @@ def scan_layers(layers: nnx.Module, x: jax.Array) -> jax.Array:
     policy = REMAT_POLICIES[getattr(layers, "remat", "none")]
     if policy is None and (nn.gathers_weights() or nn.holds_replicas()):
         policy = nn.remat_policy
-    if policy is not None:
-        apply = nnx.remat(apply, policy=policy)
+    return nnx.remat(apply, policy=policy) if policy is not None else apply
 
-    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=_LAYERS_METADATA)
+
+def scan_stack(layers: nnx.Module, x: jax.Array, body: Callable[[jax.Array, nnx.Module], tuple]) -> tuple:
+    """`nnx.scan` of `body(x, layer) -> (x, y)` over the layers of a stack, in order: the
+    final x and the ys stacked on a leading dim. The carry is typed as a layer's output."""
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata=_LAYERS_METADATA)
     def run(x, layer):
-        return apply(layer, x)
+        return body(x, layer)
 
-    return run(_as_carry(apply, layers, x), layers)
+    return run(_as_carry(layer_call(layers), layers, x), layers)
+
+
+def scan_layers(layers: nnx.Module, x: jax.Array) -> jax.Array:
+    """x <- layer(x) for each layer of a stack, in order (`layer_call`)."""
+    apply = layer_call(layers)
+    return scan_stack(layers, x, lambda x, layer: (apply(layer, x), None))[0]
 
 
 def _as_carry(apply, layers, x: jax.Array) -> jax.Array:

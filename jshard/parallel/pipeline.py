@@ -7,23 +7,28 @@ gradient) and W (weight gradient). `compile_program` turns that table into integ
 `value_and_grad` executes them in a `lax.scan` over ticks. Each tick, on every device:
 
     1. read this tick's action: which branch, micro-batch, chunk and buffer slots
-    2. `lax.switch` to that branch: it runs the chunk forward, or recomputes the forward
-       under `jax.vjp` and pulls back the output gradient; weight gradients add up in place
+    2. `lax.switch` to that branch: F runs the chunk forward and keeps what its backward
+       needs; B pulls the output gradient back to the input and hands W what it needs;
+       W adds up the weight gradients (BW: B then W)
     3. `ppermute` the forward output to the next position and the input gradient to the
        previous one (all devices run the same ppermutes, so none can deadlock; a tick in
        which nobody sends skips them)
     4. store what arrived in the slots the table assigned
 
-A micro-batch's stage input waits in an activation slot from its arrival until its last
-backward (BW, or W); its output gradient waits in a gradient slot. Slots are assigned in
-Python from the table, so the buffers hold as many micro-batches as the schedule keeps in
-flight: m for GPipe, p for 1F1B on the first stage. What a slot holds is the stage's
-input, not every activation inside it: the backward recomputes the chunk's forward (stage
-rematerialisation, one extra forward per backward) so that buffer memory is exactly
-peak-in-flight × one activation.
+A chunk is three segments: the loss's `first` part (embeddings) at position 0, one segment
+per layer, the loss's `last` part (head and loss) at the last position. F keeps each
+segment's residuals, as `backward.keep` finds them (`stage_remat="none"`, the default): a
+backward then costs what an unpipelined backward costs, for the memory of those residuals
+per micro-batch in flight. `stage_remat="full"` keeps only the stage's input instead, and
+each backward recomputes the chunk's forward first (Megatron's full recompute: a third more
+work, one activation per micro-batch in flight). Either way B and W run the two halves of
+each segment's backward (`backward.Backward`), so B + W computes what BW computes.
 
-The loss is a `StagedLoss`: its `first` part (embeddings) runs at position 0, its `last`
-part (head and loss) at the last position, inside the same branches as the chunk there.
+Each buffer (stage inputs, output gradients, residuals per segment, B's crossover per
+segment) holds a value from the tick it is written to the tick it is last read; slots are
+assigned in Python from the table, so a buffer holds as many micro-batches as the schedule
+keeps in flight: m for GPipe, p for 1F1B on the first stage.
+
 Collectives inside a branch (FSDP gathers, TP reductions) only ever group devices of one
 stage, which all take the same branch. Params used on every stage are made stage-varying
 before the scan so that no branch needs a collective over the stage axis; their gradients
@@ -42,16 +47,32 @@ from flax import nnx
 from jax import lax
 
 from jshard import vma
-from jshard.models.stack import StagedLoss, scan_layers
+from jshard.models.stack import StagedLoss, layer_call, scan_stack
+from jshard.parallel import backward
 from jshard.parallel.schedules import Schedule
 
 ROLES = ("first", "middle", "last")  # where in the pipeline a chunk is: position 0, between, p·v - 1
 BRANCHES = [("idle", "middle")] + [(kind, role) for kind in ("F", "BW", "B", "W") for role in ROLES]
+SEGMENTS = ("first", "layers", "last")  # embeddings at position 0, the chunk's layers, head and loss at the end
+STAGE_REMAT = ("none", "full")  # keep each segment's residuals / keep the stage input and recompute
+
+
+def segments(role: str) -> tuple[str, ...]:
+    """The segments a chunk at `role` runs."""
+    return tuple(s for s in SEGMENTS if s in ("layers", role))
+
+
+def check_stage_remat(stage_remat: str) -> str:
+    if stage_remat not in STAGE_REMAT:
+        raise ValueError(f"stage_remat={stage_remat!r}; choose 'none' (keep what each backward needs) or "
+                         "'full' (keep the stage input, recompute the chunk's forward in backward)")
+    return stage_remat
 
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """A schedule as arrays the scan reads one row of per tick; [tick, stage] unless noted."""
+    """A schedule as arrays the scan reads one row of per tick; [tick, stage] unless noted.
+    A buffer's last index (= its count) is a slot nobody reads: where nothing is written."""
 
     branch: np.ndarray  # index into BRANCHES
     microbatch: np.ndarray
@@ -60,10 +81,21 @@ class Program:
     grad_slot: np.ndarray  # the gradient slot it reads (its output's gradient)
     act_arrival: np.ndarray  # where the activation arriving at the end of the tick goes
     grad_arrival: np.ndarray
+    saved_slot: dict[str, np.ndarray]  # per segment: the slot of F's residuals that B / W / BW read
+    saved_write: dict[str, np.ndarray]  # per segment: where F's residuals go at the end of the tick
+    crossover_slot: dict[str, np.ndarray]  # per segment: the slot of what B handed W
+    crossover_write: dict[str, np.ndarray]
     sends_forward: np.ndarray  # [tick]: whether any device sends an activation
     sends_backward: np.ndarray  # [tick]: whether any device sends a gradient
-    act_slots: int  # the last index of each buffer (= the count) is a slot nobody reads
+    act_slots: int
     grad_slots: int
+    saved_slots: dict[str, int]  # 0: not buffered (stage_remat="full")
+    crossover_slots: dict[str, int]  # 0: no W (every schedule but ZB-H1)
+
+    def rows(self) -> dict:
+        """The per-tick arrays, as the scan's xs."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), (np.ndarray, dict)) and not f.name.endswith("slots")}
 
 
 def _role(position: int, positions: int) -> str:
@@ -73,7 +105,7 @@ def _role(position: int, positions: int) -> str:
 def _assign_slots(lifetimes: dict, stages: int) -> tuple[dict, int]:
     """Slots for values that live from the end of tick `start` to tick `end` on `stage`.
 
-    A value read for the last time at tick t frees its slot for one arriving at the end of t.
+    A value read for the last time at tick t frees its slot for one written at the end of t.
     """
     slot_of, count = {}, 0
     for stage in range(stages):
@@ -86,30 +118,41 @@ def _assign_slots(lifetimes: dict, stages: int) -> tuple[dict, int]:
     return slot_of, count
 
 
-def compile_program(schedule: Schedule) -> Program:
+def compile_program(schedule: Schedule, stage_remat: str = "none") -> Program:
     """Which branch, micro-batch, chunk and buffer slots every device uses at every tick."""
-    p, v, table = schedule.stages, schedule.virtual, schedule.table()
+    keep = check_stage_remat(stage_remat) == "none"
+    p, v, m, table = schedule.stages, schedule.virtual, schedule.microbatches, schedule.table()
     positions, ticks = p * v, len(table)
     done = {}  # (kind, micro-batch, position) -> tick
     for tick, row in enumerate(table):
         for stage, action in enumerate(row):
             if action is not None:
                 done[schedule.work(action, stage)] = tick
-    last_read = {}  # (micro-batch, position) -> the last tick its stage input or output gradient is read
-    for (kind, i, k), tick in done.items():
-        if kind != "F":
-            last_read[i, k] = max(last_read.get((i, k), -1), tick)
-    # Stage inputs arrive from F at k-1, output gradients from the backward at k+1.
-    acts = {(k % p, i, k): (done["F", i, k - 1], last_read[i, k]) for i in range(schedule.microbatches) for k in range(1, positions)}
-    grads = {(k % p, i, k): (done[schedule.backward, i, k + 1], last_read[i, k])
-             for i in range(schedule.microbatches) for k in range(positions - 1)}
+    last_backward = {(i, k): done.get(("W", i, k), done.get(("BW", i, k))) for i in range(m) for k in range(positions)}
+    first_backward = {(i, k): done[schedule.backward, i, k] for i in range(m) for k in range(positions)}
+    # Stage inputs arrive from F at k-1 and wait for F (or, recomputed, for the last backward);
+    # output gradients arrive from the backward at k+1 and wait for B / BW.
+    acts = {(k % p, i, k): (done["F", i, k - 1], done["F", i, k] if keep else last_backward[i, k])
+            for i in range(m) for k in range(1, positions)}
+    grads = {(k % p, i, k): (done[schedule.backward, i, k + 1], first_backward[i, k])
+             for i in range(m) for k in range(positions - 1)}
+    at = {segment: [k for k in range(positions) if segment in segments(_role(k, positions))] for segment in SEGMENTS}
+    saved = {segment: {(k % p, i, k): (done["F", i, k], last_backward[i, k]) for i in range(m) for k in at[segment]}
+             if keep else {} for segment in SEGMENTS}
+    crossover = {segment: {(k % p, i, k): (done["B", i, k], done["W", i, k]) for i in range(m) for k in at[segment]}
+                 if schedule.backward == "B" else {} for segment in SEGMENTS}
     act_slot_of, act_slots = _assign_slots(acts, p)
     grad_slot_of, grad_slots = _assign_slots(grads, p)
+    saved_slots = {s: _assign_slots(saved[s], p) for s in SEGMENTS}
+    crossover_slots = {s: _assign_slots(crossover[s], p) for s in SEGMENTS}
 
     shape = (ticks, p)
     arrays = {name: np.zeros(shape, np.int32) for name in ("branch", "microbatch", "chunk")}
     arrays |= {name: np.full(shape, act_slots, np.int32) for name in ("act_slot", "act_arrival")}
     arrays |= {name: np.full(shape, grad_slots, np.int32) for name in ("grad_slot", "grad_arrival")}
+    slot_arrays = {f"{name}_{use}": {s: np.full(shape, slots[s][1], np.int32) for s in SEGMENTS}
+                   for name, slots in (("saved", saved_slots), ("crossover", crossover_slots))
+                   for use in ("slot", "write")}
     for tick, row in enumerate(table):
         for stage, action in enumerate(row):
             if action is None:
@@ -119,28 +162,34 @@ def compile_program(schedule: Schedule) -> Program:
             arrays["microbatch"][tick, stage], arrays["chunk"][tick, stage] = i, action.virtual
             arrays["act_slot"][tick, stage] = act_slot_of.get((stage, i, k), act_slots)
             arrays["grad_slot"][tick, stage] = grad_slot_of.get((stage, i, k), grad_slots)
+            for s in SEGMENTS:
+                for name, slots, writer in (("saved", saved_slots, "F"), ("crossover", crossover_slots, "B")):
+                    slot = slots[s][0].get((stage, i, k), slots[s][1])
+                    slot_arrays[f"{name}_{'write' if kind == writer else 'slot'}"][s][tick, stage] = slot
     for (stage, i, k), (start, _) in acts.items():
         arrays["act_arrival"][start, stage] = act_slot_of[stage, i, k]
     for (stage, i, k), (start, _) in grads.items():
         arrays["grad_arrival"][start, stage] = grad_slot_of[stage, i, k]
     # A tick sends when something arrives at its end.
-    return Program(**arrays, sends_forward=(arrays["act_arrival"] != act_slots).any(axis=1),
+    return Program(**arrays, **slot_arrays,
+                   sends_forward=(arrays["act_arrival"] != act_slots).any(axis=1),
                    sends_backward=(arrays["grad_arrival"] != grad_slots).any(axis=1),
-                   act_slots=act_slots, grad_slots=grad_slots)
+                   act_slots=act_slots, grad_slots=grad_slots,
+                   saved_slots={s: saved_slots[s][1] for s in SEGMENTS},
+                   crossover_slots={s: crossover_slots[s][1] for s in SEGMENTS})
 
 
-# --- the executor --------------------------------------------------------------------------------
-
-
-def _zeros(abstract, axes):
-    return vma.vary(jnp.zeros(abstract.shape, abstract.dtype), axes)
+# --- what a chunk computes ----------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class Stages:
     """What a chunk computes, from the differentiable params `diff`: the loss's `first` part
     at position 0, the chunk's layers, the `last` part at the end; each result typed varying
-    over `act_axes` (an activation) or `loss_axes` (the loss), so every branch returns one type."""
+    over `act_axes` (an activation) or `loss_axes` (the loss), so every branch returns one type.
+
+    Each segment is a function of the leaves it computes with (the model's, or one layer's)
+    and its input, so that `backward.keep` finds every weight among its arguments."""
 
     loss: StagedLoss
     model_of: Callable  # diff -> the model
@@ -149,19 +198,12 @@ class Stages:
     act_axes: frozenset = frozenset()
     loss_axes: frozenset = frozenset()
 
-    def first(self, diff, mb):
-        return vma.vary(self.loss.first(self.model_of(diff), mb), self.act_axes)
+    def _first(self, model, mb):
+        return vma.vary(self.loss.first(model, mb), self.act_axes)
 
-    def layers(self, diff, x, chunk):
-        return vma.vary(scan_layers(self._chunk_of(self.model_of(diff), chunk), x), self.act_axes)
+    def _last(self, model, y, mb):
+        return vma.vary(self.one_value(self.loss.last(model, y, mb)), self.loss_axes)
 
-    def last(self, diff, y, mb):
-        return self.one_value(self.loss.last(self.model_of(diff), y, mb))
-
-    def forward(self, role, diff, x, mb, chunk):
-        """What the chunk at this `role` computes: an activation, or at the end, the loss."""
-        y = self.layers(diff, self.first(diff, mb) if role == "first" else x, chunk)
-        return vma.vary(self.last(diff, y, mb), self.loss_axes) if role == "last" else y
 
     def _chunk_of(self, model, chunk):
         layers = self.loss.layers(model)
@@ -171,61 +213,208 @@ class Stages:
         size = jax.tree.leaves(state)[0].shape[0] // self.virtual
         return nnx.merge(graphdef, jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, chunk * size, size), state))
 
+    def forward(self, role, diff, x, mb, chunk, keep: bool = False):
+        """The chunk at this `role`: its output (an activation, or at the end, the loss) and,
+        with `keep`, each segment's residuals and `Backward` ({} and {} without)."""
+        model = self.model_of(diff)
+        graphdef, state = nnx.split(model)
+        leaves, tree = jax.tree.flatten(state)
+        mb_leaves = jax.tree.leaves(mb)
+        saved, backwards = {}, {}
 
-def typed(stages: Stages, diff, mb, stage_axis: str) -> tuple[Stages, jax.ShapeDtypeStruct]:
-    """`stages` with the varying axes of what travels between stages, and the loss's abstract
-    value. The activation's type is a fixed point: a stage's output may vary over more axes
-    than its input (found abstractly, no compute)."""
+        def run(segment, fn, inputs):
+            if not keep:
+                return fn(leaves, inputs)
+            out, saved[segment], backwards[segment] = backward.keep(fn, leaves, inputs, mb_leaves)
+            return out
+
+        def merged(leaves):
+            return nnx.merge(graphdef, tree.unflatten(leaves))
+
+        if role == "first":
+            x = run("first", lambda leaves, _: self._first(merged(leaves), mb), ())
+        layers = self._chunk_of(model, chunk)
+        apply = layer_call(layers)
+
+        def layer(x, module):
+            layer_graphdef, layer_state = nnx.split(module)
+            layer_leaves, layer_tree = jax.tree.flatten(layer_state)
+
+            def fn(layer_leaves, inputs):
+                return apply(nnx.merge(layer_graphdef, layer_tree.unflatten(layer_leaves)), inputs[0])
+
+            if not keep:
+                return fn(layer_leaves, (x,)), None
+            y, kept, backwards["layers"] = backward.keep(fn, layer_leaves, (x,))
+            return y, kept
+
+        x, saved["layers"] = scan_stack(layers, x, layer)
+        if not keep:
+            saved = {}
+        if role == "last":
+            x = run("last", lambda leaves, inputs: self._last(merged(leaves), inputs[0], mb), (x,))
+        return x, saved, backwards
+
+    def _leaves(self, diff, chunk):
+        """The leaves each segment's backward reads: the model's, and the chunk's (stacked)."""
+        model = self.model_of(diff)
+        return jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(self._chunk_of(model, chunk)))
+
+    def b(self, role, backwards, diff, saved, g, mb, chunk):
+        """B: the gradient of the chunk's input (None at position 0) and the crossover W needs."""
+        model_leaves, chunk_leaves = self._leaves(diff, chunk)
+        known = model_leaves + jax.tree.leaves(mb)
+        crossover = {}
+        if role == "last":
+            (g,), crossover["last"] = backwards["last"].b(known, saved["last"], g)
+
+        def layer(g, xs):
+            (g,), crossover = backwards["layers"].b(*xs, g)
+            return g, crossover
+
+        g, crossover["layers"] = lax.scan(layer, g, (chunk_leaves, saved["layers"]), reverse=True)
+        if role == "first":
+            _, crossover["first"] = backwards["first"].b(known, saved["first"], g)
+            g = None
+        return g, crossover
+
+    def w(self, role, backwards, diff, saved, crossover, mb, chunk):
+        """W: the gradient of `diff`, from the crossover B handed over."""
+        model_leaves, chunk_leaves = self._leaves(diff, chunk)
+        known = model_leaves + jax.tree.leaves(mb)
+        model_grads = [None] * len(model_leaves)
+        for segment in ("first", "last"):
+            if segment in crossover:
+                grads = backwards[segment].w(known, saved[segment], crossover[segment])
+                model_grads = [a if b is None else b if a is None else a + b for a, b in zip(model_grads, grads)]
+
+        def layer(_, xs):
+            return None, backwards["layers"].w(*xs)
+
+        _, chunk_grads = lax.scan(layer, None, (chunk_leaves, saved["layers"], crossover["layers"]))
+
+        # Back from the leaves the segments computed with to `diff` (slicing and wrapping only).
+        def zero_if_none(grads, leaves):
+            return [vma.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves)]
+
+        _, pull = jax.vjp(lambda d: self._leaves(d, chunk), diff)
+        return pull((zero_if_none(model_grads, model_leaves), zero_if_none(chunk_grads, chunk_leaves)))[0]
+
+
+def typed(stages: Stages, diff, mb, stage_axis: str) -> tuple[Stages, jax.ShapeDtypeStruct, dict]:
+    """`stages` with the varying axes of what travels between stages, the loss's abstract
+    value and each segment's `Backward`. The activation's type is a fixed point: a stage's
+    output may vary over more axes than its input (found abstractly, no compute)."""
     stages = dataclasses.replace(stages, act_axes=frozenset({stage_axis}))
+
+    backwards = {}
+
+    def forward(role, keep=False):
+        def run(diff, x, mb):
+            out, saved, found = stages.forward(role, diff, x, mb, 0, keep)
+            backwards.update(found)
+            return out, saved
+        return lambda diff, x: nnx.eval_shape(run, diff, x, mb)[0]
+
     while True:
-        x = nnx.eval_shape(stages.first, diff, mb)
-        grown = stages.act_axes | vma.varying_axes(x) | vma.varying_axes(nnx.eval_shape(stages.layers, diff, x, 0))
+        x = forward("first")(diff, None)
+        grown = stages.act_axes | vma.varying_axes(x) | vma.varying_axes(forward("middle")(diff, x))
         if grown == stages.act_axes:
             break
         stages = dataclasses.replace(stages, act_axes=grown)
-    loss_abstract = nnx.eval_shape(stages.last, diff, x, mb)
-    return dataclasses.replace(stages, loss_axes=vma.varying_axes(loss_abstract) | {stage_axis}), loss_abstract
+    stages = dataclasses.replace(stages, loss_axes=frozenset({stage_axis}))
+    loss_abstract = forward("last")(diff, x)
+    stages = dataclasses.replace(stages, loss_axes=vma.varying_axes(loss_abstract) | {stage_axis})
+    forward("first", keep=True)(diff, None)
+    forward("last", keep=True)(diff, x)
+    return stages, loss_abstract, x, backwards
 
 
-def branch(stages: Stages, kind: str, role: str, loss_abstract, microbatches: int) -> Callable:
+# --- the executor --------------------------------------------------------------------------------
+
+
+def _buffer(avals, slots: int, layers: int | None = None):
+    """A buffer of `slots` (+ one nobody reads) per aval, each slot stacked over `layers` if
+    given; [] when nothing is buffered."""
+    lead = (slots + 1,) + ((layers,) if layers is not None else ())
+    return [vma.vary(jnp.zeros((*lead, *a.shape), a.dtype), vma.aval_axes(a)) for a in avals] if slots else []
+
+
+def _read(buffer, slot):
+    return [lax.dynamic_index_in_dim(b, slot, keepdims=False) for b in buffer]
+
+
+def _write(buffer, slot, values):
+    return [b.at[slot].set(v) for b, v in zip(buffer, values)]
+
+
+def _write_if(buffer, slot, values):
+    """`values` into `slot`, unless that is the slot nobody reads. (A boolean `lax.cond` updates
+    the buffer in place; XLA copies a buffer that a `lax.switch` branch updates, every tick.)"""
+    if not buffer:
+        return buffer
+    return lax.cond(slot < buffer[0].shape[0] - 1, lambda b: _write(b, slot, values), lambda b: b, buffer)
+
+
+def branch(stages: Stages, backwards: dict, kind: str, role: str, loss_abstract, microbatches: int,
+           keep: bool) -> Callable:
     """One `lax.switch` branch: action `kind` (idle, F, BW, B, W) of the chunk at `role`.
-    (diff, grads, loss_sum, x, g, mb, chunk) -> (grads, loss_sum, output, input gradient)."""
+    (diff, grads, loss_sum, buffers, here, mb) -> (grads, loss_sum, output, input gradient, written),
+    `here` being this tick's row of the program on this device and `written` what goes into
+    the saved and crossover buffers (zeros into a slot nobody reads where this action writes
+    nothing). The buffers are only read here: a branch that updated them would return them
+    whole, and XLA would copy them every tick."""
+    present = segments(role)
 
-    def act(diff, grads, loss_sum, x, g, mb, chunk):
-        zero = jnp.zeros_like(x)
+    def nothing(buffers):
+        return {name: {s: [jnp.zeros_like(b[0]) for b in buffer] for s, buffer in buffers[name].items()}
+                for name in ("saved", "crossover")}
+
+    def act(diff, grads, loss_sum, buffers, here, mb):
+        x = buffers["act"][here["act_slot"]]
+        zero, written = jnp.zeros_like(x), nothing(buffers)
         if kind == "idle":
-            return grads, loss_sum, zero, zero
+            return grads, loss_sum, zero, zero, written
+        chunk = here["chunk"]
         if kind == "F":
-            out = stages.forward(role, diff, x, mb, chunk)
-            return (grads, loss_sum + out, zero, zero) if role == "last" else (grads, loss_sum, out, zero)
-        if role == "last":  # the gradient of the mean over micro-batches
-            g = vma.vary(jnp.full(loss_abstract.shape, 1 / microbatches, loss_abstract.dtype), stages.loss_axes)
-        wrt_weights, wrt_input = kind in ("BW", "W"), kind in ("BW", "B") and role != "first"
-        if not (wrt_weights or wrt_input):  # B at position 0: no input to pass a gradient to
-            return grads, loss_sum, zero, zero
-        # A stopped gradient is a symbolic zero: B computes no weight gradient, W no input one.
-        weights_if = (lambda d: d) if wrt_weights else lambda d: jax.tree.map(lax.stop_gradient, d)
-        input_if = (lambda x: x) if wrt_input else lax.stop_gradient
-        _, pull = jax.vjp(lambda d, x: stages.forward(role, weights_if(d), input_if(x), mb, chunk), diff, x)
-        weights, dx = pull(g)
-        if wrt_weights:
-            grads = jax.tree.map(jnp.add, grads, weights)
-        return grads, loss_sum, zero, dx if wrt_input else zero
+            out, saved, _ = stages.forward(role, diff, x, mb, chunk, keep)
+            written["saved"].update(saved)
+            return (grads, loss_sum + out, zero, zero, written) if role == "last" else (grads, loss_sum, out, zero, written)
+        if keep:
+            saved = {s: _read(buffers["saved"][s], here["saved_slot"][s]) for s in present}
+        else:  # stage rematerialisation: the forward again, from the stage input
+            saved = stages.forward(role, diff, x, mb, chunk, keep=True)[1]
+        dx = zero
+        if kind in ("B", "BW"):
+            g = buffers["grad"][here["grad_slot"]]
+            if role == "last":  # the gradient of the mean over micro-batches
+                g = vma.vary(jnp.full(loss_abstract.shape, 1 / microbatches, loss_abstract.dtype), stages.loss_axes)
+            dx, crossover = stages.b(role, backwards, diff, saved, g, mb, chunk)
+            dx = zero if dx is None else dx
+            if kind == "B":
+                written["crossover"].update(crossover)
+        if kind == "W":
+            crossover = {s: _read(buffers["crossover"][s], here["crossover_slot"][s]) for s in present}
+        if kind in ("W", "BW"):
+            grads = jax.tree.map(jnp.add, grads, stages.w(role, backwards, diff, saved, crossover, mb, chunk))
+        return grads, loss_sum, zero, dx, written
 
     return act
 
 
 def value_and_grad(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, batch, stage_axis: str,
-                   one_value: Callable[[jax.Array], jax.Array], accumulate=None):
+                   one_value: Callable[[jax.Array], jax.Array], accumulate=None, stage_remat: str = "none"):
     """The mean loss over this device's `batch` and its gradient with respect to `diff`.
 
     `model_of(diff)` builds the model from the differentiable params; `one_value` turns a
     micro-batch's loss into one value per batch shard (a pmean over the axes it is spread on).
     The micro-batches' gradients add up in `accumulate` where it is wider than a param's
-    dtype (fp32 over bf16 params), else in the param's.
+    dtype (fp32 over bf16 params), else in the param's. `stage_remat` (`STAGE_REMAT`): keep
+    each segment's residuals from F to its backward, or recompute them there.
     """
     p, v, m = schedule.stages, schedule.virtual, schedule.microbatches
-    program = compile_program(schedule)
+    keep = stage_remat == "none"
+    program = compile_program(schedule, stage_remat)
     stage = lax.axis_index(stage_axis)
     micro = jax.tree.map(lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:]), batch)
     # Every param stage-varying: a branch's gradient then needs no psum over the stage axis.
@@ -235,8 +424,10 @@ def value_and_grad(schedule: Schedule, loss: StagedLoss, model_of: Callable, dif
     def take(tree, index):
         return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, keepdims=False), tree)
 
-    stages, loss_abstract = typed(Stages(loss, model_of, one_value, v), diff, take(micro, 0), stage_axis)
-    branches = [branch(stages, kind, role, loss_abstract, m) for kind, role in BRANCHES]
+    stages, loss_abstract, x, backwards = typed(Stages(loss, model_of, one_value, v), diff, take(micro, 0), stage_axis)
+    used = set(program.branch.flat)  # a branch the table never takes is traced as idle
+    branches = [branch(stages, backwards, *(kind_role if n in used else BRANCHES[0]), loss_abstract, m, keep)
+                for n, kind_role in enumerate(BRANCHES)]
     ring = v > 1  # chunks wrap around from the last device to the first
     forward_pairs = [(s, (s + 1) % p) for s in range(p if ring else p - 1)]
     backward_pairs = [((s + 1) % p, s) for s in range(p if ring else p - 1)]
@@ -245,29 +436,39 @@ def value_and_grad(schedule: Schedule, loss: StagedLoss, model_of: Callable, dif
         return lax.cond(when, lambda x: lax.ppermute(x, stage_axis, pairs), jnp.zeros_like, x)
 
     def tick(carry, row):
-        acts, grad_buf, grads, loss_sum = carry
-        here = {name: row[name][stage] for name in ("branch", "microbatch", "chunk", "act_slot", "grad_slot",
-                                                    "act_arrival", "grad_arrival")}
-        grads, loss_sum, out, dx = lax.switch(
-            here["branch"], branches, diff, grads, loss_sum, acts[here["act_slot"]], grad_buf[here["grad_slot"]],
-            take(micro, here["microbatch"]), here["chunk"],
-        )
-        acts = acts.at[here["act_arrival"]].set(send(row["sends_forward"], out, forward_pairs))
-        grad_buf = grad_buf.at[here["grad_arrival"]].set(send(row["sends_backward"], dx, backward_pairs))
-        return (acts, grad_buf, grads, loss_sum), None
+        buffers, grads, loss_sum = carry
+        here = jax.tree.map(lambda a: a[stage], {k: v for k, v in row.items() if not k.startswith("sends")})
+        grads, loss_sum, out, dx, written = lax.switch(
+            here["branch"], branches, diff, grads, loss_sum, buffers, here, take(micro, here["microbatch"]))
+        buffers = dict(
+            act=buffers["act"].at[here["act_arrival"]].set(send(row["sends_forward"], out, forward_pairs)),
+            grad=buffers["grad"].at[here["grad_arrival"]].set(send(row["sends_backward"], dx, backward_pairs)),
+            **{name: {s: _write_if(buffer, here[f"{name}_write"][s], written[name][s]) for s, buffer in buffers[name].items()}
+               for name in ("saved", "crossover")})
+        return (buffers, grads, loss_sum), None
 
-    rows = {field.name: getattr(program, field.name) for field in dataclasses.fields(Program)
-            if isinstance(getattr(program, field.name), np.ndarray)}
-    x = nnx.eval_shape(stages.first, diff, take(micro, 0))
+    # Residuals and crossover of the layers' segments are stacked over the chunk's layers.
+    chunk_layers = nnx.eval_shape(lambda d: jax.tree.leaves(nnx.state(stages._chunk_of(model_of(d), 0))), diff)[0].shape[0]
+    buffers = dict(
+        act=_zeros(jax.ShapeDtypeStruct((program.act_slots + 1, *x.shape), x.dtype), stages.act_axes),
+        grad=_zeros(jax.ShapeDtypeStruct((program.grad_slots + 1, *x.shape), x.dtype), stages.act_axes),
+        saved={s: _buffer(backwards[s].saved, program.saved_slots[s], chunk_layers if s == "layers" else None)
+               for s in SEGMENTS},
+        crossover={s: _buffer(backwards[s].crossover, program.crossover_slots[s], chunk_layers if s == "layers" else None)
+                   for s in SEGMENTS},
+    )
     carry = (
-        _zeros(jax.ShapeDtypeStruct((program.act_slots + 1, *x.shape), x.dtype), stages.act_axes),
-        _zeros(jax.ShapeDtypeStruct((program.grad_slots + 1, *x.shape), x.dtype), stages.act_axes),
+        buffers,
         jax.tree.map(lambda w: jnp.zeros_like(w, jnp.promote_types(w.dtype, accumulate or w.dtype)), diff),
         _zeros(loss_abstract, stages.loss_axes),
     )
-    (_, _, grads, loss_sum), _ = lax.scan(tick, carry, rows)
+    (_, grads, loss_sum), _ = lax.scan(tick, carry, program.rows())
     grads = jax.tree.map(lambda g, s: lax.psum(g, stage_axis) if s else g, grads, shared)
     return lax.psum(loss_sum, stage_axis) / m, grads
+
+
+def _zeros(abstract, axes):
+    return vma.vary(jnp.zeros(abstract.shape, abstract.dtype), axes)
 
 
 def interleave(x: jax.Array, stages: int, virtual: int, inverse: bool = False) -> jax.Array:
@@ -276,3 +477,19 @@ def interleave(x: jax.Array, stages: int, virtual: int, inverse: bool = False) -
     axis splits dim 0 in contiguous blocks, so block d holds chunks d, p + d, 2p + d, ..."""
     split = (stages, virtual) if inverse else (virtual, stages)
     return x.reshape(*split, -1, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+
+
+def matmul_flops(schedule: Schedule, hlo_text: str, stage_remat: str = "none") -> list[float]:
+    """Per stage, the matmul FLOPs a device of that stage runs in one step of the compiled
+    program `hlo_text`: the tick switch's branches weighted by how often the table takes each
+    on that stage (`hlo.matmul_flops`; XLA's `cost_analysis()` counts a loop body once and a
+    conditional's costliest branch)."""
+    from jshard import hlo
+
+    program = compile_program(schedule, stage_remat)
+    ticks = program.branch.shape[0]
+    per_stage = []
+    for stage in range(schedule.stages):
+        runs = np.bincount(program.branch[:, stage], minlength=len(BRANCHES)) / ticks
+        per_stage.append(hlo.matmul_flops(hlo_text, lambda n: runs if n == len(BRANCHES) else None))
+    return per_stage

@@ -88,7 +88,8 @@ def stage_axes(mesh: Mesh, rules: Rules) -> tuple[str, ...]:
 
 
 def check_strategy(mesh: Mesh, rules: Rules, loss_fn=None, microbatches: int | None = None,
-               schedule: str | None = None, virtual: int | None = None) -> Schedule | None:
+               schedule: str | None = None, virtual: int | None = None,
+               stage_remat: str | None = None) -> Schedule | None:
     """Whether this step can run `rules` on `mesh`: call it before placing anything.
 
     Returns the pipeline schedule (None when the rules put no layers on a stage axis).
@@ -96,9 +97,9 @@ def check_strategy(mesh: Mesh, rules: Rules, loss_fn=None, microbatches: int | N
     rules.check_mesh(mesh)
     stages = stage_axes(mesh, rules)
     if not stages:
-        if microbatches is not None or schedule is not None or virtual is not None:
-            given = ", ".join(f"{k}={v!r}" for k, v in dict(microbatches=microbatches, schedule=schedule,
-                                                            virtual=virtual).items() if v is not None)
+        if microbatches is not None or schedule is not None or virtual is not None or stage_remat is not None:
+            given = ", ".join(f"{k}={v!r}" for k, v in dict(microbatches=microbatches, schedule=schedule, virtual=virtual,
+                                                            stage_remat=stage_remat).items() if v is not None)
             raise ShardingError(
                 f"build_step: {given} but rules {rules.name!r} put no layers on a stage axis of size > 1, so "
                 "there is no pipeline to feed. Fix: drop them, or use 'pp' with stage=N."
@@ -138,13 +139,14 @@ class ShardedStep:
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation,
                  loss_fn: Callable[[nnx.Module, Any], jax.Array], mesh: Mesh, rules: Rules,
                  microbatches: int | None = None, schedule: str | None = None, virtual: int | None = None,
-                 precision: Precision | str | None = None):
+                 precision: Precision | str | None = None, stage_remat: str | None = None):
         self.mesh, self.rules, self.tx, self.loss_fn = mesh, rules, tx, loss_fn
         self.graphdef, params, others = nnx.split(model, nnx.Param, ...)
         self.others = ModelState(others)
         rules.check_mesh(mesh)
         check_no_pipeline(self.others, stage_axes(mesh, rules))
-        self.schedule = check_strategy(mesh, rules, loss_fn, microbatches, schedule, virtual)
+        self.schedule = check_strategy(mesh, rules, loss_fn, microbatches, schedule, virtual, stage_remat)
+        self.stage_remat = pipeline.check_stage_remat(stage_remat or "none")
         self.stage_axis = next(iter(stage_axes(mesh, rules)), None)
         self.microbatches = microbatches
         self._has_stack = has_stack(model)
@@ -349,7 +351,7 @@ class ShardedStep:
 
         if self.schedule:  # the pipeline runs its own backward, micro-batch by micro-batch
             loss, grads = pipeline.value_and_grad(self.schedule, self.loss_fn, model_of, diff, batch, self.stage_axis,
-                                                  one_value, self._reduce_dtype)
+                                                  one_value, self._reduce_dtype, self.stage_remat)
             written = others
         else:
             def loss_of(diff, mine):
@@ -416,7 +418,7 @@ class ShardedStep:
 
 def build_step(model, tx, loss_fn, mesh: Mesh, rules: Rules, microbatches: int | None = None,
                schedule: str | None = None, virtual: int | None = None, collectives: str = "explicit",
-               precision: Precision | str | None = None):
+               precision: Precision | str | None = None, stage_remat: str | None = None):
     """A sharded train step for `model` under `rules` on `mesh`; `.state` holds its start.
 
     `collectives` picks who places the collectives:
@@ -426,6 +428,8 @@ def build_step(model, tx, loss_fn, mesh: Mesh, rules: Rules, microbatches: int |
       `layers` over a stage axis pipeline the step over `microbatches` micro-batches with
       `schedule` (gpipe, the default; 1f1b; interleaved, with `virtual` model chunks per
       device, default 2; zb-h1); `loss_fn` must then be a `jshard.models.StagedLoss`.
+      `stage_remat` says what a stage keeps from F to its backward: "none" (the default)
+      keeps each segment's residuals, "full" only the stage input, recomputing the forward.
     - "compiler": a `CompiledStep` (`compiled.py`), plain `jax.jit` with the same layouts
       and XLA's partitioner inserting the collectives. Any model with named params, any
       Flax layer; no pipeline, so no `microbatches`, `schedule` or `virtual`.
@@ -439,8 +443,8 @@ def build_step(model, tx, loss_fn, mesh: Mesh, rules: Rules, microbatches: int |
     `value_and_grad`, `lower`, ...), so `jshard.train` and user code take either.
     """
     if collectives == "compiler":
-        given = ", ".join(f"{k}={v!r}" for k, v in dict(microbatches=microbatches, schedule=schedule,
-                                                        virtual=virtual).items() if v is not None)
+        given = ", ".join(f"{k}={v!r}" for k, v in dict(microbatches=microbatches, schedule=schedule, virtual=virtual,
+                                                        stage_remat=stage_remat).items() if v is not None)
         if given:
             raise ShardingError(
                 f"build_step(collectives='compiler'): {given}, but the compiler-placed step does not "
@@ -461,4 +465,4 @@ def build_step(model, tx, loss_fn, mesh: Mesh, rules: Rules, microbatches: int |
             f"build_step: collectives={collectives!r}; choose 'explicit' (jit of shard_map, every "
             "collective derived from the rules) or 'compiler' (plain jit, XLA's partitioner places them)."
         )
-    return ShardedStep(model, tx, loss_fn, mesh, rules, microbatches, schedule, virtual, precision)
+    return ShardedStep(model, tx, loss_fn, mesh, rules, microbatches, schedule, virtual, precision, stage_remat)
