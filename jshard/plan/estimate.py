@@ -325,8 +325,9 @@ def estimate(plan: PlanInput) -> dict:
     per_token_layer = activation_bytes_per_token_layer(config, tensor, sp, flash)
     logits = CE_FP32_PER_VOCAB * config.vocab / tensor * 4
     if schedule:
-        # The executor keeps stage inputs in its slots and recomputes one chunk at a time.
-        program = compile_program(schedule)
+        # The executor, recomputing the stage (`stage_remat="full"`), keeps stage inputs in its
+        # slots and recomputes one chunk at a time. (Its kept residuals are not modelled yet.)
+        program = compile_program(schedule, "full")
         a_mb = rows * seq * config.embed * jnp.dtype(config.dtype).itemsize
         chunk_layers = layers_local // schedule.virtual if hasattr(schedule, "virtual") else layers_local
         # Each chunk's weights are sliced out of the local stack for the branch that runs it

@@ -70,8 +70,10 @@ def validate_one(strategy: str, microbatches, schedule, remat: str, mesh: str = 
     sizes = {a: 1 for a in STANDARD_AXES} | mesh_shape(mesh)
     est = estimate(PlanInput(config, sizes, strategy, schedule, microbatches, micro_batch_size=rows,
                              hardware=HARDWARE["cpu"], precision=policy))
+    # The planner's pipeline memory models the stage-recomputing executor (kept residuals: not yet).
     step = build_step(decoder(config, nnx.Rngs(0)), optax.adamw(1e-3), gpt_loss, mesh, rules,
-                      microbatches=microbatches, schedule=schedule, precision=policy)
+                      microbatches=microbatches, schedule=schedule, precision=policy,
+                      stage_remat="full" if schedule else None)
     batch = np.zeros((est["tokens_per_step"] // config.seq_len, config.seq_len + 1), np.int32)
     lowered = step.lower(step.state, step.shard_batch(batch))
     compiled = lowered.compile()
