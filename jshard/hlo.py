@@ -31,7 +31,7 @@ _SHAPE = re.compile(r"\b(?P<dtype>pred|[suf]\d+|bf16|c64|c128)\[(?P<dims>[\d,]*)
 _ITEMSIZE = {"pred": 1, "bf16": 2, "c64": 8, "c128": 16}
 _WHILE = re.compile(r"\swhile\(.*body=%(?P<body>[\w.\-]+)")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"')
-_CALLED = re.compile(r"(?:calls|body|condition|true_computation|false_computation)=%(?P<name>[\w.\-]+)")
+_CALLED = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%(?P<name>[\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
 # XLA prints replica groups in three forms (group size in brackets):
 #   a list           replica_groups={{0,2},{1,3}}                                  (2)
