@@ -28,6 +28,7 @@ from jshard.nn import ATTENTION
 from jshard.models import SIZES
 from jshard.precision import PRECISIONS, REDUCE_DTYPES, Precision, precision
 from jshard.models.stack import REMAT_POLICIES
+from jshard.parallel.pipeline import STAGE_REMAT
 from jshard.parallel.schedules import SCHEDULES
 from jshard.rules import Rules, default_mesh
 
@@ -150,6 +151,9 @@ def add_pipeline(parser, microbatches: int | None = None, shown: str | None = No
     add("--microbatches", type=int, default=microbatches,
         help=_shown("pipeline micro-batches per step", microbatches, shown))
     add("--virtual", type=int, help="model chunks per device, interleaved schedule only (default: 2)")
+    add("--stage-remat", choices=STAGE_REMAT, default=None,
+        help="what a pipeline stage keeps from F to its backward: none = what the backward needs (default), "
+             "full = its input only, recomputing the forward (a third more work)")
 
 
 def add_fake_devices(parser, default: int | None = 8, shown: int | None = None) -> None:

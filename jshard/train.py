@@ -43,6 +43,7 @@ from jshard.nn import attention_implementation
 from jshard.models import SIZES, DecoderConfig, decoder, gpt_loss
 from jshard.models.stack import REMAT_POLICIES
 from jshard.parallel import ShardedStep, TrainState, build_step, check_strategy, stage_axes
+from jshard.parallel.pipeline import STAGE_REMAT
 from jshard.placement import describe, format_bytes
 from jshard.precision import PRECISIONS, REDUCE_DTYPES, Precision, precision
 
@@ -69,6 +70,7 @@ class TrainConfig:
     strategy: str = "dp+fsdp+tp"
     schedule: str | None = None  # pipeline schedule; None: build_step's default (GPipe)
     virtual: int | None = None  # virtual stages per device, interleaved schedule
+    stage_remat: str | None = None  # what a pipeline stage keeps for its backward; None: its residuals ("none")
     microbatches: int | None = None  # pipeline micro-batches; None: 4 when the strategy pipelines
     steps: int = 400
     batch_size: int = 16
@@ -167,7 +169,7 @@ def run(args) -> int:
 REQUIRED_INTS = ("steps", "batch_size", "grad_accum", "fake_devices")
 OPTIONAL_INTS = ("seq_len", "microbatches", "virtual", "checkpoint_every", "log_every") + flags.MODEL_FIELDS
 CHOICES = {"model": SIZES, "precision": PRECISIONS, "remat": REMAT_POLICIES}
-OPTIONAL_CHOICES = {"grad_reduce": REDUCE_DTYPES}
+OPTIONAL_CHOICES = {"grad_reduce": REDUCE_DTYPES, "stage_remat": STAGE_REMAT}
 
 
 def _check_values(config: TrainConfig) -> None:
@@ -244,7 +246,8 @@ def set_up(config: TrainConfig) -> Setup:
     pipelined = bool(stage_axes(mesh, rules))
     microbatches = config.microbatches or (PIPELINE_MICROBATCHES if pipelined else None)
     # The pipeline schedule, as build_step takes it (its own defaults where not given).
-    step_kwargs = {k: v for k, v in dict(schedule=config.schedule, virtual=config.virtual).items() if v is not None}
+    step_kwargs = {k: v for k, v in dict(schedule=config.schedule, virtual=config.virtual,
+                                         stage_remat=config.stage_remat).items() if v is not None}
     check_strategy(mesh, rules, gpt_loss, microbatches, **step_kwargs)
     batch_axes = rules.axes("batch", mesh)
     sizes = mesh_shape(mesh)
@@ -313,7 +316,8 @@ def _setup_lines(p: Setup, abstract_model, abstract_opt) -> list[str]:
     mesh = " ".join(f"{k}={v}" for k, v in mesh_shape(p.mesh).items())
     pipeline = ""
     if p.microbatches:
-        pipeline = f", schedule {c.schedule or 'gpipe'} over {p.microbatches} micro-batches"
+        pipeline = (f", schedule {c.schedule or 'gpipe'} over {p.microbatches} micro-batches, stage remat "
+                    f"{c.stage_remat or 'none'}")
     lines = [
         f"model       {m.family} {c.model}: {m.layers} layers, embed {m.embed}, {m.heads} heads"
         f"{f' ({m.kv_heads} kv)' if hasattr(m, 'kv_heads') else ''}, mlp {m.mlp}, "

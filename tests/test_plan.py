@@ -20,13 +20,7 @@ LLAMA_ROWS = {("dp", None, None, "none"), ("zero3", None, None, "none"), ("dp+tp
 CASES = [(case, "gpt") for case in plan.VALIDATION] + [(case, "llama") for case in plan.VALIDATION if case in LLAMA_ROWS]
 
 
-# ZB-H1's crossover buffers (B's hand-over to W, #17) are not in the planner's memory yet.
-CASES = [pytest.param(c, m, marks=pytest.mark.xfail(strict=True, reason="planner lacks ZB-H1's crossover buffers"))
-         if "zb-h1" in c else (c, m) for c, m in CASES]
-
-
-@pytest.mark.parametrize("case, model", CASES, ids=["/".join(map(str, c.values[0] if hasattr(c, "values") else c[0]))
-                                                    + "-" + (c.values[1] if hasattr(c, "values") else c[1]) for c in CASES])
+@pytest.mark.parametrize("case, model", CASES, ids=["/".join(map(str, c)) + f"-{m}" for c, m in CASES])
 def test_estimate_matches_compiler(case, model):
     r = plan.validate_one(*case, model=plan.VALIDATION_MODELS[model])
     assert r["comm_predicted"] == r["comm_compiled"]  # bytes per collective kind: exact

@@ -32,7 +32,7 @@ from jshard.metrics import median_step_seconds
 from jshard.models import decoder, gpt_loss
 from jshard.parallel import build_step
 from jshard import hlo
-from jshard.parallel.pipeline import STAGE_REMAT, compile_program, matmul_flops
+from jshard.parallel.pipeline import compile_program, matmul_flops
 from jshard.parallel.schedules import SCHEDULES
 from jshard.rules import default_mesh, format_mesh
 
@@ -48,8 +48,7 @@ def add_parser(benches) -> None:
     flags.add_mesh(parser, shown="dp+pp's default mesh: stage=2, data the rest")
     add("--schedules", default=",".join(SCHEDULES), help="comma-separated, from: " + ", ".join(SCHEDULES))
     flags.add_pipeline(parser, microbatches=8, schedule="none")
-    add("--stage-remat", choices=STAGE_REMAT, default="none",
-        help="what a stage keeps from F to its backward: none = its residuals (default), full = its input only")
+    parser.set_defaults(stage_remat="none")
     flags.add_bench(parser, "small with 8 layers and seq-len 64", batch_size=32)
     parser.set_defaults(run=run)
 

@@ -49,6 +49,11 @@ class GPTConfig:
     # Linears reading a block's normed residual (qkv, up): under TP each reduces its own input
     # gradient, so the planner counts them (`plan.estimate.tensor_traffic`).
     input_projections = 2
+
+    @property
+    def column_outputs(self) -> int:
+        """Width per token of the column-parallel linears' outputs (qkv, up), split under TP."""
+        return 3 * self.embed + self.mlp
     family = "GPT"  # what reports call the model
 
     @property

@@ -63,7 +63,7 @@ def plan_input(args) -> PlanInput:
     if -1 in sizes.values():
         raise ShardingError(f"--mesh {args.mesh}: give every size; the planner has no devices to fill '-1' from")
     return PlanInput(config, sizes, args.strategy, args.schedule, args.microbatches, args.virtual,
-                     args.micro_batch_size, hw, policy)
+                     args.micro_batch_size, hw, policy, args.stage_remat)
 
 
 def run(args) -> int:

@@ -25,7 +25,7 @@ from flax import nnx
 from jshard import metrics
 from jshard.mesh import STANDARD_AXES as AXES
 from jshard.models import DecoderConfig, GPTConfig, decoder
-from jshard.parallel.pipeline import compile_program
+from jshard.parallel.pipeline import STAGE_REMAT, compile_program
 from jshard.parallel.step import check_strategy
 from jshard.placement import LayoutTable, format_bytes, layout_table
 from jshard.nn import attention_implementation
@@ -256,6 +256,7 @@ class PlanInput:
     micro_batch_size: int = 1  # rows per micro-batch per data shard
     hardware: Hardware = HARDWARE["h100"]
     precision: Precision | str | None = None  # `jshard.precision`; None: the model's params as they are
+    stage_remat: str | None = None  # a pipeline stage keeps its residuals (None, "none") or recomputes ("full")
 
 
 def _abstract_mesh(sizes: dict[str, int]):
@@ -295,11 +296,41 @@ def _all_activations(config: DecoderConfig, tensor: int, sp: bool, flash: bool) 
     return (whole + split / tensor) * jnp.dtype(config.dtype).itemsize
 
 
+def pipeline_activations(program, config: DecoderConfig, chunk_layers: int, per_token_layer: float, logits: float,
+                         tokens: int, a_mb: int, tensor: int, sp: bool, stage_remat: str) -> float:
+    """Bytes of a pipelined step's activation buffers per device (`pipeline.compile_program`'s
+    slots, each buffer one slot more, which nobody reads) and of one chunk's backward.
+
+    Kept (`stage_remat="none"`): per micro-batch in flight what the chunk's layers keep for
+    their backward (an unpipelined layer's activations) and, at the last position, the head's
+    (the logits'); ZB-H1's crossover, what B hands W: each matmul's and norm's output gradient
+    per layer, and the logits'. Recomputing: the stage inputs, and one chunk's backward."""
+    itemsize = jnp.dtype(config.dtype).itemsize
+
+    def slots(count):
+        return count + 1 if count else 0
+
+    h = config.embed
+    crossover = ((config.column_outputs / tensor + (4 * h / tensor if sp else 4 * h)) * itemsize)
+    head = logits / CE_FP32_PER_VOCAB + h * itemsize  # the softmax, fp32, and the final norm's output
+    total = (program.act_slots + program.grad_slots + 2) * a_mb + tokens * (
+        slots(program.crossover_slots["layers"]) * chunk_layers * crossover
+        + slots(program.crossover_slots["last"]) * head)
+    if stage_remat == "full":
+        return total + tokens * (chunk_layers * per_token_layer + logits)
+    total += tokens * (slots(program.saved_slots["layers"]) * chunk_layers * per_token_layer
+                       + slots(program.saved_slots["last"]) * head)
+    # The tick's residual record read and the one written, and the head's backward.
+    return total + tokens * (2 * chunk_layers * per_token_layer + logits)
+
+
 def estimate(plan: PlanInput) -> dict:
     """Everything `jshard plan` prints, as one JSON-able dict (see the module docstring)."""
     config, sizes, hw = plan.config, plan.sizes, plan.hardware
     rules = preset(plan.strategy)
-    schedule = check_strategy(_abstract_mesh(sizes), rules, None, plan.microbatches, plan.schedule, plan.virtual)
+    schedule = check_strategy(_abstract_mesh(sizes), rules, None, plan.microbatches, plan.schedule, plan.virtual,
+                              plan.stage_remat)
+    stage_remat = plan.stage_remat or "none"
     table = layout_table_of(config, sizes, rules, plan.precision)
     params, batch_axes = table.params, table.batch_axes
     data_shards = math.prod(sizes[a] for a in batch_axes)
@@ -325,23 +356,25 @@ def estimate(plan: PlanInput) -> dict:
     per_token_layer = activation_bytes_per_token_layer(config, tensor, sp, flash)
     logits = CE_FP32_PER_VOCAB * config.vocab / tensor * 4
     if schedule:
-        # The executor, recomputing the stage (`stage_remat="full"`), keeps stage inputs in its
-        # slots and recomputes one chunk at a time. (Its kept residuals are not modelled yet.)
-        program = compile_program(schedule, "full")
+        program = compile_program(schedule, stage_remat)
         a_mb = rows * seq * config.embed * jnp.dtype(config.dtype).itemsize
-        chunk_layers = layers_local // schedule.virtual if hasattr(schedule, "virtual") else layers_local
+        chunk_layers = layers_local // schedule.virtual
         # Each chunk's weights are sliced out of the local stack for the branch that runs it
         # (measured: XLA materialises the slices), so the stack counts once more.
         memory["chunk_weights"] = sum(local(p.bytes, p.param, sizes) for p in params if p.names[:1] == ("layers",))
-        memory["activations"] = int((program.act_slots + program.grad_slots + 2) * a_mb
-                                    + rows * seq * (chunk_layers * per_token_layer + logits))
+        # The trade `stage_remat` picks: activation memory against the work of the backward.
+        trade = {mode: dict(activations=int(pipeline_activations(
+                     compile_program(schedule, mode), config, chunk_layers, per_token_layer, logits, rows * seq, a_mb,
+                     tensor, sp, mode)), work=1.0 if mode == "none" else 5 / 3 if schedule.backward == "B" else 4 / 3)
+                 for mode in STAGE_REMAT}
+        memory["activations"] = trade[stage_remat]["activations"]
         in_flight = schedule.peak_in_flight()
     else:
         # Under remat the backward recomputes one layer at a time (all of it, or what selective dropped).
         recomputed = _all_activations(config, tensor, sp, flash) * {
             "full": 1, "selective": ACT_SEL_RECOMPUTE}.get(config.remat, 0)
         memory["activations"] = int(rows * seq * (config.layers * per_token_layer + recomputed + logits))
-        in_flight = 1
+        in_flight, trade = 1, None
     memory["batch"] = rows * m * (seq + 1) * 4
     total_memory = sum(memory.values())
 
@@ -356,7 +389,9 @@ def estimate(plan: PlanInput) -> dict:
     # time
     tokens = rows * seq * m * data_shards
     flops_model = metrics.flops_per_token(config, seq) * tokens
-    if config.remat == "full" or schedule:  # one more forward: +1/3 of 6N
+    if schedule and stage_remat == "full":  # one more forward: +1/3 of 6N (ZB-H1: one for B, one for W)
+        flops_run = flops_model * (10 if schedule.backward == "B" else 8) / 6
+    elif config.remat == "full":
         flops_run = flops_model * 8 / 6
     elif config.remat == "selective":  # the attention core's forward again: QK^T and PV
         flops_run = flops_model + 4 * config.layers * seq * config.embed * tokens
@@ -411,6 +446,7 @@ def estimate(plan: PlanInput) -> dict:
         model=dataclasses.asdict(config) | {"kind": config.family, "dtype": jnp.dtype(config.dtype).name,
                                             "params": sum(math.prod(p.shape) for p in params)},
         attention=attention, mesh=dict(sizes), strategy=rules.name, schedule=schedule and type(schedule).__name__,
+        stage_remat=stage_remat if schedule else None, stage_remat_trade=trade,
         microbatches=m, micro_batch_size=rows, hardware=dataclasses.asdict(hw),
         tokens_per_step=tokens, in_flight_microbatches=in_flight,
         memory_bytes_per_device=dict(total=int(total_memory), **{k: int(v) for k, v in memory.items()}),
@@ -446,7 +482,8 @@ def report(est: dict) -> str:
         f"attention {est['attention']}",
         f"  mesh        {mesh} on {hw['name']} ({hw['gpus_per_node']} per node)",
         f"  precision   {est['precision']}",
-        f"  strategy    {est['strategy']}" + (f", {est['schedule']} m={est['microbatches']}" if est["schedule"] else "")
+        f"  strategy    {est['strategy']}" + (f", {est['schedule']} m={est['microbatches']}, stage remat "
+                                              f"{est['stage_remat']}" if est["schedule"] else "")
         + f", micro-batch {est['micro_batch_size']} rows, {est['tokens_per_step']} tokens per step",
         "memory per device",
     ]
@@ -457,6 +494,10 @@ def report(est: dict) -> str:
             lines.append(f"  {'(model state)':<14}{format_bytes(est['model_state_bytes'], 2):>12}  = params + grads + master + optimizer")
     lines.append(f"  {'total':<14}{format_bytes(mem['total'], 2):>12}  of {format_bytes(hw['hbm_bytes'], 2)} HBM"
                  + ("" if est["fits"] else "  DOES NOT FIT"))
+    if est["stage_remat_trade"]:
+        lines.append("  stage remat  " + ";  ".join(
+            f"{mode}: activations {format_bytes(t['activations'], 2)}, work ×{t['work']:.2f}"
+            for mode, t in est["stage_remat_trade"].items()) + "  (--stage-remat)")
     lines.append("communication per step (K bytes per device; time at the link's bandwidth)")
     for r in est["collectives"]:
         lines.append(f"  {r['kind']:<19}{r['axes']:<12}×{r['group']:<4}{format_bytes(r['bytes'], 2):>12}  {r['link']:<6}{r['seconds'] * 1e3:10.3f} ms")

@@ -23,7 +23,8 @@ from jshard.rules import default_mesh, example_mesh, format_mesh, preset
 
 # Every strategy on its example mesh (`rules.EXAMPLE_MESHES`), each remat policy with and
 # without tensor and sequence parallelism, and every pipeline schedule: (strategy,
-# micro-batches, schedule, remat, mesh), mesh "example" or "default" (`rules.default_mesh`).
+# micro-batches, schedule, remat, mesh, precision, stage remat), mesh "example" or "default"
+# (`rules.default_mesh`); pipelines keep their residuals, and two recompute their stages.
 VALIDATION = (
     ("dp", None, None, "none"), ("zero1", None, None, "none"), ("zero2", None, None, "none"),
     ("zero3", None, None, "none"), ("dp+tp", None, None, "none"), ("dp+tp+sp", None, None, "none"),
@@ -32,6 +33,7 @@ VALIDATION = (
     ("dp", None, None, "selective"), ("dp+tp+sp", None, None, "full"), ("dp+tp+sp", None, None, "selective"),
     ("dp+pp", 4, "gpipe", "none"), ("dp+pp", 4, "1f1b", "none"), ("dp+pp", 4, "interleaved", "none", "default"),
     ("dp+pp", 4, "zb-h1", "none"),
+    ("dp+pp", 4, "1f1b", "none", "example", "fp32", "full"), ("dp+pp", 4, "zb-h1", "none", "example", "fp32", "full"),
     # Mixed precision (bf16 params and compute, fp32 master): see `validate_one` for what is compared.
     ("dp", None, None, "none", "example", "mixed"), ("zero2", None, None, "none", "example", "mixed"),
     ("zero3", None, None, "none", "example", "mixed"), ("dp+fsdp+tp", None, None, "none", "example", "mixed"),
@@ -51,7 +53,7 @@ def compiled_pipeline_permute_bytes(schedule, config: DecoderConfig, rows: int) 
 
 
 def validate_one(strategy: str, microbatches, schedule, remat: str, mesh: str = "example", precision: str = "fp32",
-                 rows: int = 2, devices=None, model=VALIDATION_MODEL) -> dict:
+                 stage_remat: str | None = None, rows: int = 2, devices=None, model=VALIDATION_MODEL) -> dict:
     """One VALIDATION case on `devices` (default: all): the strategy's example mesh with its
     outermost axis taking the rest, or its default mesh; `model` a GPT's or a Llama's config,
     under `precision` (`jshard.precision`).
@@ -69,11 +71,9 @@ def validate_one(strategy: str, microbatches, schedule, remat: str, mesh: str = 
     mesh = make_mesh(devices, **shape)
     sizes = {a: 1 for a in STANDARD_AXES} | mesh_shape(mesh)
     est = estimate(PlanInput(config, sizes, strategy, schedule, microbatches, micro_batch_size=rows,
-                             hardware=HARDWARE["cpu"], precision=policy))
-    # The planner's pipeline memory models the stage-recomputing executor (kept residuals: not yet).
+                             hardware=HARDWARE["cpu"], precision=policy, stage_remat=stage_remat))
     step = build_step(decoder(config, nnx.Rngs(0)), optax.adamw(1e-3), gpt_loss, mesh, rules,
-                      microbatches=microbatches, schedule=schedule, precision=policy,
-                      stage_remat="full" if schedule else None)
+                      microbatches=microbatches, schedule=schedule, precision=policy, stage_remat=stage_remat)
     batch = np.zeros((est["tokens_per_step"] // config.seq_len, config.seq_len + 1), np.int32)
     lowered = step.lower(step.state, step.shard_batch(batch))
     compiled = lowered.compile()
@@ -91,7 +91,7 @@ def validate_one(strategy: str, microbatches, schedule, remat: str, mesh: str = 
         measured = ma.argument_size_in_bytes - est["memory_bytes_per_device"]["batch"]
     return dict(
         model=config.family, strategy=rules.name, mesh=format_mesh(mesh_shape(mesh)),
-        schedule=schedule or "-", remat=remat, precision=policy.name,
+        schedule=(schedule or "-") + ("/full" if stage_remat == "full" else ""), remat=remat, precision=policy.name,
         memory_compared=compared, memory_predicted=predicted_memory, memory_compiled=measured,
         memory_rel_err=predicted_memory / measured - 1,
         comm_predicted=predicted, comm_compiled=counted, comm_exact=predicted == counted,
