@@ -231,3 +231,53 @@ def matmul_flops(hlo_text: str, branch_weights=None) -> float:
         return flops
 
     return total(entry)
+
+
+# -- what a collective waits for ----------------------------------------------------------
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?:\(.*?\)|\S+)\s+(?P<op>[\w\-]+)\((?P<args>[^)]*)\)")
+
+
+def _callees(line: str) -> list[str]:
+    names = [m["name"] for m in _CALLED.finditer(line)]
+    if branches := _BRANCHES.search(line):
+        names += [n.strip().lstrip("%") for n in branches["names"].split(",")]
+    return names
+
+
+def permutes_waiting_for_matmuls(hlo_text: str) -> list[bool]:
+    """For each instruction that runs a collective-permute (the permute, or the conditional or
+    call holding it) and no matmul, in a computation that runs matmuls (a loop body): whether
+    it waits for one of them, through its operands. One that does not can run beside that
+    compute (on a GPU, asynchronously)."""
+    blocks, _ = _computations(hlo_text)
+    memo: dict[tuple[str, str], bool] = {}
+
+    def runs(name: str, op: str) -> bool:  # whether computation `name` runs an `op`, directly or not
+        if (name, op) not in memo:
+            memo[name, op] = False
+            memo[name, op] = any(f" {op}(" in line or any(runs(c, op) for c in _callees(line) if c in blocks)
+                                 for line in blocks[name])
+        return memo[name, op]
+
+    def line_runs(line: str, op: str) -> bool:
+        return f" {op}(" in line or any(runs(c, op) for c in _callees(line) if c in blocks)
+
+    found = []
+    for computation, lines in blocks.items():
+        if not runs(computation, "dot"):  # only where compute and sends meet (a loop body, say)
+            continue
+        parsed = {m["name"]: (m, line) for line in lines if (m := _INSTRUCTION.match(line))}
+        for name, (m, line) in parsed.items():
+            if not line_runs(line, "collective-permute") or line_runs(line, "dot"):
+                continue
+            seen, pending, waits = set(), re.findall(r"%([\w.\-]+)", m["args"]), False
+            while pending and not waits:
+                operand = pending.pop()
+                if operand in seen or operand not in parsed:
+                    continue
+                seen.add(operand)
+                waits = line_runs(parsed[operand][1], "dot")
+                pending += re.findall(r"%([\w.\-]+)", parsed[operand][0]["args"])
+            found.append(waits)
+    return found

@@ -28,11 +28,6 @@ def aval_axes(aval) -> frozenset[str]:
     return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
 
 
-def zeros(aval):
-    """Zeros of an abstract value's shape, dtype and vma."""
-    return vary(jnp.zeros(aval.shape, aval.dtype), aval_axes(aval))
-
-
 def vary(x, axes):
     """`x` typed as varying over `axes` too (those it does not vary over already are cast)."""
     missing = tuple(sorted(set(axes) - varying_axes(x)))

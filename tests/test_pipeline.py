@@ -120,21 +120,36 @@ def test_flops_of_every_schedule():
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_sends_one_activation_per_tick_only_when_needed(schedule):
-    """Two ppermutes per tick, forward and backward, of one micro-batch's activation each;
-    a tick sends only if some stage has something to send, and each micro-batch crosses
-    every one of the p·v - 1 boundaries once each way."""
+    """Each ppermute carries one micro-batch's activation: forward and backward, each in the
+    tick that computed it or, where no stage reads it in the next tick, late, in that next tick
+    (beside its compute). Every forward that feeds another stage is sent exactly once."""
     stages, microbatches = 2, 4
     step = mlp_step(schedule, stages, microbatches)
     batch = np.ones((8 * microbatches, MLP_CONFIG.dim), np.float32)
     compiled = step.lower(step.state, step.shard_batch(batch)).compile()
     permutes = [c for c in hlo.collectives(compiled.as_text()) if c.kind == "collective-permute"]
     activation = batch.shape[0] // (8 // stages) // microbatches * MLP_CONFIG.dim * 4
-    assert [c.bytes for c in permutes] == [activation, activation]
     program, s = compile_program(step.schedule), step.schedule
-    assert program.sends_forward.sum() <= microbatches * (stages * s.virtual - 1)
+    lates = int(program.late_forward.any()) + int(program.late_backward.any())
+    assert [c.bytes for c in permutes] == [activation] * (2 + lates)
+    sent = program.sends_forward | np.append(program.late_forward[1:], False)  # a late send, in the tick it left
+    assert not (program.sends_forward & np.append(program.late_forward[1:], False)).any()
     for tick, row in enumerate(s.table()):  # a send, exactly where a non-final forward ran
         forwards = [a for stage, a in enumerate(row) if a and a.kind == "F" and s.work(a, stage)[2] < stages * s.virtual - 1]
-        assert program.sends_forward[tick] == bool(forwards)
+        assert sent[tick] == bool(forwards)
+
+
+def test_late_sends_wait_for_no_compute():
+    """Where the tick table allows (ZB-H1's input gradients mostly wait for a W), a tick's sends
+    go out in the next tick, and the compiled loop body's late collective-permutes read only the
+    loop's carry: nothing of that tick's compute, so a GPU runs them beside it."""
+    s = make_schedule("zb-h1", 4, 16)
+    program = compile_program(s)
+    assert program.late_backward.sum() == 35 and program.sends_backward.sum() == 10  # of 45 backward sends
+    step = mlp_step("zb-h1", 2, 8)
+    text = step.lower(step.state, step.shard_batch(np.ones((64, MLP_CONFIG.dim), np.float32))).compile().as_text()
+    waits = hlo.permutes_waiting_for_matmuls(text)
+    assert waits.count(False) == 2 and waits.count(True) == 2  # late ones: forward and backward
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -148,8 +163,7 @@ def test_buffers_sized_by_peak_in_flight(schedule):
 
 def test_one_f_one_b_needs_less_memory_than_gpipe():
     """At m = 4p, GPipe holds m stage inputs per device and 1F1B p: recomputing the stage, the
-    compiled step's temporary memory differs by exactly the buffer slots saved, one activation
-    each. Keeping the residuals, 1F1B's memory does not grow with m, GPipe's does."""
+    compiled step's temporary memory differs by the buffer slots saved, one activation each. Keeping the residuals, 1F1B's memory does not grow with m, GPipe's does."""
     stages, microbatches, dim = 2, 8, 256
     batch = np.ones(((8 // stages) * microbatches * 64, dim), np.float32)  # 64 rows per micro-batch and device
     temp, slots = {}, {}
@@ -161,14 +175,15 @@ def test_one_f_one_b_needs_less_memory_than_gpipe():
         slots[schedule] = program.act_slots + program.grad_slots
     activation = 64 * dim * 4
     assert slots["gpipe"] - slots["1f1b"] == microbatches - stages
-    assert temp["gpipe"] - temp["1f1b"] == (slots["gpipe"] - slots["1f1b"]) * activation
+    # (XLA keeps a few scalars more for one schedule than the other: 72 B here, under 1 KiB.)
+    assert abs(temp["gpipe"] - temp["1f1b"] - (slots["gpipe"] - slots["1f1b"]) * activation) < 1024
 
     def kept(schedule, m):  # the same micro-batch (64 rows per device), m of them
         step = mlp_step(schedule, stages, m, dim)
         rows = np.ones(((8 // stages) * m * 64, dim), np.float32)
         return step.lower(step.state, step.shard_batch(rows)).compile().memory_analysis().temp_size_in_bytes
 
-    assert kept("1f1b", 4) == kept("1f1b", 16)
+    assert abs(kept("1f1b", 4) - kept("1f1b", 16)) < 1024  # flat: what grows is a few per-tick scalars (192 B)
     assert kept("gpipe", 16) > kept("gpipe", 4)
 
 

@@ -14,8 +14,8 @@ deferred into idle ticks), and recomputing for each would cost more still. So:
 are what the backward needs: the residuals of the forward (`saved`, to be buffered), values
 available again at backward time (`known`: the params, the micro-batch; matched by identity,
 so no weight is copied into a buffer), literals, and residuals that depend on nothing the
-call is given (a causal mask, position ids: recomputed where needed, never buffered). B is the slice of that jaxpr that the
-input gradient needs; W is the rest, fed by the values of B's slice it reads (`crossover`: a
+call is given (a causal mask, position ids: recomputed where needed, never buffered). B is
+the slice of that jaxpr that the input gradient needs; W is the rest, fed by the values of B's slice it reads (`crossover`: a
 linear layer's output gradient, mostly; Megatron's and the zero-bubble paper's (input, output
 gradient) pairs, found from the program instead of hooked into each layer). B + W computes
 exactly what the whole pull-back computes, so the split adds no FLOPs.
@@ -24,7 +24,6 @@ exactly what the whole pull-back computes, so the split adds no FLOPs.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -134,12 +133,6 @@ class Backward:
         return self._param_grads(flat)
 
 
-def _residuals(fn, params, inputs) -> list:
-    """The traced values the pull-back of `fn` reads, in its order."""
-    out, pull = jax.vjp(fn, params, inputs)
-    return [c for c in jax.make_jaxpr(pull)(out).consts if isinstance(c, jax.core.Tracer)]
-
-
 def keep(fn: Callable, params, inputs, known: Sequence = ()) -> tuple:
     """`fn(params, inputs)`, and what its backward needs: (out, saved, Backward).
 
@@ -147,35 +140,44 @@ def keep(fn: Callable, params, inputs, known: Sequence = ()) -> tuple:
     params' leaves are known too. Anything else the backward reads is in `saved`, but for
     what depends on none of them, which the backward recomputes.
     """
-    # jnp's jitted helpers inlined: a multi-output call would hide which of its outputs
-    # depend on what (a `where`'s residuals, say), which the split and the constants need.
-    with jax.disable_jit():
+    found = {}
+
+    def forward(params, inputs):  # the output, and the traced values the pull-back reads
         out, pull = jax.vjp(fn, params, inputs)
-        closed = jax.make_jaxpr(pull)(out)
-        # The same residuals, traced as a program of the call's inputs: which depend on none?
-        # (Tracers closed over, the micro-batch say, are inputs too: constvars holding tracers.)
-        program = jax.make_jaxpr(functools.partial(_residuals, fn))(params, inputs)
-    known = list(jax.tree.leaves(params)) + list(known)
-    given = set(program.jaxpr.invars) | {v for v, c in zip(program.jaxpr.constvars, program.consts)
-                                          if isinstance(c, jax.core.Tracer)}
-    traced = iter(program.jaxpr.outvars)
+        found["pull"] = jax.make_jaxpr(pull)(out)
+        return out, [c for c in found["pull"].consts if isinstance(c, jax.core.Tracer)]
+
+    # Traced once as a program of the call's inputs, then run: each residual is an output of
+    # that program, so what it is follows from where it comes from. jnp's jitted helpers are
+    # inlined: a multi-output call would hide which of its outputs depend on what.
+    with jax.disable_jit():
+        program, out_shape = jax.make_jaxpr(forward, return_shape=True)(params, inputs)
+    outputs = core.jaxpr_as_fun(program)(*jax.tree.leaves((params, inputs)))
+    out_tree = jax.tree.structure(out_shape[0])
+    n_out = out_tree.num_leaves
+    out, residuals = out_tree.unflatten(outputs[:n_out]), outputs[n_out:]
+    jaxpr, n_params = program.jaxpr, len(jax.tree.leaves(params))
+    known_of = {id(k): i for i, k in enumerate(known)}
+    # A residual that is a param, or a closed-over value the caller knows (by its constvar)
+    where_known = {v: i for i, v in enumerate(jaxpr.invars[:n_params])} | {
+        v: n_params + known_of[id(c)] for v, c in zip(jaxpr.constvars, program.consts) if id(c) in known_of}
+    given = set(jaxpr.invars) | {v for v, c in zip(jaxpr.constvars, program.consts) if isinstance(c, jax.core.Tracer)}
+    pull, traced = found["pull"], iter(zip(jaxpr.outvars[n_out:], residuals))
     sources, saved, constant = [], [], []
-    for c in closed.consts:
-        index = next((i for i, k in enumerate(known) if c is k), None)
-        var = next(traced) if isinstance(c, jax.core.Tracer) else None
-        if index is not None:
-            sources.append(("known", index))
-        elif var is not None and not _depends(program.jaxpr, var, given):
+    for c in pull.consts:
+        if not isinstance(c, jax.core.Tracer):
+            sources.append(("value", c))
+            continue
+        var, value = next(traced)
+        if var in where_known:
+            sources.append(("known", where_known[var]))
+        elif not _depends(jaxpr, var, given):
             sources.append(("constant", len(constant)))
             constant.append(var)
-        elif var is not None:
-            sources.append(("saved", len(saved)))
-            saved.append(c)
         else:
-            sources.append(("value", c))
-    if next(traced, None) is not None:
-        raise AssertionError("keep: the pull-back's residuals differ between two traces of one call")
+            sources.append(("saved", len(saved)))
+            saved.append(value)
     constants = _slice("constants", program, constant) if constant else None
-    backward = Backward.of(closed.jaxpr, sources, constants, [jax.typeof(s) for s in saved],
+    backward = Backward.of(pull.jaxpr, sources, constants, [jax.typeof(s) for s in saved],
                            jax.tree.structure(params), jax.tree.structure(inputs))
     return out, saved, backward

@@ -52,7 +52,8 @@ from jshard.parallel import backward
 from jshard.parallel.schedules import Schedule
 
 ROLES = ("first", "middle", "last")  # where in the pipeline a chunk is: position 0, between, p·v - 1
-BRANCHES = [("idle", "middle")] + [(kind, role) for kind in ("F", "BW", "B", "W") for role in ROLES]
+# The backward switch's branches; a forward runs in a cond of its own (`value_and_grad`).
+BRANCHES = [("idle", "middle")] + [(kind, role) for kind in ("BW", "B", "W") for role in ROLES]
 SEGMENTS = ("first", "layers", "last")  # embeddings at position 0, the chunk's layers, head and loss at the end
 STAGE_REMAT = ("none", "full")  # keep each segment's residuals / keep the stage input and recompute
 
@@ -74,19 +75,25 @@ class Program:
     """A schedule as arrays the scan reads one row of per tick; [tick, stage] unless noted.
     A buffer's last index (= its count) is a slot nobody reads: where nothing is written."""
 
-    branch: np.ndarray  # index into BRANCHES
+    branch: np.ndarray  # index into BRANCHES: the backward (0: none)
+    forward: np.ndarray  # bool: the action is an F
+    role: np.ndarray  # index into ROLES of the action's chunk
     microbatch: np.ndarray
     chunk: np.ndarray
     act_slot: np.ndarray  # the activation slot the action reads (its stage input)
     grad_slot: np.ndarray  # the gradient slot it reads (its output's gradient)
-    act_arrival: np.ndarray  # where the activation arriving at the end of the tick goes
+    act_arrival: np.ndarray  # where the activation sent in this tick goes, at its end
     grad_arrival: np.ndarray
+    act_late: np.ndarray  # where the activation sent late (the last tick's output, sent in this one) goes
+    grad_late: np.ndarray
     saved_slot: dict[str, np.ndarray]  # per segment: the slot of F's residuals that B / W / BW read
     saved_write: dict[str, np.ndarray]  # per segment: where F's residuals go at the end of the tick
     crossover_slot: dict[str, np.ndarray]  # per segment: the slot of what B handed W
     crossover_write: dict[str, np.ndarray]
-    sends_forward: np.ndarray  # [tick]: whether any device sends an activation
-    sends_backward: np.ndarray  # [tick]: whether any device sends a gradient
+    sends_forward: np.ndarray  # [tick]: whether any device sends this tick's activation
+    sends_backward: np.ndarray  # [tick]: whether any device sends this tick's input gradient
+    late_forward: np.ndarray  # [tick]: whether the last tick's activations are sent in this one
+    late_backward: np.ndarray
     act_slots: int
     grad_slots: int
     saved_slots: dict[str, int]  # 0: not buffered (stage_remat="full")
@@ -147,9 +154,10 @@ def compile_program(schedule: Schedule, stage_remat: str = "none") -> Program:
     crossover_slots = {s: _assign_slots(crossover[s], p) for s in SEGMENTS}
 
     shape = (ticks, p)
-    arrays = {name: np.zeros(shape, np.int32) for name in ("branch", "microbatch", "chunk")}
-    arrays |= {name: np.full(shape, act_slots, np.int32) for name in ("act_slot", "act_arrival")}
-    arrays |= {name: np.full(shape, grad_slots, np.int32) for name in ("grad_slot", "grad_arrival")}
+    arrays = {name: np.zeros(shape, np.int32) for name in ("branch", "role", "microbatch", "chunk")}
+    arrays["forward"] = np.zeros(shape, bool)
+    arrays |= {name: np.full(shape, act_slots, np.int32) for name in ("act_slot", "act_arrival", "act_late")}
+    arrays |= {name: np.full(shape, grad_slots, np.int32) for name in ("grad_slot", "grad_arrival", "grad_late")}
     slot_arrays = {f"{name}_{use}": {s: np.full(shape, slots[s][1], np.int32) for s in SEGMENTS}
                    for name, slots in (("saved", saved_slots), ("crossover", crossover_slots))
                    for use in ("slot", "write")}
@@ -158,7 +166,8 @@ def compile_program(schedule: Schedule, stage_remat: str = "none") -> Program:
             if action is None:
                 continue
             kind, i, k = schedule.work(action, stage)
-            arrays["branch"][tick, stage] = BRANCHES.index((kind, _role(k, positions)))
+            arrays["branch"][tick, stage] = 0 if kind == "F" else BRANCHES.index((kind, _role(k, positions)))
+            arrays["role"][tick, stage], arrays["forward"][tick, stage] = ROLES.index(_role(k, positions)), kind == "F"
             arrays["microbatch"][tick, stage], arrays["chunk"][tick, stage] = i, action.virtual
             arrays["act_slot"][tick, stage] = act_slot_of.get((stage, i, k), act_slots)
             arrays["grad_slot"][tick, stage] = grad_slot_of.get((stage, i, k), grad_slots)
@@ -166,14 +175,21 @@ def compile_program(schedule: Schedule, stage_remat: str = "none") -> Program:
                 for name, slots, writer in (("saved", saved_slots, "F"), ("crossover", crossover_slots, "B")):
                     slot = slots[s][0].get((stage, i, k), slots[s][1])
                     slot_arrays[f"{name}_{'write' if kind == writer else 'slot'}"][s][tick, stage] = slot
-    for (stage, i, k), (start, _) in acts.items():
-        arrays["act_arrival"][start, stage] = act_slot_of[stage, i, k]
-    for (stage, i, k), (start, _) in grads.items():
-        arrays["grad_arrival"][start, stage] = grad_slot_of[stage, i, k]
-    # A tick sends when something arrives at its end.
+    # A send whose values no stage reads in the next tick goes late: in that tick, beside its
+    # compute, which it then need not wait for (nor it for the send).
+    first_read = {"act": {key: done["F", key[1], key[2]] for key in acts}, "grad": {key: end for key, (_, end) in grads.items()}}
+    for name, values, slot_of in (("act", acts, act_slot_of), ("grad", grads, grad_slot_of)):
+        reads = {}
+        for key, (start, _) in values.items():
+            reads.setdefault(start, []).append(first_read[name][key])
+        late = {tick for tick, ticks in reads.items() if min(ticks) > tick + 1}
+        for (stage, i, k), (start, _) in values.items():
+            arrays[f"{name}_late" if start in late else f"{name}_arrival"][start + (start in late), stage] = slot_of[stage, i, k]
     return Program(**arrays, **slot_arrays,
                    sends_forward=(arrays["act_arrival"] != act_slots).any(axis=1),
                    sends_backward=(arrays["grad_arrival"] != grad_slots).any(axis=1),
+                   late_forward=(arrays["act_late"] != act_slots).any(axis=1),
+                   late_backward=(arrays["grad_late"] != grad_slots).any(axis=1),
                    act_slots=act_slots, grad_slots=grad_slots,
                    saved_slots={s: saved_slots[s][1] for s in SEGMENTS},
                    crossover_slots={s: crossover_slots[s][1] for s in SEGMENTS})
@@ -203,7 +219,6 @@ class Stages:
 
     def _last(self, model, y, mb):
         return vma.vary(self.one_value(self.loss.last(model, y, mb)), self.loss_axes)
-
 
     def _chunk_of(self, model, chunk):
         layers = self.loss.layers(model)
@@ -301,12 +316,11 @@ class Stages:
         return pull((zero_if_none(model_grads, model_leaves), zero_if_none(chunk_grads, chunk_leaves)))[0]
 
 
-def typed(stages: Stages, diff, mb, stage_axis: str) -> tuple[Stages, jax.ShapeDtypeStruct, dict]:
-    """`stages` with the varying axes of what travels between stages, the loss's abstract
-    value and each segment's `Backward`. The activation's type is a fixed point: a stage's
+def typed(stages: Stages, diff, mb, stage_axis: str) -> tuple[Stages, jax.ShapeDtypeStruct, jax.ShapeDtypeStruct, dict]:
+    """`stages` with the varying axes of what travels between stages, the loss's and an
+    activation's abstract values, and each segment's `Backward`. The activation's type is a fixed point: a stage's
     output may vary over more axes than its input (found abstractly, no compute)."""
     stages = dataclasses.replace(stages, act_axes=frozenset({stage_axis}))
-
     backwards = {}
 
     def forward(role, keep=False):
@@ -349,55 +363,57 @@ def _write(buffer, slot, values):
 
 
 def _write_if(buffer, slot, values):
-    """`values` into `slot`, unless that is the slot nobody reads. (A boolean `lax.cond` updates
-    the buffer in place; XLA copies a buffer that a `lax.switch` branch updates, every tick.)"""
+    """`values` into `slot`, unless that is the slot nobody reads (then nothing is copied)."""
     if not buffer:
         return buffer
     return lax.cond(slot < buffer[0].shape[0] - 1, lambda b: _write(b, slot, values), lambda b: b, buffer)
 
 
-def branch(stages: Stages, backwards: dict, kind: str, role: str, loss_abstract, microbatches: int,
-           keep: bool) -> Callable:
-    """One `lax.switch` branch: action `kind` (idle, F, BW, B, W) of the chunk at `role`.
-    (diff, grads, loss_sum, buffers, here, mb) -> (grads, loss_sum, output, input gradient, written),
-    `here` being this tick's row of the program on this device and `written` what goes into
-    the saved and crossover buffers (zeros into a slot nobody reads where this action writes
-    nothing). The buffers are only read here: a branch that updated them would return them
-    whole, and XLA would copy them every tick."""
+def forward_branch(stages: Stages, role: str, keep: bool, records: dict) -> Callable:
+    """F of the chunk at `role`: (diff, loss_sum, x, mb, chunk) -> (loss_sum, output, residuals
+    per segment; zeros of the `records`' types for the segments this role does not run)."""
+
+    def act(diff, loss_sum, x, mb, chunk):
+        out, kept, _ = stages.forward(role, diff, x, mb, chunk, keep)
+        kept = {s: kept.get(s) or [_zeros(*r) for r in record] for s, record in records.items()}
+        return (loss_sum + out, jnp.zeros_like(x), kept) if role == "last" else (loss_sum, out, kept)
+
+    return act
+
+
+def backward_branch(stages: Stages, backwards: dict, kind: str, role: str, loss_abstract, microbatches: int,
+                    keep: bool) -> Callable:
+    """One branch of the backward switch: `kind` (idle, BW, B or W) of the chunk at `role`.
+    (diff, grads, buffers, here, mb) -> (grads, input gradient, crossover), `here` being this
+    tick's row of the program on this device, `buffers` the residual and crossover buffers and
+    this tick's stage input and output gradient, and `crossover` what B hands W (zeros from
+    the others; written into its buffer after the switch)."""
     present = segments(role)
 
-    def nothing(buffers):
-        return {name: {s: [jnp.zeros_like(b[0]) for b in buffer] for s, buffer in buffers[name].items()}
-                for name in ("saved", "crossover")}
-
-    def act(diff, grads, loss_sum, buffers, here, mb):
-        x = buffers["act"][here["act_slot"]]
-        zero, written = jnp.zeros_like(x), nothing(buffers)
+    def act(diff, grads, buffers, here, mb):
+        x = buffers["act"]
+        dx = jnp.zeros_like(x)
+        crossover = {s: [jnp.zeros_like(b[0]) for b in buffer] for s, buffer in buffers["crossover"].items()}
         if kind == "idle":
-            return grads, loss_sum, zero, zero, written
+            return grads, dx, crossover
         chunk = here["chunk"]
-        if kind == "F":
-            out, saved, _ = stages.forward(role, diff, x, mb, chunk, keep)
-            written["saved"].update(saved)
-            return (grads, loss_sum + out, zero, zero, written) if role == "last" else (grads, loss_sum, out, zero, written)
         if keep:
             saved = {s: _read(buffers["saved"][s], here["saved_slot"][s]) for s in present}
         else:  # stage rematerialisation: the forward again, from the stage input
             saved = stages.forward(role, diff, x, mb, chunk, keep=True)[1]
-        dx = zero
         if kind in ("B", "BW"):
-            g = buffers["grad"][here["grad_slot"]]
+            g = buffers["grad"]
             if role == "last":  # the gradient of the mean over micro-batches
                 g = vma.vary(jnp.full(loss_abstract.shape, 1 / microbatches, loss_abstract.dtype), stages.loss_axes)
-            dx, crossover = stages.b(role, backwards, diff, saved, g, mb, chunk)
-            dx = zero if dx is None else dx
+            gx, handed = stages.b(role, backwards, diff, saved, g, mb, chunk)
+            dx = dx if gx is None else gx
             if kind == "B":
-                written["crossover"].update(crossover)
-        if kind == "W":
-            crossover = {s: _read(buffers["crossover"][s], here["crossover_slot"][s]) for s in present}
+                crossover.update(handed)
+        else:
+            handed = {s: _read(buffers["crossover"][s], here["crossover_slot"][s]) for s in present}
         if kind in ("W", "BW"):
-            grads = jax.tree.map(jnp.add, grads, stages.w(role, backwards, diff, saved, crossover, mb, chunk))
-        return grads, loss_sum, zero, dx, written
+            grads = jax.tree.map(jnp.add, grads, stages.w(role, backwards, diff, saved, handed, mb, chunk))
+        return grads, dx, crossover
 
     return act
 
@@ -413,8 +429,8 @@ def value_and_grad(schedule: Schedule, loss: StagedLoss, model_of: Callable, dif
     each segment's residuals from F to its backward, or recompute them there.
     """
     p, v, m = schedule.stages, schedule.virtual, schedule.microbatches
-    keep = stage_remat == "none"
     program = compile_program(schedule, stage_remat)
+    keep = stage_remat == "none"
     stage = lax.axis_index(stage_axis)
     micro = jax.tree.map(lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:]), batch)
     # Every param stage-varying: a branch's gradient then needs no psum over the stage axis.
@@ -425,28 +441,9 @@ def value_and_grad(schedule: Schedule, loss: StagedLoss, model_of: Callable, dif
         return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, keepdims=False), tree)
 
     stages, loss_abstract, x, backwards = typed(Stages(loss, model_of, one_value, v), diff, take(micro, 0), stage_axis)
-    used = set(program.branch.flat)  # a branch the table never takes is traced as idle
-    branches = [branch(stages, backwards, *(kind_role if n in used else BRANCHES[0]), loss_abstract, m, keep)
-                for n, kind_role in enumerate(BRANCHES)]
-    ring = v > 1  # chunks wrap around from the last device to the first
-    forward_pairs = [(s, (s + 1) % p) for s in range(p if ring else p - 1)]
-    backward_pairs = [((s + 1) % p, s) for s in range(p if ring else p - 1)]
-
-    def send(when, x, pairs):
-        return lax.cond(when, lambda x: lax.ppermute(x, stage_axis, pairs), jnp.zeros_like, x)
-
-    def tick(carry, row):
-        buffers, grads, loss_sum = carry
-        here = jax.tree.map(lambda a: a[stage], {k: v for k, v in row.items() if not k.startswith("sends")})
-        grads, loss_sum, out, dx, written = lax.switch(
-            here["branch"], branches, diff, grads, loss_sum, buffers, here, take(micro, here["microbatch"]))
-        buffers = dict(
-            act=buffers["act"].at[here["act_arrival"]].set(send(row["sends_forward"], out, forward_pairs)),
-            grad=buffers["grad"].at[here["grad_arrival"]].set(send(row["sends_backward"], dx, backward_pairs)),
-            **{name: {s: _write_if(buffer, here[f"{name}_write"][s], written[name][s]) for s, buffer in buffers[name].items()}
-               for name in ("saved", "crossover")})
-        return (buffers, grads, loss_sum), None
-
+    used = set(program.branch.flat)  # a branch the table never takes is traced as idle: no W code for GPipe
+    backward_branches = [backward_branch(stages, backwards, *(kind_role if n in used else BRANCHES[0]), loss_abstract,
+                                         m, keep) for n, kind_role in enumerate(BRANCHES)]
     # Residuals and crossover of the layers' segments are stacked over the chunk's layers.
     chunk_layers = nnx.eval_shape(lambda d: jax.tree.leaves(nnx.state(stages._chunk_of(model_of(d), 0))), diff)[0].shape[0]
     buffers = dict(
@@ -457,12 +454,52 @@ def value_and_grad(schedule: Schedule, loss: StagedLoss, model_of: Callable, dif
         crossover={s: _buffer(backwards[s].crossover, program.crossover_slots[s], chunk_layers if s == "layers" else None)
                    for s in SEGMENTS},
     )
+    records = {s: [(jax.ShapeDtypeStruct(b.shape[1:], b.dtype), vma.varying_axes(b)) for b in buffer]
+               for s, buffer in buffers["saved"].items()}  # one slot of each buffer
+    forwards = [forward_branch(stages, role, keep, records) for role in ROLES]
+    ring = v > 1  # chunks wrap around from the last device to the first
+    forward_pairs = [(s, (s + 1) % p) for s in range(p if ring else p - 1)]
+    backward_pairs = [((s + 1) % p, s) for s in range(p if ring else p - 1)]
+
+    def send(when, x, pairs, ever=True):  # `ever`: whether any tick does (else no ppermute at all)
+        return lax.cond(when, lambda x: lax.ppermute(x, stage_axis, pairs), jnp.zeros_like, x) if ever else x * 0
+
+    def tick(carry, row):
+        buffers, grads, loss_sum, (out, dx) = carry
+        here = jax.tree.map(lambda a: a[stage], {k: v for k, v in row.items() if not k.startswith(("sends", "late"))})
+        mb, chunk, x = take(micro, here["microbatch"]), here["chunk"], buffers["act"][here["act_slot"]]
+        # The last tick's sends that nobody reads in this one: they depend on no compute of this tick.
+        late_out = send(row["late_forward"], out, forward_pairs, program.late_forward.any())
+        late_dx = send(row["late_backward"], dx, backward_pairs, program.late_backward.any())
+
+        def forward(saved, loss_sum):
+            loss_sum, out, kept = lax.switch(here["role"], forwards, diff, loss_sum, x, mb, chunk)
+            return {s: _write(buffer, here["saved_write"][s], kept[s]) for s, buffer in saved.items()}, loss_sum, out
+
+        # The forward first: it updates the residual buffers in place, the backward then reads
+        # them (other slots). Read first, XLA would copy every buffer to keep it for the read.
+        saved, loss_sum, out = lax.cond(here["forward"], forward, lambda saved, loss_sum: (saved, loss_sum, x * 0),
+                                        buffers["saved"], loss_sum)
+        # Stage input and output gradient sliced out before: their buffers are updated in place below.
+        reads = dict(buffers, act=x, grad=buffers["grad"][here["grad_slot"]], saved=saved)
+        grads, dx, crossover = lax.switch(here["branch"], backward_branches, diff, grads, reads, here, mb)
+        buffers = dict(
+            act=buffers["act"].at[here["act_arrival"]].set(send(row["sends_forward"], out, forward_pairs))
+                              .at[here["act_late"]].set(late_out),
+            grad=buffers["grad"].at[here["grad_arrival"]].set(send(row["sends_backward"], dx, backward_pairs))
+                                .at[here["grad_late"]].set(late_dx),
+            saved=saved,
+            crossover={s: _write_if(buffer, here["crossover_write"][s], crossover[s])
+                       for s, buffer in buffers["crossover"].items()})
+        return (buffers, grads, loss_sum, (out, dx)), None
+
     carry = (
         buffers,
         jax.tree.map(lambda w: jnp.zeros_like(w, jnp.promote_types(w.dtype, accumulate or w.dtype)), diff),
         _zeros(loss_abstract, stages.loss_axes),
+        (buffers["act"][0], buffers["act"][0]),  # this tick's output and input gradient, for a late send
     )
-    (_, grads, loss_sum), _ = lax.scan(tick, carry, program.rows())
+    (_, grads, loss_sum, _), _ = lax.scan(tick, carry, program.rows())
     grads = jax.tree.map(lambda g, s: lax.psum(g, stage_axis) if s else g, grads, shared)
     return lax.psum(loss_sum, stage_axis) / m, grads
 
@@ -490,6 +527,11 @@ def matmul_flops(schedule: Schedule, hlo_text: str, stage_remat: str = "none") -
     ticks = program.branch.shape[0]
     per_stage = []
     for stage in range(schedule.stages):
-        runs = np.bincount(program.branch[:, stage], minlength=len(BRANCHES)) / ticks
-        per_stage.append(hlo.matmul_flops(hlo_text, lambda n: runs if n == len(BRANCHES) else None))
+        forwards = program.forward[:, stage]
+        # Per run of the tick: the backward switch's branches; the forward cond, (no, yes); the
+        # switch over the forward's roles inside it, per forward. (No other conditional runs a matmul.)
+        runs = {len(BRANCHES): np.bincount(program.branch[:, stage], minlength=len(BRANCHES)) / ticks,
+                2: np.array([1 - forwards.mean(), forwards.mean()]),
+                len(ROLES): np.bincount(program.role[forwards, stage], minlength=len(ROLES)) / max(forwards.sum(), 1)}
+        per_stage.append(hlo.matmul_flops(hlo_text, runs.get))
     return per_stage

@@ -236,10 +236,11 @@ def traffic(config: DecoderConfig, params, sizes: dict[str, int], rules: Rules, 
 
 
 def sends(schedule) -> tuple[int, int]:
-    """Ticks of the schedule in which some stage sends forward / backward: the executor's own
-    count (`compile_program`), which skips the rest."""
+    """Sends forward / backward of the schedule, each of one tick's outputs, in that tick or late
+    in the next: the executor's own count (`compile_program`), which skips ticks with none."""
     program = compile_program(schedule)
-    return int(program.sends_forward.sum()), int(program.sends_backward.sum())
+    return (int(program.sends_forward.sum() + program.late_forward.sum()),
+            int(program.sends_backward.sum() + program.late_backward.sum()))
 
 
 # --- the estimate -------------------------------------------------------------------------

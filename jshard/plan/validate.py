@@ -16,6 +16,7 @@ from flax import nnx
 from jshard import hlo
 from jshard.mesh import STANDARD_AXES, make_mesh, mesh_shape
 from jshard.models import DecoderConfig, GPTConfig, LlamaConfig, decoder, gpt_loss
+from jshard.parallel.pipeline import compile_program
 from jshard.parallel.step import build_step
 from jshard.plan.estimate import HARDWARE, PlanInput, estimate
 from jshard.precision import precision as precision_policy
@@ -46,10 +47,12 @@ MEMORY_TOLERANCE = 0.10
 
 
 def compiled_pipeline_permute_bytes(schedule, config: DecoderConfig, rows: int) -> int:
-    """What hlo.collectives counts for the executor's two ppermutes: they sit in a `cond`
-    inside the scan over ticks, so it counts them on every tick; the planner's figure
-    (`sends`) counts only the ticks in which some stage sends."""
-    return 2 * schedule.ticks * rows * config.seq_len * config.embed * jnp.dtype(config.dtype).itemsize
+    """What hlo.collectives counts for the executor's ppermutes (forward and backward, and each
+    again for late sends where the schedule has any): they sit in a `cond` inside the scan over
+    ticks, so it counts them on every tick; the planner's figure (`sends`) counts the sends."""
+    program = compile_program(schedule)
+    permutes = 2 + int(program.late_forward.any()) + int(program.late_backward.any())
+    return permutes * schedule.ticks * rows * config.seq_len * config.embed * jnp.dtype(config.dtype).itemsize
 
 
 def validate_one(strategy: str, microbatches, schedule, remat: str, mesh: str = "example", precision: str = "fp32",
