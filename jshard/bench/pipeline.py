@@ -26,20 +26,15 @@ import optax
 from flax import nnx
 
 import jshard
-from jshard import flags
+from jshard import flags, hlo
 from jshard.mesh import mesh_shape, use_fake_cpu_devices_unless_accelerated
 from jshard.metrics import median_step_seconds
 from jshard.models import decoder, gpt_loss
 from jshard.parallel import build_step
-from jshard import hlo
-from jshard.parallel.pipeline import compile_program, matmul_flops
+from jshard.parallel.pipeline import compile_program, matmul_flops, work
 from jshard.parallel.schedules import SCHEDULES
 from jshard.rules import default_mesh, format_mesh
 
-def recompute(schedule: str, stage_remat: str) -> float:
-    """The work of a pipelined step over the unpipelined one: F + 2F kept, F + (F + 2F)
-    recomputed, F + (F + B) + (F + W) recomputed for each half of ZB-H1's split backward."""
-    return 1.0 if stage_remat == "none" else 5 / 3 if schedule == "zb-h1" else 4 / 3
 
 
 def add_parser(benches) -> None:
@@ -95,9 +90,9 @@ def run(args) -> int:
         loss, _ = step.value_and_grad(step.state, tokens)
         row = dict(schedule=schedule.name, stage_remat=args.stage_remat, ticks=schedule.ticks,
                    bubble=schedule.bubble_fraction, slots=program.act_slots + program.grad_slots,
-                   flops_vs_flat=flops, textbook_flops=recompute(schedule.name, args.stage_remat), temp_bytes=temp,
+                   flops_vs_flat=flops, textbook_flops=work(schedule, args.stage_remat), temp_bytes=temp,
                    step_s=median_step_seconds(step, tokens, args.repeats), flat_step_s=flat_s,
-                   textbook_vs_flat=(1 + schedule.bubble_fraction) * recompute(schedule.name, args.stage_remat),
+                   textbook_vs_flat=(1 + schedule.bubble_fraction) * work(schedule, args.stage_remat),
                    parity_rel_err=abs(float(loss) - expected) / abs(expected))
         rows.append(row)
         first = rows[0]

@@ -63,6 +63,12 @@ def segments(role: str) -> tuple[str, ...]:
     return tuple(s for s in SEGMENTS if s in ("layers", role))
 
 
+def work(schedule: Schedule, stage_remat: str) -> float:
+    """The executor's work over the unpipelined step's: F + 2F keeping the residuals; F + (F + 2F)
+    recomputing the forward for the backward; ZB-H1 recomputing, F + (F + B) + (F + W)."""
+    return 1.0 if check_stage_remat(stage_remat) == "none" else 5 / 3 if schedule.backward == "B" else 4 / 3
+
+
 def check_stage_remat(stage_remat: str) -> str:
     if stage_remat not in STAGE_REMAT:
         raise ValueError(f"stage_remat={stage_remat!r}; choose 'none' (keep what each backward needs) or "

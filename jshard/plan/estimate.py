@@ -25,7 +25,7 @@ from flax import nnx
 from jshard import metrics
 from jshard.mesh import STANDARD_AXES as AXES
 from jshard.models import DecoderConfig, GPTConfig, decoder
-from jshard.parallel.pipeline import STAGE_REMAT, compile_program
+from jshard.parallel.pipeline import STAGE_REMAT, compile_program, work as pipeline_work
 from jshard.parallel.step import check_strategy
 from jshard.placement import LayoutTable, format_bytes, layout_table
 from jshard.nn import attention_implementation
@@ -366,7 +366,7 @@ def estimate(plan: PlanInput) -> dict:
         # The trade `stage_remat` picks: activation memory against the work of the backward.
         trade = {mode: dict(activations=int(pipeline_activations(
                      compile_program(schedule, mode), config, chunk_layers, per_token_layer, logits, rows * seq, a_mb,
-                     tensor, sp, mode)), work=1.0 if mode == "none" else 5 / 3 if schedule.backward == "B" else 4 / 3)
+                     tensor, sp, mode)), work=pipeline_work(schedule, mode))
                  for mode in STAGE_REMAT}
         memory["activations"] = trade[stage_remat]["activations"]
         in_flight = schedule.peak_in_flight()
@@ -391,7 +391,7 @@ def estimate(plan: PlanInput) -> dict:
     tokens = rows * seq * m * data_shards
     flops_model = metrics.flops_per_token(config, seq) * tokens
     if schedule and stage_remat == "full":  # one more forward: +1/3 of 6N (ZB-H1: one for B, one for W)
-        flops_run = flops_model * (10 if schedule.backward == "B" else 8) / 6
+        flops_run = flops_model * pipeline_work(schedule, stage_remat)
     elif config.remat == "full":
         flops_run = flops_model * 8 / 6
     elif config.remat == "selective":  # the attention core's forward again: QK^T and PV
