@@ -46,7 +46,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from jshard import vma
+from jshard import nn, vma
 from jshard.models.stack import StagedLoss, layer_call, scan_stack
 from jshard.parallel import backward
 from jshard.parallel.schedules import Schedule
@@ -246,6 +246,8 @@ class Stages:
         def run(segment, fn, inputs):
             if not keep:
                 return fn(leaves, inputs)
+            if nn.gathers_weights() or nn.holds_replicas():  # as the stack's layers: keep no gathered weight
+                fn = jax.checkpoint(fn, policy=nn.remat_policy)
             out, saved[segment], backwards[segment] = backward.keep(fn, leaves, inputs, mb_leaves)
             return out
 
@@ -446,7 +448,9 @@ def value_and_grad(schedule: Schedule, loss: StagedLoss, model_of: Callable, dif
     def take(tree, index):
         return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, keepdims=False), tree)
 
-    stages, loss_abstract, x, backwards = typed(Stages(loss, model_of, one_value, v), diff, take(micro, 0), stage_axis)
+    # A micro-batch typed as the ticks take it: picked by a stage-varying index.
+    first_mb = jax.tree.map(lambda a: vma.vary(a, (stage_axis,)), take(micro, 0))
+    stages, loss_abstract, x, backwards = typed(Stages(loss, model_of, one_value, v), diff, first_mb, stage_axis)
     used = set(program.branch.flat)  # a branch the table never takes is traced as idle: no W code for GPipe
     backward_branches = [backward_branch(stages, backwards, *(kind_role if n in used else BRANCHES[0]), loss_abstract,
                                          m, keep) for n, kind_role in enumerate(BRANCHES)]
