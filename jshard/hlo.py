@@ -204,9 +204,9 @@ def _own_flops(lines: list[str]) -> int:
 def matmul_flops(hlo_text: str, branch_weights=None) -> float:
     """Matmul FLOPs (2·M·N·K per dot, fused or not) per program run on one device: loop
     bodies once per trip. A conditional counts its costliest branch, unless
-    `branch_weights(branches)` (given the conditional's number of branches) returns how often
-    each branch runs per run of the computation holding it (a pipeline's tick table, say),
-    or None to keep the costliest."""
+    `branch_weights(line, branches)` (given the conditional's HLO line and its number of
+    branches) returns how often each branch runs per run of the computation holding it (a
+    pipeline's tick table, say), or None to keep the costliest."""
     blocks, entry = _computations(hlo_text)
     own = {name: _own_flops(lines) for name, lines in blocks.items()}
     memo: dict[str, float] = {}
@@ -221,7 +221,7 @@ def matmul_flops(hlo_text: str, branch_weights=None) -> float:
             if (branches := _BRANCHES.search(line)) and _CONDITIONAL.search(line):
                 names = [n.strip().lstrip("%") for n in branches["names"].split(",")]
                 costs = [total(n) for n in names if n in blocks]
-                weights = branch_weights(len(costs)) if branch_weights else None
+                weights = branch_weights(line, len(costs)) if branch_weights else None
                 flops += sum(w * c for w, c in zip(weights, costs)) if weights is not None else max(costs, default=0)
                 continue
             for callee in (m["name"] for m in _CALLED.finditer(line)):

@@ -38,6 +38,7 @@ are summed over it once, at the end.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 
 import jax
@@ -46,14 +47,13 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from jshard import nn, vma
+from jshard import hlo, nn, vma
 from jshard.models.stack import StagedLoss, layer_call, scan_stack
 from jshard.parallel import backward
 from jshard.parallel.schedules import Schedule
 
 ROLES = ("first", "middle", "last")  # where in the pipeline a chunk is: position 0, between, p·v - 1
-# The backward switch's branches; a forward runs in a cond of its own (`value_and_grad`).
-BRANCHES = [("idle", "middle")] + [(kind, role) for kind in ("BW", "B", "W") for role in ROLES]
+KINDS = ("F", "BW", "B", "W")  # what a device does in a tick (or nothing)
 SEGMENTS = ("first", "layers", "last")  # embeddings at position 0, the chunk's layers, head and loss at the end
 STAGE_REMAT = ("none", "full")  # keep each segment's residuals / keep the stage input and recompute
 
@@ -81,9 +81,8 @@ class Program:
     """A schedule as arrays the scan reads one row of per tick; [tick, stage] unless noted.
     A buffer's last index (= its count) is a slot nobody reads: where nothing is written."""
 
-    branch: np.ndarray  # index into BRANCHES: the backward (0: none)
-    forward: np.ndarray  # bool: the action is an F
-    role: np.ndarray  # index into ROLES of the action's chunk
+    kind: np.ndarray  # 1 + index into KINDS of the action (0: none)
+    role: np.ndarray  # index into ROLES: where in the pipeline the action's chunk is
     microbatch: np.ndarray
     chunk: np.ndarray
     act_slot: np.ndarray  # the activation slot the action reads (its stage input)
@@ -160,8 +159,7 @@ def compile_program(schedule: Schedule, stage_remat: str = "none") -> Program:
     crossover_slots = {s: _assign_slots(crossover[s], p) for s in SEGMENTS}
 
     shape = (ticks, p)
-    arrays = {name: np.zeros(shape, np.int32) for name in ("branch", "role", "microbatch", "chunk")}
-    arrays["forward"] = np.zeros(shape, bool)
+    arrays = {name: np.zeros(shape, np.int32) for name in ("kind", "role", "microbatch", "chunk")}
     arrays |= {name: np.full(shape, act_slots, np.int32) for name in ("act_slot", "act_arrival", "act_late")}
     arrays |= {name: np.full(shape, grad_slots, np.int32) for name in ("grad_slot", "grad_arrival", "grad_late")}
     slot_arrays = {f"{name}_{use}": {s: np.full(shape, slots[s][1], np.int32) for s in SEGMENTS}
@@ -172,8 +170,7 @@ def compile_program(schedule: Schedule, stage_remat: str = "none") -> Program:
             if action is None:
                 continue
             kind, i, k = schedule.work(action, stage)
-            arrays["branch"][tick, stage] = 0 if kind == "F" else BRANCHES.index((kind, _role(k, positions)))
-            arrays["role"][tick, stage], arrays["forward"][tick, stage] = ROLES.index(_role(k, positions)), kind == "F"
+            arrays["kind"][tick, stage], arrays["role"][tick, stage] = 1 + KINDS.index(kind), ROLES.index(_role(k, positions))
             arrays["microbatch"][tick, stage], arrays["chunk"][tick, stage] = i, action.virtual
             arrays["act_slot"][tick, stage] = act_slot_of.get((stage, i, k), act_slots)
             arrays["grad_slot"][tick, stage] = grad_slot_of.get((stage, i, k), grad_slots)
@@ -370,60 +367,69 @@ def _write(buffer, slot, values):
     return [b.at[slot].set(v) for b, v in zip(buffer, values)]
 
 
-def _write_if(buffer, slot, values):
-    """`values` into `slot`, unless that is the slot nobody reads (then nothing is copied)."""
-    if not buffer:
-        return buffer
-    return lax.cond(slot < buffer[0].shape[0] - 1, lambda b: _write(b, slot, values), lambda b: b, buffer)
+def _per_role(make: Callable) -> Callable:
+    """One function that runs `make(role)` for the role the tick's row names (a `lax.switch`)."""
+    branches = [make(role) for role in ROLES]
+
+    def run(here, *args):
+        with jax.named_scope("role"):  # (named, for `matmul_flops` to find it in the program)
+            return lax.switch(here["role"], branches, *args)
+
+    return run
 
 
-def forward_branch(stages: Stages, role: str, keep: bool, records: dict) -> Callable:
-    """F of the chunk at `role`: (diff, loss_sum, x, mb, chunk) -> (loss_sum, output, residuals
-    per segment; zeros of the `records`' types for the segments this role does not run)."""
+def actions(stages: Stages, backwards: dict, loss_abstract, microbatches: int, keep: bool, records: dict) -> dict:
+    """What each kind of action does at each role, given this tick's row `here` of the program.
 
-    def act(diff, loss_sum, x, mb, chunk):
-        out, kept, _ = stages.forward(role, diff, x, mb, chunk, keep)
-        kept = {s: kept.get(s) or [_zeros(*r) for r in record] for s, record in records.items()}
-        return (loss_sum + out, jnp.zeros_like(x), kept) if role == "last" else (loss_sum, out, kept)
+    F (diff, loss_sum, x, mb, here) -> (loss_sum, output, residuals of every segment; zeros
+    for those its role does not run); B (diff, saved, g, x, mb, here) -> (input gradient,
+    crossover of every segment); W (diff, saved, crossover, x, mb, here) -> gradient of diff;
+    BW (diff, saved, g, x, mb, here) -> (input gradient, gradient of diff). `records`: the type
+    of one slot of each residual and crossover buffer, for the zeros."""
 
-    return act
+    def complete(found, name):  # every segment's record: zeros for those this role has not
+        return {s: found.get(s) or [_zeros(*r) for r in record] for s, record in records[name].items()}
 
-
-def backward_branch(stages: Stages, backwards: dict, kind: str, role: str, loss_abstract, microbatches: int,
-                    keep: bool) -> Callable:
-    """One branch of the backward switch: `kind` (idle, BW, B or W) of the chunk at `role`.
-    (diff, grads, buffers, here, mb) -> (grads, input gradient, crossover), `here` being this
-    tick's row of the program on this device, `buffers` the residual and crossover buffers and
-    this tick's stage input and output gradient, and `crossover` what B hands W (zeros from
-    the others; written into its buffer after the switch)."""
-    present = segments(role)
-
-    def act(diff, grads, buffers, here, mb):
-        x = buffers["act"]
-        dx = jnp.zeros_like(x)
-        crossover = {s: [jnp.zeros_like(b[0]) for b in buffer] for s, buffer in buffers["crossover"].items()}
-        if kind == "idle":
-            return grads, dx, crossover
-        chunk = here["chunk"]
+    def saved_of(role, diff, saved, x, mb, here):
         if keep:
-            saved = {s: _read(buffers["saved"][s], here["saved_slot"][s]) for s in present}
-        else:  # stage rematerialisation: the forward again, from the stage input
-            saved = stages.forward(role, diff, x, mb, chunk, keep=True)[1]
-        if kind in ("B", "BW"):
-            g = buffers["grad"]
-            if role == "last":  # the gradient of the mean over micro-batches
-                g = vma.vary(jnp.full(loss_abstract.shape, 1 / microbatches, loss_abstract.dtype), stages.loss_axes)
-            gx, handed = stages.b(role, backwards, diff, saved, g, mb, chunk)
-            dx = dx if gx is None else gx
-            if kind == "B":
-                crossover.update(handed)
-        else:
-            handed = {s: _read(buffers["crossover"][s], here["crossover_slot"][s]) for s in present}
-        if kind in ("W", "BW"):
-            grads = jax.tree.map(jnp.add, grads, stages.w(role, backwards, diff, saved, handed, mb, chunk))
-        return grads, dx, crossover
+            return {s: _read(saved[s], here["saved_slot"][s]) for s in segments(role)}
+        return stages.forward(role, diff, x, mb, here["chunk"], keep=True)[1]  # stage remat: F again
 
-    return act
+    def pulled_back(role, g):
+        if role == "last":  # the gradient of the mean over micro-batches
+            return vma.vary(jnp.full(loss_abstract.shape, 1 / microbatches, loss_abstract.dtype), stages.loss_axes)
+        return g
+
+    def forward(role):
+        def run(diff, loss_sum, x, mb, here):
+            out, kept, _ = stages.forward(role, diff, x, mb, here["chunk"], keep)
+            kept = complete(kept, "saved")
+            return (loss_sum + out, jnp.zeros_like(x), kept) if role == "last" else (loss_sum, out, kept)
+        return run
+
+    def b(role):
+        def run(diff, saved, g, x, mb, here):
+            dx, crossover = stages.b(role, backwards, diff, saved_of(role, diff, saved, x, mb, here),
+                                     pulled_back(role, g), mb, here["chunk"])
+            crossover = complete(crossover, "crossover")
+            return (jnp.zeros_like(x) if dx is None else dx), crossover
+        return run
+
+    def w(role):
+        def run(diff, saved, crossover, x, mb, here):
+            handed = {s: _read(crossover[s], here["crossover_slot"][s]) for s in segments(role)}
+            return stages.w(role, backwards, diff, saved_of(role, diff, saved, x, mb, here), handed, mb, here["chunk"])
+        return run
+
+    def bw(role):
+        def run(diff, saved, g, x, mb, here):
+            kept = saved_of(role, diff, saved, x, mb, here)
+            dx, crossover = stages.b(role, backwards, diff, kept, pulled_back(role, g), mb, here["chunk"])
+            grads = stages.w(role, backwards, diff, kept, crossover, mb, here["chunk"])
+            return (jnp.zeros_like(x) if dx is None else dx), grads
+        return run
+
+    return {"F": _per_role(forward), "B": _per_role(b), "W": _per_role(w), "BW": _per_role(bw)}
 
 
 def value_and_grad(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, batch, stage_axis: str,
@@ -451,9 +457,6 @@ def value_and_grad(schedule: Schedule, loss: StagedLoss, model_of: Callable, dif
     # A micro-batch typed as the ticks take it: picked by a stage-varying index.
     first_mb = jax.tree.map(lambda a: vma.vary(a, (stage_axis,)), take(micro, 0))
     stages, loss_abstract, x, backwards = typed(Stages(loss, model_of, one_value, v), diff, first_mb, stage_axis)
-    used = set(program.branch.flat)  # a branch the table never takes is traced as idle: no W code for GPipe
-    backward_branches = [backward_branch(stages, backwards, *(kind_role if n in used else BRANCHES[0]), loss_abstract,
-                                         m, keep) for n, kind_role in enumerate(BRANCHES)]
     # Residuals and crossover of the layers' segments are stacked over the chunk's layers.
     chunk_layers = nnx.eval_shape(lambda d: jax.tree.leaves(nnx.state(stages._chunk_of(model_of(d), 0))), diff)[0].shape[0]
     buffers = dict(
@@ -464,9 +467,10 @@ def value_and_grad(schedule: Schedule, loss: StagedLoss, model_of: Callable, dif
         crossover={s: _buffer(backwards[s].crossover, program.crossover_slots[s], chunk_layers if s == "layers" else None)
                    for s in SEGMENTS},
     )
-    records = {s: [(jax.ShapeDtypeStruct(b.shape[1:], b.dtype), vma.varying_axes(b)) for b in buffer]
-               for s, buffer in buffers["saved"].items()}  # one slot of each buffer
-    forwards = [forward_branch(stages, role, keep, records) for role in ROLES]
+    records = {name: {s: [(jax.ShapeDtypeStruct(b.shape[1:], b.dtype), vma.varying_axes(b)) for b in buffer]
+                      for s, buffer in buffers[name].items()} for name in ("saved", "crossover")}  # one slot's
+    act = actions(stages, backwards, loss_abstract, m, keep, records)
+    runs = {KINDS[k - 1] for k in set(program.kind.flat) if k}  # the kinds of action the table has
     ring = v > 1  # chunks wrap around from the last device to the first
     forward_pairs = [(s, (s + 1) % p) for s in range(p if ring else p - 1)]
     backward_pairs = [((s + 1) % p, s) for s in range(p if ring else p - 1)]
@@ -482,25 +486,45 @@ def value_and_grad(schedule: Schedule, loss: StagedLoss, model_of: Callable, dif
         late_out = send(row["late_forward"], out, forward_pairs, program.late_forward.any())
         late_dx = send(row["late_backward"], dx, backward_pairs, program.late_backward.any())
 
-        def forward(saved, loss_sum):
-            loss_sum, out, kept = lax.switch(here["role"], forwards, diff, loss_sum, x, mb, chunk)
-            return {s: _write(buffer, here["saved_write"][s], kept[s]) for s, buffer in saved.items()}, loss_sum, out
+        g = buffers["grad"][here["grad_slot"]]
+        zero = jnp.zeros_like(x)
 
-        # The forward first: it updates the residual buffers in place, the backward then reads
-        # them (other slots). Read first, XLA would copy every buffer to keep it for the read.
-        saved, loss_sum, out = lax.cond(here["forward"], forward, lambda saved, loss_sum: (saved, loss_sum, x * 0),
-                                        buffers["saved"], loss_sum)
-        # Stage input and output gradient sliced out before: their buffers are updated in place below.
-        reads = dict(buffers, act=x, grad=buffers["grad"][here["grad_slot"]], saved=saved)
-        grads, dx, crossover = lax.switch(here["branch"], backward_branches, diff, grads, reads, here, mb)
+        # One boolean cond per kind of action, each updating its buffers in place (a `lax.switch`
+        # over kinds would copy them whole every tick), in an order that writes each buffer before
+        # it is read: residuals at F, before B / W / BW read other slots; the crossover at B, before W.
+        def when(kind, action, otherwise, *operands):
+            if kind not in runs:
+                return otherwise(*operands)
+            with jax.named_scope(f"pipeline_{kind}"):
+                return lax.cond(here["kind"] == 1 + KINDS.index(kind), action, otherwise, *operands)
+
+        def forward(saved, loss_sum):
+            loss_sum, out, kept = act["F"](here, diff, loss_sum, x, mb, here)
+            return {s: _write(b, here["saved_write"][s], kept[s]) for s, b in saved.items()}, loss_sum, out
+
+        saved, loss_sum, out = when("F", forward, lambda saved, loss_sum: (saved, loss_sum, zero),
+                                    buffers["saved"], loss_sum)
+
+        def backward_input(crossover):
+            dx, handed = act["B"](here, diff, saved, g, x, mb, here)
+            return {s: _write(b, here["crossover_write"][s], handed[s]) for s, b in crossover.items()}, dx
+
+        crossover, dx_b = when("B", backward_input, lambda crossover: (crossover, zero), buffers["crossover"])
+        grads = when("W", lambda grads: jax.tree.map(jnp.add, grads, act["W"](here, diff, saved, crossover, x, mb, here)),
+                     lambda grads: grads, grads)
+
+        def backward(grads):
+            dx, weights = act["BW"](here, diff, saved, g, x, mb, here)
+            return jax.tree.map(jnp.add, grads, weights), dx
+
+        grads, dx_bw = when("BW", backward, lambda grads: (grads, zero), grads)
+        dx = dx_b + dx_bw  # (one of them is zero)
         buffers = dict(
             act=buffers["act"].at[here["act_arrival"]].set(send(row["sends_forward"], out, forward_pairs))
                               .at[here["act_late"]].set(late_out),
             grad=buffers["grad"].at[here["grad_arrival"]].set(send(row["sends_backward"], dx, backward_pairs))
                                 .at[here["grad_late"]].set(late_dx),
-            saved=saved,
-            crossover={s: _write_if(buffer, here["crossover_write"][s], crossover[s])
-                       for s, buffer in buffers["crossover"].items()})
+            saved=saved, crossover=crossover)
         return (buffers, grads, loss_sum, (out, dx)), None
 
     carry = (
@@ -526,22 +550,34 @@ def interleave(x: jax.Array, stages: int, virtual: int, inverse: bool = False) -
     return x.reshape(*split, -1, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
 
 
+_OP_NAME = re.compile(r'op_name="(?P<name>[^"]*)"')
+
+
+def _scopes(line: str) -> list[str]:
+    """The names of the scopes an HLO instruction was traced in (its op_name metadata)."""
+    return m["name"].split("/") if (m := _OP_NAME.search(line)) else []
+
+
 def matmul_flops(schedule: Schedule, hlo_text: str, stage_remat: str = "none") -> list[float]:
     """Per stage, the matmul FLOPs a device of that stage runs in one step of the compiled
-    program `hlo_text`: the tick switch's branches weighted by how often the table takes each
-    on that stage (`hlo.matmul_flops`; XLA's `cost_analysis()` counts a loop body once and a
-    conditional's costliest branch)."""
-    from jshard import hlo
-
+    program `hlo_text` (`hlo.matmul_flops`; XLA's `cost_analysis()` counts a loop body once
+    and a conditional's costliest branch): each kind's cond weighted by how often that stage
+    runs it per tick, the switch over roles inside it by how often each role comes up."""
     program = compile_program(schedule, stage_remat)
-    ticks = program.branch.shape[0]
     per_stage = []
     for stage in range(schedule.stages):
-        forwards = program.forward[:, stage]
-        # Per run of the tick: the backward switch's branches; the forward cond, (no, yes); the
-        # switch over the forward's roles inside it, per forward. (No other conditional runs a matmul.)
-        runs = {len(BRANCHES): np.bincount(program.branch[:, stage], minlength=len(BRANCHES)) / ticks,
-                2: np.array([1 - forwards.mean(), forwards.mean()]),
-                len(ROLES): np.bincount(program.role[forwards, stage], minlength=len(ROLES)) / max(forwards.sum(), 1)}
-        per_stage.append(hlo.matmul_flops(hlo_text, runs.get))
+        kinds, roles = program.kind[:, stage], program.role[:, stage]
+
+        def runs(line, branches, kinds=kinds, roles=roles):
+            scopes = _scopes(line)
+            kind = next((n[len("pipeline_"):] for n in reversed(scopes) if n.startswith("pipeline_")), None)
+            if kind not in KINDS:
+                return None
+            of_kind = kinds == 1 + KINDS.index(kind)
+            if "role" in scopes[scopes.index(f"pipeline_{kind}"):]:  # the switch over roles, inside that kind's cond
+                return np.bincount(roles[of_kind], minlength=len(ROLES)) / max(of_kind.sum(), 1)
+            return np.array([1 - of_kind.mean(), of_kind.mean()])  # the cond: (no, yes)
+
+        per_stage.append(hlo.matmul_flops(hlo_text, runs))
     return per_stage
+
