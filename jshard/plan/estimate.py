@@ -497,7 +497,7 @@ def report(est: dict) -> str:
                  + ("" if est["fits"] else "  DOES NOT FIT"))
     if est["stage_remat_trade"]:
         lines.append("  stage remat  " + ";  ".join(
-            f"{mode}: activations {format_bytes(t['activations'], 2)}, work ×{t['work']:.2f}"
+            f"{mode}: activations {format_bytes(t['activations'], 2)}, pipeline work ×{t['work']:.2f}"
             for mode, t in est["stage_remat_trade"].items()) + "  (--stage-remat)")
     lines.append("communication per step (K bytes per device; time at the link's bandwidth)")
     for r in est["collectives"]:
