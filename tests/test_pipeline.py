@@ -224,6 +224,16 @@ def test_bad_pipeline_input(preset, sizes, loss_fn, microbatches, fragment):
         build_step(model, OPTIMIZER, loss_fn, jshard.make_mesh(**sizes), jshard.preset(preset), microbatches)
 
 
+@pytest.mark.parametrize("preset, sizes, stage_remat, fragment", [
+    ("dp+pp", dict(data=2, stage=4), "half", r"stage_remat='half'. Fix: 'none' .* or 'full'"),
+    ("dp", dict(data=8), "full", "stage_remat='full' but rules 'dp' put no layers on a stage axis"),
+])
+def test_bad_stage_remat(preset, sizes, stage_remat, fragment):
+    with pytest.raises(jshard.ShardingError, match=fragment):
+        build_step(make_mlp(), OPTIMIZER, mlp_loss, jshard.make_mesh(**sizes), jshard.preset(preset),
+                   4 if "pp" in preset else None, stage_remat=stage_remat)
+
+
 def test_batch_not_divisible_by_microbatches():
     step = build_step(make_mlp(), OPTIMIZER, mlp_loss, jshard.make_mesh(data=2, stage=4), jshard.preset("dp+pp"), 4)
     with pytest.raises(jshard.ShardingError, match="batch of 12 .* 8 shards over data × micro-batches"):

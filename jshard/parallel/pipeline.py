@@ -51,6 +51,7 @@ from jshard import hlo, nn, vma
 from jshard.models.stack import StagedLoss, layer_call, scan_stack
 from jshard.parallel import backward
 from jshard.parallel.schedules import Schedule
+from jshard.rules import ShardingError
 
 ROLES = ("first", "middle", "last")  # where in the pipeline a chunk is: position 0, between, p·v - 1
 KINDS = ("F", "BW", "B", "W")  # what a device does in a tick (or nothing)
@@ -71,8 +72,8 @@ def work(schedule: Schedule, stage_remat: str) -> float:
 
 def check_stage_remat(stage_remat: str) -> str:
     if stage_remat not in STAGE_REMAT:
-        raise ValueError(f"stage_remat={stage_remat!r}; choose 'none' (keep what each backward needs) or "
-                         "'full' (keep the stage input, recompute the chunk's forward in backward)")
+        raise ShardingError(f"build_step: stage_remat={stage_remat!r}. Fix: 'none' (a stage keeps what its backward "
+                            "needs) or 'full' (it keeps its input, and the backward recomputes the chunk's forward).")
     return stage_remat
 
 

@@ -114,6 +114,7 @@ def check_strategy(mesh: Mesh, rules: Rules, loss_fn=None, microbatches: int | N
             "jshard.models.StagedLoss that says where the stack of layers starts and ends "
             "(jshard.models.gpt_loss and mlp_loss are). Fix: build_step(..., microbatches=4)."
         )
+    pipeline.check_stage_remat(stage_remat or "none")
     return make_schedule(schedule or "gpipe", mesh_shape(mesh)[stages[0]], microbatches, virtual)
 
 
@@ -146,7 +147,7 @@ class ShardedStep:
         rules.check_mesh(mesh)
         check_no_pipeline(self.others, stage_axes(mesh, rules))
         self.schedule = check_strategy(mesh, rules, loss_fn, microbatches, schedule, virtual, stage_remat)
-        self.stage_remat = pipeline.check_stage_remat(stage_remat or "none")
+        self.stage_remat = stage_remat or "none"
         self.stage_axis = next(iter(stage_axes(mesh, rules)), None)
         self.microbatches = microbatches
         self._has_stack = has_stack(model)
