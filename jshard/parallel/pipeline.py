@@ -6,14 +6,16 @@ does at every tick: forward F, full backward BW, or the zero-bubble split into B
 gradient) and W (weight gradient). `compile_program` turns that table into integers, and
 `value_and_grad` executes them in a `lax.scan` over ticks. Each tick, on every device:
 
-    1. read this tick's action: which branch, micro-batch, chunk and buffer slots
-    2. `lax.switch` to that branch: F runs the chunk forward and keeps what its backward
-       needs; B pulls the output gradient back to the input and hands W what it needs;
-       W adds up the weight gradients (BW: B then W)
-    3. `ppermute` the forward output to the next position and the input gradient to the
-       previous one (all devices run the same ppermutes, so none can deadlock; a tick in
-       which nobody sends skips them)
-    4. store what arrived in the slots the table assigned
+    1. read this tick's action: which kind (F, BW, B, W or none), at which position in the
+       pipeline, on which micro-batch and chunk, with which buffer slots
+    2. send, beside the compute, what the last tick produced and nobody reads before now
+       (a "late" send; `ppermute`s run on every device, so none can deadlock)
+    3. one `lax.cond` per kind, in an order that writes each buffer before it is read: F runs
+       the chunk forward and keeps what its backward needs; B pulls the output gradient back
+       to the input and hands W what it needs; W adds up the weight gradients (BW: B then W).
+       Each updates its buffers, or the gradients, in place
+    4. send the forward output to the next position and the input gradient to the previous
+       one, unless they go late; store what arrived in the slots the table assigned
 
 A chunk is three segments: the loss's `first` part (embeddings) at position 0, one segment
 per layer, the loss's `last` part (head and loss) at the last position. F keeps each
@@ -29,7 +31,7 @@ segment) holds a value from the tick it is written to the tick it is last read; 
 assigned in Python from the table, so a buffer holds as many micro-batches as the schedule
 keeps in flight: m for GPipe, p for 1F1B on the first stage.
 
-Collectives inside a branch (FSDP gathers, TP reductions) only ever group devices of one
+Collectives inside an action (FSDP gathers, TP reductions) only ever group devices of one
 stage, which all take the same branch. Params used on every stage are made stage-varying
 before the scan so that no branch needs a collective over the stage axis; their gradients
 are summed over it once, at the end.
