@@ -304,8 +304,9 @@ def pipeline_activations(program, config: DecoderConfig, chunk_layers: int, per_
 
     Kept (`stage_remat="none"`): per micro-batch in flight what the chunk's layers keep for
     their backward (an unpipelined layer's activations) and, at the last position, the head's
-    (the logits'); ZB-H1's crossover, what B hands W: each matmul's and norm's output gradient
-    per layer, and the logits'. Recomputing: the stage inputs, and one chunk's backward."""
+    (the logits'), and the one record a tick reads; ZB-H1's crossover, what B hands W: each
+    matmul's and norm's output gradient per layer, and the logits'. Recomputing: the stage
+    inputs, and one chunk's backward."""
     itemsize = jnp.dtype(config.dtype).itemsize
 
     def slots(count):
@@ -321,8 +322,8 @@ def pipeline_activations(program, config: DecoderConfig, chunk_layers: int, per_
         return total + tokens * (chunk_layers * per_token_layer + logits)
     total += tokens * (slots(program.saved_slots["layers"]) * chunk_layers * per_token_layer
                        + slots(program.saved_slots["last"]) * head)
-    # The tick's residual record read and the one written, and the head's backward.
-    return total + tokens * (2 * chunk_layers * per_token_layer + logits)
+    # The residual record a tick reads (or the one it writes), and the head's backward.
+    return total + tokens * (chunk_layers * per_token_layer + logits)
 
 
 def estimate(plan: PlanInput) -> dict:
