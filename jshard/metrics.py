@@ -93,13 +93,14 @@ def median_seconds(run_once, repeats: int) -> float:
     return statistics.median(_seconds(run_once, repeats))
 
 
-def median_step_seconds(step, batch, repeats: int) -> float:
-    """The median time of a jshard `ShardedStep` on `batch`, from its own initial state."""
-    state = step.state
+def median_step_seconds(step, batch, repeats: int, compiled=None) -> float:
+    """The median time of a jshard `ShardedStep` on `batch`, from its own initial state
+    (run through `compiled`, its `lower(...).compile()`, where given: no second compile)."""
+    state, run = step.state, compiled or step
 
     def once():
         nonlocal state
-        state, loss = step(state, batch)
+        state, loss = run(state, batch)
         loss.block_until_ready()
 
     return median_seconds(once, repeats)

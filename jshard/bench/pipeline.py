@@ -64,8 +64,9 @@ def run(args) -> int:
     flat = build_step(make_model(), tx, gpt_loss, jshard.make_mesh(**default_mesh(flat_rules, jax.device_count())),
                       flat_rules)
     flat_tokens = flat.shard_batch(batch)
-    flat_s = median_step_seconds(flat, flat_tokens, args.repeats)
-    flat_flops = hlo.matmul_flops(flat.lower(flat.state, flat_tokens).compile().as_text())
+    flat_compiled = flat.lower(flat.state, flat_tokens).compile()
+    flat_flops = hlo.matmul_flops(flat_compiled.as_text())
+    flat_s = median_step_seconds(flat, flat_tokens, args.repeats, flat_compiled)
     device = jax.devices()[0]
     print(f"# jshard bench pipeline: {jax.device_count()} × {device.device_kind} ({device.platform}), "
           f"mesh {format_mesh(mesh_shape(mesh))}, m={args.microbatches}, {config.family} layers={config.layers} "
@@ -91,7 +92,7 @@ def run(args) -> int:
         row = dict(schedule=schedule.name, stage_remat=args.stage_remat, ticks=schedule.ticks,
                    bubble=schedule.bubble_fraction, slots=program.act_slots + program.grad_slots,
                    flops_vs_flat=flops, textbook_flops=work(schedule, args.stage_remat), temp_bytes=temp,
-                   step_s=median_step_seconds(step, tokens, args.repeats), flat_step_s=flat_s,
+                   step_s=median_step_seconds(step, tokens, args.repeats, compiled), flat_step_s=flat_s,
                    textbook_vs_flat=(1 + schedule.bubble_fraction) * work(schedule, args.stage_remat),
                    parity_rel_err=abs(float(loss) - expected) / abs(expected))
         rows.append(row)
