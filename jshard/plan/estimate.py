@@ -316,14 +316,15 @@ def pipeline_activations(program, config: DecoderConfig, chunk_layers: int, per_
     crossover = ((config.column_outputs / tensor + (4 * h / tensor if sp else 4 * h)) * itemsize)
     head = logits / CE_FP32_PER_VOCAB + h * itemsize  # the softmax, fp32, and the final norm's output
     total = (program.act_slots + program.grad_slots + 2) * a_mb + tokens * (
-        slots(program.crossover_slots["layers"]) * chunk_layers * crossover
-        + slots(program.crossover_slots["last"]) * head)
+        program.crossover_slots["layers"] * chunk_layers * crossover  # (measured: not its unread slot)
+        + program.crossover_slots["last"] * head)
     if stage_remat == "full":
         return total + tokens * (chunk_layers * per_token_layer + logits)
     total += tokens * (slots(program.saved_slots["layers"]) * chunk_layers * per_token_layer
                        + slots(program.saved_slots["last"]) * head)
-    # The residual record a tick reads (or the one it writes), and the head's backward.
-    return total + tokens * (chunk_layers * per_token_layer + logits)
+    # The residual record a tick reads: copied out of its buffer by JAX 0.10's XLA, read in
+    # place by 0.12's (measured); half of one, between the two. And the head's backward.
+    return total + tokens * (chunk_layers * per_token_layer / 2 + logits)
 
 
 def estimate(plan: PlanInput) -> dict:
