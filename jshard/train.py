@@ -1,18 +1,22 @@
-"""`jshard train`: a sharded GPT training run on the text shipped with jshard.
+"""`jshard train`: a sharded GPT training run, on the text shipped with jshard or your own.
 
     jshard train                                   # small GPT, 8 fake CPU devices (or the local GPUs)
     jshard train --strategy zero3+tp --mesh fsdp=4,tensor=2 --precision bf16 --remat selective
+    jshard train --data notes.txt --tokenizer bpe --eval-every 50 --plot curves.png
     jshard train --checkpoint-dir runs/a --checkpoint-every 50 ... ; jshard train ... --resume
 
 One run: check every input (no device work until all are valid) -> print the set-up ->
 place the model and the AdamW state by the strategy's rules (`jshard.init`, `build_step`)
 -> restore a checkpoint onto them when resuming -> train: each step one global batch,
 split into `grad_accum` micro-steps (`optax.MultiSteps`), each of them split over the
-batch axes (and into pipeline micro-batches) -> save checkpoints -> print a summary.
+batch axes (and into pipeline micro-batches); every `eval_every` steps the loss on held-out
+rows, forward only (`step.loss`) -> save checkpoints (and the tokenizer beside them) ->
+print a summary, and draw the curves (`plot.py`).
 
-The parts live beside this module: `data.py` (corpus, order, per-process rows),
-`optim.py` (AdamW, schedule, sharded clipping), `checkpoint.py` (orbax), `metrics.py`
-(FLOPs, peak, MFU, metrics file); the step is `jshard.parallel.build_step`'s.
+The parts live beside this module: `data.py` (files, memory maps, split, order,
+per-process rows), `tokenizer.py` (bytes or BPE), `optim.py` (AdamW, schedule, sharded
+clipping), `checkpoint.py` (orbax), `metrics.py` (FLOPs, peak, MFU, metrics file); the
+step is `jshard.parallel.build_step`'s.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from tqdm import tqdm
 
 import jshard
 from jshard import data, flags, optim
-from jshard.checkpoint import Checkpoints
+from jshard import tokenizer as tokenizers
+from jshard.checkpoint import CheckpointError, Checkpoints
 from jshard.distributed import axes_across_processes, initialize, is_main_process
 from jshard.mesh import mesh_shape, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags
 from jshard.metrics import PROFILE_STEPS, MetricsFile, device_peak, flops_per_token
@@ -59,6 +64,12 @@ class TrainConfig:
     """Everything a run depends on; `jshard train`'s flags and its --config JSON mirror it."""
 
     model: str = "small"
+    data: str | None = None  # None: the shipped corpus; a text file, a folder of *.txt, or a .bin / .npy of ids
+    tokenizer: str | None = None  # of text: bytes, or bpe (trained on the data); None: the checkpoint's, or bytes
+    eval_every: int | None = None  # None: no evaluation
+    eval_batches: int | None = None  # held-out batches (of batch_size // grad_accum rows) per evaluation; None: all, up to 8
+    eval_split: float = 0.1  # the fraction of the tokens held out, never trained on
+    plot: str | None = None  # a PNG of the curves, drawn at the end
     layers: int | None = None  # None: the named model's; these override its sizes
     embed: int | None = None
     heads: int | None = None
@@ -97,6 +108,7 @@ class TrainResult:
     losses: list[float]  # one per step run here
     first_step: int  # the step the run started from (0, or the checkpoint's)
     summary: str
+    eval_losses: dict[int, float] = dataclasses.field(default_factory=dict)  # step -> held-out loss
 
 
 # -- command line ------------------------------------------------------------------------
@@ -115,6 +127,11 @@ def add_parser(commands) -> None:
         parser.add_argument(flag, default=None, help=f"{help} (default: {shown})" if shown is not None else help, **kw)
 
     add("--config", "JSON file of TrainConfig fields; flags given override it", metavar="FILE")
+    add("--data", "a text file, a folder of *.txt files, or token ids in a .bin (uint16, nanoGPT's) or .npy, read "
+                  "through a memory map (default: the shipped corpus)", metavar="PATH")
+    add("--tokenizer", f"of text: {' or '.join(tokenizers.KINDS)} (a byte-level BPE trained on the data, of --vocab "
+                       f"tokens, default {tokenizers.BPE_VOCAB}; saved beside the checkpoints)",
+        choices=tokenizers.KINDS)
     flags.add_model(parser, None, defaults.model, seq_len_help="tokens per row (default: 64, or the model's longest "
                                                                "if shorter)")
     flags.add_strategy(parser, None, defaults.strategy)
@@ -131,7 +148,13 @@ def add_parser(commands) -> None:
     add("--checkpoint-every", "save every N steps (default: at the end only)", type=int, metavar="N")
     parser.add_argument("--resume", action="store_true", default=None,
                         help="continue from the latest checkpoint in --checkpoint-dir")
+    add("--eval-every", "the held-out loss every N steps and at the end (default: no evaluation)", type=int,
+        metavar="N")
+    add("--eval-batches", f"held-out batches per evaluation (default: all the split holds, up to {EVAL_BATCHES})",
+        type=int, metavar="K")
+    add("--eval-split", "fraction of the data held out for evaluation, never trained on", type=float)
     add("--metrics", "write one JSON object per step to FILE", metavar="FILE")
+    add("--plot", "draw loss, eval loss, tokens/s and MFU over steps to FILE.png at the end", metavar="FILE.png")
     add("--profile", f"write a jax.profiler trace of {PROFILE_STEPS} steps to DIR", metavar="DIR")
     add("--seed", "model init and data order (default: 0, or the checkpoint's on --resume)", type=int)
     flags.add_fake_devices(parser, None, defaults.fake_devices)
@@ -167,9 +190,11 @@ def run(args) -> int:
 
 
 REQUIRED_INTS = ("steps", "batch_size", "grad_accum", "fake_devices")
-OPTIONAL_INTS = ("seq_len", "microbatches", "virtual", "checkpoint_every", "log_every") + flags.MODEL_FIELDS
+OPTIONAL_INTS = ("seq_len", "microbatches", "virtual", "checkpoint_every", "log_every", "eval_every",
+                 "eval_batches") + flags.MODEL_FIELDS
+EVAL_BATCHES = 8  # at most, where --eval-batches is not given
 CHOICES = {"model": SIZES, "precision": PRECISIONS, "remat": REMAT_POLICIES}
-OPTIONAL_CHOICES = {"grad_reduce": REDUCE_DTYPES, "stage_remat": STAGE_REMAT}
+OPTIONAL_CHOICES = {"grad_reduce": REDUCE_DTYPES, "stage_remat": STAGE_REMAT, "tokenizer": tokenizers.KINDS}
 
 
 def _check_values(config: TrainConfig) -> None:
@@ -196,6 +221,14 @@ def _check_values(config: TrainConfig) -> None:
             raise TrainError(f"unknown {flag(name)} {getattr(config, name)!r}; choose one of {', '.join(known)}")
     if config.checkpoint_dir is None and (config.resume or config.checkpoint_every):
         raise TrainError("--resume and --checkpoint-every need --checkpoint-dir DIR")
+    if isinstance(config.eval_split, bool) or not (isinstance(config.eval_split, (int, float))
+                                                   and 0 <= config.eval_split < 1):
+        raise TrainError(f"--eval-split must be a fraction in [0, 1), got {config.eval_split!r}")
+    if config.plot is not None:
+        where = os.path.dirname(os.path.abspath(config.plot))
+        if not config.plot.endswith(".png") or not os.path.isdir(where):
+            raise TrainError(f"--plot {config.plot}: needs a .png file in an existing folder ({where}). "
+                             "Fix: e.g. --plot curves.png, or create the folder first.")
 
 
 @dataclasses.dataclass
@@ -215,6 +248,8 @@ class Setup:
     checkpoints: Checkpoints | None
     record: dict | None  # the checkpoint resumed from
     seed: int
+    data: data.Data
+    split: data.Split  # the training stream and the held-out windows
 
 
 def _model_identity(model: DecoderConfig) -> dict:
@@ -231,6 +266,8 @@ def set_up(config: TrainConfig) -> Setup:
     rules = jshard.preset(config.strategy)
     mesh = jshard.make_mesh(**flags.mesh_sizes(config.mesh, rules, jax.device_count()))
     overrides = {f: getattr(config, f) for f in flags.MODEL_FIELDS + ("attention",) if getattr(config, f) is not None}
+    if _tokenizer_kind(config) == "bpe":  # the model's vocab is the BPE's size: the one it was trained with
+        overrides.setdefault("vocab", _resumed_vocab(config) or tokenizers.BPE_VOCAB)
     policy = precision(config.precision, config.grad_reduce)
     model = flags.model_config(config.model, overrides, dtype=policy.compute, remat=config.remat)
     try:
@@ -265,7 +302,10 @@ def set_up(config: TrainConfig) -> Setup:
     if config.checkpoint_dir:
         checkpoints = Checkpoints(config.checkpoint_dir)
         try:
-            record = checkpoints.check({"model": _model_identity(model)}, bool(config.resume))
+            # The tokenizer's kind too: ids of another tokenizer would mean nothing to this model.
+            kind = "ids" if config.data and config.data.endswith(data.TOKEN_FILES) else _tokenizer_kind(config)
+            record = checkpoints.check({"model": _model_identity(model), "tokenizer": {"kind": kind}},
+                                       bool(config.resume))
             if record and record["step"] >= config.steps:
                 raise TrainError(
                     f"--resume: the checkpoint in {checkpoints.directory} is at step {record['step']}, and --steps "
@@ -275,8 +315,90 @@ def set_up(config: TrainConfig) -> Setup:
             checkpoints.close()
             raise
     seed = config.seed if config.seed is not None else (record["seed"] if record else 0)
+    try:
+        tokens = _data(config, model, record)
+        split = _split(config, tokens, seq_len, seed, record, config.batch_size // config.grad_accum)
+    except Exception:
+        if checkpoints:
+            checkpoints.close()
+        raise
     return Setup(config, model, seq_len, mesh, rules, microbatches, policy, step_kwargs, batch_shards, batch_axes,
-                checkpoints, record, seed)
+                 checkpoints, record, seed, tokens, split)
+
+
+def _tokenizer_kind(config: TrainConfig) -> str:
+    """--tokenizer, or where not given: a resumed run's (a BPE beside its checkpoints), else bytes."""
+    if config.tokenizer:
+        return config.tokenizer
+    saved = config.resume and os.path.exists(os.path.join(config.checkpoint_dir, tokenizers.FILE))
+    return "bpe" if saved else "bytes"
+
+
+def _resumed_vocab(config: TrainConfig) -> int | None:
+    """The vocab of the checkpoint a run resumes (None: none to resume, or unreadable; the
+    checkpoint checks below say why)."""
+    if not config.resume:
+        return None
+    with Checkpoints(config.checkpoint_dir) as checkpoints:
+        step = checkpoints.latest_step()
+        try:
+            return step and checkpoints.record(step)["model"]["vocab"]
+        except (CheckpointError, KeyError, TypeError):
+            return None
+
+
+def _data(config: TrainConfig, model: DecoderConfig, record: dict | None) -> data.Data:
+    """The run's tokens: a resumed run's with the tokenizer saved beside its checkpoints,
+    which must be the one the checkpoint was trained with; every id inside the model's vocab."""
+    kind = _tokenizer_kind(config)
+    saved = tokenizers.load(config.checkpoint_dir) if record and kind == "bpe" else None
+    try:
+        tokens = data.load(config.data, kind, model.vocab, saved)
+    except (data.DataError, tokenizers.TokenizerError) as e:
+        raise TrainError(str(e)) from None
+    trained = record and record.get("tokenizer", tokenizers.ByteTokenizer().identity())
+    if trained and tokens.tokenizer_identity != trained:
+        raise TrainError(
+            f"--resume: the checkpoint in {config.checkpoint_dir} was trained with tokenizer {trained}, this run "
+            f"would use {tokens.tokenizer_identity}. Fix: resume with --tokenizer {trained['kind']} and the "
+            f"{tokenizers.FILE} the run saved beside its checkpoints, or start afresh in another --checkpoint-dir."
+        )
+    if tokens.max_id >= model.vocab:
+        raise TrainError(
+            f"--data {config.data or data.CORPUS}: token id {tokens.max_id} is outside the model's vocab of "
+            f"{model.vocab} (ids 0..{model.vocab - 1}). Fix: --vocab {tokens.max_id + 1} or more (a multiple of 64 "
+            "splits best), or a model whose vocab covers the data."
+        )
+    if record and record.get("data", tokens.identity) != tokens.identity:
+        raise TrainError(
+            f"--resume: the checkpoint was trained on {record['data']}, this run reads {tokens.identity}; its data "
+            "position would point at other rows. Fix: resume with the same --data, or start afresh in another "
+            "--checkpoint-dir."
+        )
+    return tokens
+
+
+def _split(config: TrainConfig, tokens: data.Data, seq_len: int, seed: int, record: dict | None,
+           rows: int) -> data.Split:
+    """Held-out and training tokens; an evaluation needs --eval-batches × `rows` held-out windows."""
+    fraction = record.get("eval_split", config.eval_split) if record else config.eval_split
+    if record and fraction != config.eval_split:
+        raise TrainError(f"--resume: the checkpoint held out --eval-split {fraction}, this run {config.eval_split}; "
+                         f"the training rows would differ. Fix: --eval-split {fraction}.")
+    try:
+        split = data.split(tokens.tokens, seq_len, seed, fraction)
+    except data.DataError as e:
+        raise TrainError(f"--seq-len {seq_len}: {e}") from None
+    batches = config.eval_batches or max(1, min(EVAL_BATCHES, split.eval_windows // rows))
+    if config.eval_every and split.eval_windows < batches * rows:
+        raise TrainError(
+            f"--eval-every: the held-out split ({config.eval_split:g} of {len(tokens.tokens):,} tokens = "
+            f"{len(split.eval):,}) holds {split.eval_windows} rows of {seq_len + 1} tokens; {batches} batch"
+            f"{'es' if batches > 1 else ''} of {rows} rows need{'' if batches > 1 else 's'} {batches * rows}. Fix: "
+            + ("fewer --eval-batches, " if batches > 1 else "") + "a larger --eval-split, a shorter --seq-len, "
+            "a smaller --batch-size, or more data."
+        )
+    return dataclasses.replace(split, batches=batches)
 
 
 # -- the run -----------------------------------------------------------------------------
@@ -321,7 +443,7 @@ def _setup_lines(p: Setup, abstract_model, abstract_opt) -> list[str]:
     lines = [
         f"model       {m.family} {c.model}: {m.layers} layers, embed {m.embed}, {m.heads} heads"
         f"{f' ({m.kv_heads} kv)' if hasattr(m, 'kv_heads') else ''}, mlp {m.mlp}, "
-        f"{_fmt_count(count)} params, bytes as tokens (vocab {m.vocab})",
+        f"{_fmt_count(count)} params, vocab {m.vocab}",
         f"devices     {jax.device_count()} × {jax.devices()[0].device_kind}, mesh {mesh}" + _processes(p.mesh),
         f"strategy    {p.rules.name} (ZeRO stage {p.rules.zero}){pipeline}",
         f"per device  {_fmt_count(per_device)} params ({format_bytes(per_device * held)} in {p.precision.param.name} "
@@ -331,8 +453,11 @@ def _setup_lines(p: Setup, abstract_model, abstract_opt) -> list[str]:
         f"over {'+'.join(p.batch_axes) or 'no axis'}" + (f", {c.grad_accum} micro-steps" if c.grad_accum > 1 else ""),
         f"training    {c.steps} steps, AdamW lr {c.lr:g} (warm-up {_warmup(c)}, cosine to {c.lr / 10:g}), "
         f"clip 1.0, precision {p.precision.describe()}, remat {c.remat}",
-        f"data        {len(data.corpus_tokens()) / 1e3:.1f} k tokens of public-domain text ({data.CORPUS}), "
-        f"seed {p.seed}",
+        f"data        {p.data.source}; seed {p.seed}",
+        f"split       {len(p.split.train.tokens):,} tokens to train on ({p.split.train.windows:,} rows of {p.seq_len + 1}), "
+        f"{len(p.split.eval):,} held out ({c.eval_split:g})" + (
+            f", evaluated every {c.eval_every} steps on {p.split.batches} × {c.batch_size // c.grad_accum} rows"
+            if c.eval_every else ", not evaluated (--eval-every N)"),
     ]
     lines += [f"! {row.path}: {flag}" for row in params.flagged for flag in row.flags]
     return lines
@@ -372,7 +497,7 @@ def _start(p: Setup, tx, say) -> tuple[ShardedStep, TrainState, int, int]:
         return decoder(p.model, nnx.Rngs(p.seed))
 
     abstract = nnx.eval_shape(make_model)
-    say(f"jshard train: {p.config.model} GPT on {data.CORPUS}")
+    say(f"jshard train: {p.model.family} {p.config.model} on {p.config.data or data.CORPUS}")
     for line in _setup_lines(p, abstract, jax.eval_shape(tx.init, nnx.state(abstract))):
         say("  " + line)
     step = build_step(jshard.init(make_model, p.mesh, p.rules), tx, gpt_loss, p.mesh, p.rules,
@@ -394,14 +519,16 @@ def _train(p: Setup, out) -> TrainResult:
     say = functools.partial(print, file=out, flush=True)
     tx = optim.adamw(c.lr, c.steps, _warmup(c), grad_accum=c.grad_accum)
     step, state, start, position = _start(p, tx, say)
-    stream = data.TextBatches(data.corpus_tokens(), p.seq_len, p.seed)
+    stream = p.split.train
+    if p.checkpoints and p.data.tokenizer and is_main_process():
+        p.data.tokenizer.save(p.checkpoints.directory)  # beside the checkpoints: resume and generate read it
     batch_sharding = jax.sharding.NamedSharding(p.mesh, jax.P(p.batch_axes))
     micro_rows, tokens = c.batch_size // c.grad_accum, c.batch_size * p.seq_len
     flops_per_step = flops_per_token(p.model, p.seq_len) * tokens
     peak = device_peak(jax.devices(), p.model.dtype, c.peak_tflops)
     log_every = c.log_every or max(1, c.steps // 10)
     traced = _traced(c, start)
-    losses, times, saved_at = [], [], None
+    losses, times, saved_at, evaluated, records = [], [], None, {}, []
     begin = time.perf_counter()
     bar = tqdm(range(start, c.steps), initial=start, total=c.steps, desc="train", unit="step",
                dynamic_ncols=True, mininterval=0.5,  # None: no bar where stderr is no terminal
@@ -425,18 +552,36 @@ def _train(p: Setup, out) -> TrainResult:
             losses.append(loss)
             times.append(seconds)
             mfu = flops_per_step / seconds / peak.flops if peak else None
-            metrics.write(step=done, loss=loss, step_s=seconds, tokens_per_s=tokens / seconds, mfu=mfu)
+            record = dict(step=done, loss=loss, step_s=seconds, tokens_per_s=tokens / seconds, mfu=mfu)
             shown = f"loss {loss:.4f}  {seconds * 1e3:8.1f} ms  {tokens / seconds / 1e3:7.1f}k tok/s" + (
                 f"  MFU {mfu:6.2%}" if peak else "")
+            if c.eval_every and (done % c.eval_every == 0 or done == c.steps):
+                evaluated[done] = _evaluate(step, state, p.split, micro_rows, batch_sharding)
+                record.update(eval_loss=evaluated[done], eval_perplexity=math.exp(evaluated[done]))
+                shown += f"  eval {evaluated[done]:.4f}"
+            metrics.write(**record)
+            records.append(record)
             bar.set_postfix_str(shown, refresh=False)
-            if done % log_every == 0 or done == c.steps or index == start:
+            if done % log_every == 0 or done == c.steps or index == start or done in evaluated:
                 bar.write(f"step {done:5d}  {shown}" + ("  (compiling)" if index == start else ""), file=out)
             if p.checkpoints and (done == c.steps or (c.checkpoint_every and done % c.checkpoint_every == 0)):
                 p.checkpoints.save(done, _portable(step, step.to_model_order(state)), _record(p, done, position, loss))
                 saved_at = done
-    summary = _summary(p, losses, times, start, time.perf_counter() - begin, peak, flops_per_step, saved_at)
+    summary = _summary(p, losses, times, start, time.perf_counter() - begin, peak, flops_per_step, saved_at, evaluated)
     say(summary)
-    return TrainResult(losses, start, summary)
+    if c.plot and is_main_process():
+        from jshard import plot  # (matplotlib: imported only when drawing)
+
+        history = plot.read_metrics(c.metrics) if c.metrics else records  # a resumed run's file has it all
+        plot.metrics_png(history, c.plot, title=f"jshard train --model {c.model} --strategy {p.rules.name} "
+                                               f"--mesh {_mesh_str(p.mesh)}")
+        say(f"  plot        {c.plot}")
+    return TrainResult(losses, start, summary, evaluated)
+
+
+def _evaluate(step: ShardedStep, state: TrainState, split: data.Split, rows: int, sharding) -> float:
+    """The mean loss over the split's held-out batches: forward only, in the step's layouts."""
+    return float(np.mean([float(step.loss(state, split.eval_batch(k, rows, sharding))) for k in range(split.batches)]))
 
 
 def _profile_dir(directory: str) -> str:
@@ -452,16 +597,17 @@ def _traced(config: TrainConfig, start: int) -> range:
 
 def _record(p: Setup, step: int, position: int, loss: float) -> dict:
     """The JSON saved with a checkpoint: what resuming needs, and what it was saved under."""
-    return dict(step=step, data_position=position, model=_model_identity(p.model), seed=p.seed, loss=loss,
-                strategy=p.rules.name, mesh=_mesh_str(p.mesh), batch_size=p.config.batch_size, seq_len=p.seq_len,
-                precision=p.config.precision)
+    return dict(step=step, data_position=position, model=_model_identity(p.model), family=p.model.family,
+                seed=p.seed, loss=loss, strategy=p.rules.name, mesh=_mesh_str(p.mesh), batch_size=p.config.batch_size,
+                seq_len=p.seq_len, precision=p.config.precision, data=p.data.identity, eval_split=p.config.eval_split,
+                tokenizer=p.data.tokenizer_identity)
 
 
 def _mesh_str(mesh) -> str:
     return ",".join(f"{k}={v}" for k, v in mesh_shape(mesh).items() if v > 1) or "one device"
 
 
-def _summary(p: Setup, losses, times, start, wall, peak, flops_per_step, saved_at) -> str:
+def _summary(p: Setup, losses, times, start, wall, peak, flops_per_step, saved_at, evaluated) -> str:
     c = p.config
     steady = times[1:] or times  # the first step compiles
     step_s = statistics.median(steady)
@@ -474,10 +620,15 @@ def _summary(p: Setup, losses, times, start, wall, peak, flops_per_step, saved_a
         f"({c.batch_size} × {p.seq_len} per step)",
         f"  loss        {losses[0]:.4f} at step {start + 1} -> {losses[-1]:.4f} at step {start + len(losses)} "
         f"(mean of the last {len(last)}: {statistics.fmean(last):.4f}; "
-        f"uniform over bytes: {math.log(p.model.vocab):.4f})",
+        f"uniform over the vocab: {math.log(p.model.vocab):.4f})",
         f"  time        {wall:.1f} s in all, first step (compiling) {times[0]:.2f} s, then {step_s * 1e3:.1f} ms "
         f"per step (median), {tokens / step_s / 1e3:.1f} k tokens/s",
     ]
+    if evaluated:
+        first, last_step = min(evaluated), max(evaluated)
+        lines.append(f"  eval        loss {evaluated[last_step]:.4f}, perplexity {math.exp(evaluated[last_step]):.2f} at "
+                     f"step {last_step} on {p.split.batches} × {c.batch_size // c.grad_accum} held-out rows"
+                     + (f" (step {first}: {evaluated[first]:.4f})" if first != last_step else ""))
     if peak:
         lines.append(f"  MFU         {flops_per_step / step_s / peak.flops:.2%}: {flops_per_step / step_s / 1e9:.2f} "
                      f"GFLOP/s of model FLOPs (6·N + attention) over a peak of {peak.flops / 1e9:.1f} GFLOP/s")

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 
-from jshard import distributed
+from jshard import data, distributed
 from jshard.cli import main
 from jshard.distributed import DistributedError, initialize, launch
 from jshard.train import TrainConfig, train
@@ -189,18 +189,27 @@ def test_a_command_that_cannot_start_is_exit_127():
 
 
 def test_two_processes_train_as_one_and_checkpoints_cross_process_counts(tmp_path):
-    """2 processes × 4 fake devices under dp+fsdp+tp = 1 process × 8; checkpoints both ways."""
+    """2 processes × 4 fake devices under dp+fsdp+tp = 1 process × 8; checkpoints both ways.
+    The data is a memory-mapped token file, which each process reads only its rows of, and
+    each evaluates its rows of the held-out split."""
+    tokens = tmp_path / "tokens.bin"
+    data.corpus_tokens().astype(np.uint16).tofile(tokens)
     # One process, 8 devices (this test process): steps 1-4, checkpoints at 2 and 4.
-    one = train(TrainConfig(**TINY, steps=4, checkpoint_dir=str(tmp_path / "one"), checkpoint_every=2),
-                out=io.StringIO()).losses
+    alone = train(TrainConfig(**TINY, data=str(tokens), eval_every=2, steps=4, checkpoint_dir=str(tmp_path / "one"),
+                              checkpoint_every=2), out=io.StringIO())
+    one = alone.losses
 
     # Two processes: the same run.
     run = run_launch(["-n", "2", "--devices-per-process", "4", "--", "jshard", "train", *TINY_FLAGS,
+                      "--data", str(tokens), "--eval-every", "2",
                       "--steps", "4", "--checkpoint-dir", str(tmp_path / "two"), "--checkpoint-every", "2",
                       "--metrics", str(tmp_path / "two.jsonl"), "--log-every", "1"])
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     two = losses(tmp_path / "two.jsonl")
     np.testing.assert_allclose(two, one, rtol=1e-6)
+    evaluated = [json.loads(line) for line in (tmp_path / "two.jsonl").read_text().splitlines()]
+    np.testing.assert_allclose([r["eval_loss"] for r in evaluated if "eval_loss" in r],
+                               [alone.eval_losses[2], alone.eval_losses[4]], rtol=1e-6)
     lines = run.stdout.splitlines()
     assert ("[0]   devices     8 × cpu, mesh data=2 stage=1 fsdp=2 tensor=2, 2 processes × 4 devices, "
             "across processes: data") in lines
@@ -214,8 +223,8 @@ def test_two_processes_train_as_one_and_checkpoints_cross_process_counts(tmp_pat
     # Written by 2 processes, resumed in 1: steps 3-4 as in the uninterrupted run.
     shutil.copytree(tmp_path / "two", tmp_path / "two_at_2")
     shutil.rmtree(tmp_path / "two_at_2" / "4")
-    resumed = train(TrainConfig(**TINY, steps=4, checkpoint_dir=str(tmp_path / "two_at_2"), resume=True),
-                    out=io.StringIO())
+    resumed = train(TrainConfig(**TINY, data=str(tokens), steps=4, checkpoint_dir=str(tmp_path / "two_at_2"),
+                                resume=True), out=io.StringIO())
     assert resumed.first_step == 2
     np.testing.assert_allclose(resumed.losses, one[2:], rtol=1e-6)
 
@@ -223,7 +232,7 @@ def test_two_processes_train_as_one_and_checkpoints_cross_process_counts(tmp_pat
     shutil.copytree(tmp_path / "one", tmp_path / "one_at_2")
     shutil.rmtree(tmp_path / "one_at_2" / "4")
     run = run_launch(["-n", "2", "--devices-per-process", "4", "--", "jshard", "train", *TINY_FLAGS,
-                      "--steps", "4", "--checkpoint-dir", str(tmp_path / "one_at_2"), "--resume",
+                      "--data", str(tokens), "--steps", "4", "--checkpoint-dir", str(tmp_path / "one_at_2"), "--resume",
                       "--metrics", str(tmp_path / "one_at_2.jsonl")])
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "[0]   resumed     step 2 from" in run.stdout

@@ -4,7 +4,6 @@ Pure Python: the tables need no JAX (conftest's fake devices are not used here).
 """
 
 import json
-import sys
 
 import pytest
 
@@ -252,17 +251,7 @@ def test_cli_bad_input_is_reported_not_raised(capsys):
     assert "jshard pipeline: Interleaved1F1B(stages=4, microbatches=6, virtual=2)" in capsys.readouterr().err
 
 
-def test_cli_png_without_matplotlib_says_how_to_get_it_and_writes_nothing(tmp_path, capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
-    json_path = tmp_path / "g.json"
-    argv = ["pipeline", "show", "--schedule", "gpipe", "--png", str(tmp_path / "g.png"), "--json", str(json_path)]
-    assert main(argv) == 2
-    assert "pip install 'jshard[plot]'" in capsys.readouterr().err
-    assert not json_path.exists()
-
-
 def test_cli_png_draws_the_grid(tmp_path):
-    pytest.importorskip("matplotlib")
     path = tmp_path / "zb.png"
     assert main(["pipeline", "show", "--schedule", "zb-h1", "--png", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -30,6 +30,7 @@ from jshard.models import GPT_SIZES
 from jshard.train import TrainConfig, train
 
 STEPS = 5
+EVAL_EVERY = 2  # and at the end: steps 2, 4, 5
 RUN = dict(model="tiny", steps=STEPS, batch_size=16, seq_len=32, lr=3e-3)
 CLI = ["train", "--model", "tiny", "--steps", "2", "--batch-size", "16", "--seq-len", "32"]
 
@@ -40,9 +41,10 @@ def run(**overrides):
 
 @pytest.fixture(scope="module")
 def dp(tmp_path_factory):
-    """The DP run every other strategy is compared with; it also writes metrics and a trace."""
+    """The DP run every other strategy is compared with; it also evaluates, writes metrics and a trace."""
     where = tmp_path_factory.mktemp("dp")
-    result = run(strategy="dp", mesh="data=8", metrics=str(where / "metrics.jsonl"), profile=str(where / "trace"))
+    result = run(strategy="dp", mesh="data=8", eval_every=EVAL_EVERY, metrics=str(where / "metrics.jsonl"),
+                 profile=str(where / "trace"))
     return result, where
 
 
@@ -55,7 +57,12 @@ def test_dp_trains_and_reports_metrics_and_a_trace(dp):
     assert_falls(result.losses)
     rows = [json.loads(line) for line in (where / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    assert all(set(r) == {"step", "loss", "step_s", "tokens_per_s", "mfu"} for r in rows)
+    evaluated = [r["step"] for r in rows if set(r) == {"step", "loss", "step_s", "tokens_per_s", "mfu", "eval_loss",
+                                                        "eval_perplexity"}]
+    assert evaluated == [2, 4, 5] == sorted(result.eval_losses)
+    assert all(set(r) == {"step", "loss", "step_s", "tokens_per_s", "mfu"} for r in rows if r["step"] not in evaluated)
+    assert [r["eval_loss"] for r in rows if r["step"] in evaluated] == [result.eval_losses[s] for s in evaluated]
+    assert result.eval_losses[5] < result.eval_losses[2]  # held-out loss falls too
     assert [r["loss"] for r in rows] == result.losses
     assert all(r["step_s"] > 0 and r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 for r in rows)
     traced = [f for _, _, files in os.walk(where / "trace") for f in files]
@@ -68,10 +75,13 @@ def test_dp_trains_and_reports_metrics_and_a_trace(dp):
 ])
 def test_strategy_trains_as_dp_does(dp, strategy, mesh, schedule, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    losses = run(strategy=strategy, mesh=mesh, schedule=schedule).losses
-    assert_falls(losses)
+    result = run(strategy=strategy, mesh=mesh, schedule=schedule, eval_every=EVAL_EVERY)
+    assert_falls(result.losses)
     assert os.listdir(tmp_path) == []  # no trace, metrics or checkpoints unless asked for
-    np.testing.assert_allclose(losses, dp[0].losses, rtol=1e-4)
+    np.testing.assert_allclose(result.losses, dp[0].losses, rtol=1e-4)
+    # The held-out loss, forward only in this strategy's layouts (a pipeline's F ticks), as DP's.
+    assert list(result.eval_losses) == list(dp[0].eval_losses)
+    np.testing.assert_allclose(list(result.eval_losses.values()), list(dp[0].eval_losses.values()), rtol=1e-4)
 
 
 def test_gradient_accumulation_and_remat_leave_the_losses_as_they_were(dp):

@@ -89,6 +89,7 @@ class CompiledStep:
         replicated = NamedSharding(mesh, jax.P())
         self._step = jax.jit(self._body, donate_argnums=0, out_shardings=(self._shardings, replicated))
         self._grads = jax.jit(self._grads_body, out_shardings=(replicated, self._grad_shardings))
+        self._loss = jax.jit(self._loss_body, out_shardings=replicated)
         self.state = self.init_state(params, others)
 
     # -- state -------------------------------------------------------------------------
@@ -120,6 +121,10 @@ class CompiledStep:
     def value_and_grad(self, state: TrainState, batch) -> tuple[jax.Array, nnx.State]:
         """The loss and its gradient, as the step computes them (gradients in the `opt` layout)."""
         return self._grads(state.params, state.model_state, batch)
+
+    def loss(self, state: TrainState, batch) -> jax.Array:
+        """The mean loss of `batch`, forward only (evaluation); `state` is left as it is."""
+        return self._loss(state.params, state.model_state, batch)
 
     def lower(self, state: TrainState, batch):
         """The lowered step, for `.compile()`, HLO and memory analysis."""
@@ -164,4 +169,11 @@ class CompiledStep:
     def _grads_body(self, params, stored, batch):
         with self._traced():
             return self._loss_and_grads(params, stored, batch)[:2]
+
+    def _loss_body(self, params, stored, batch):
+        with self._traced():
+            batch = jax.tree.map(lambda x: with_sharding_constraint(x, self._batch_sharding), batch)
+            model = nnx.merge(self.graphdef, with_sharding_constraint(params, self._shardings.params),
+                              self.others.loaded(stored))
+            return self.loss_fn(model, batch)
 

@@ -445,9 +445,31 @@ def value_and_grad(schedule: Schedule, loss: StagedLoss, model_of: Callable, dif
     dtype (fp32 over bf16 params), else in the param's. `stage_remat` (`STAGE_REMAT`): keep
     each segment's residuals from F to its backward, or recompute them there.
     """
+    return _execute(schedule, loss, model_of, diff, batch, stage_axis, one_value, accumulate, stage_remat)
+
+
+def forward_loss(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, batch, stage_axis: str,
+                 one_value: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """The mean loss over this device's `batch`, forward only (evaluation): the schedule's F
+    ticks, up to its last, with nothing kept for a backward."""
+    return _execute(schedule, loss, model_of, diff, batch, stage_axis, one_value, grad=False)[0]
+
+
+def _execute(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, batch, stage_axis: str,
+             one_value: Callable, accumulate=None, stage_remat: str = "none", grad: bool = True):
+    """`value_and_grad`; without `grad`, (loss, None) from the F ticks alone."""
     p, v, m = schedule.stages, schedule.virtual, schedule.microbatches
-    program = compile_program(schedule, stage_remat)
-    keep = stage_remat == "none"
+    program = compile_program(schedule, stage_remat if grad else "full")  # (full: no residual slots)
+    keep = grad and stage_remat == "none"
+    if not grad:  # the F ticks up to the last one: no backward action, send or buffer
+        forward = program.kind == 1 + KINDS.index("F")
+        ticks = int(np.nonzero(forward.any(axis=1))[0].max()) + 1
+        never = np.zeros_like(program.sends_backward)
+        program = dataclasses.replace(program, kind=np.where(forward, program.kind, 0), sends_backward=never,
+                                      late_backward=never, crossover_slots=dict.fromkeys(SEGMENTS, 0))
+    rows = program.rows()
+    if not grad:
+        rows = jax.tree.map(lambda a: a[:ticks], rows)
     stage = lax.axis_index(stage_axis)
     micro = jax.tree.map(lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:]), batch)
     # Every param stage-varying: a branch's gradient then needs no psum over the stage axis.
@@ -532,12 +554,14 @@ def value_and_grad(schedule: Schedule, loss: StagedLoss, model_of: Callable, dif
 
     carry = (
         buffers,
-        jax.tree.map(lambda w: jnp.zeros_like(w, jnp.promote_types(w.dtype, accumulate or w.dtype)), diff),
+        jax.tree.map(lambda w: jnp.zeros_like(w, jnp.promote_types(w.dtype, accumulate or w.dtype)), diff)
+        if grad else None,
         _zeros(loss_abstract, stages.loss_axes),
         (buffers["act"][0], buffers["act"][0]),  # this tick's output and input gradient, for a late send
     )
-    (_, grads, loss_sum, _), _ = lax.scan(tick, carry, program.rows())
-    grads = jax.tree.map(lambda g, s: lax.psum(g, stage_axis) if s else g, grads, shared)
+    (_, grads, loss_sum, _), _ = lax.scan(tick, carry, rows)
+    if grad:
+        grads = jax.tree.map(lambda g, s: lax.psum(g, stage_axis) if s else g, grads, shared)
     return lax.psum(loss_sum, stage_axis) / m, grads
 
 

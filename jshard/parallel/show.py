@@ -8,12 +8,12 @@ The tables themselves, and what they mean, are `schedules.py`'s; this module onl
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
+import math
 
 from jshard import flags
 from jshard.parallel import schedules
 from jshard.parallel.schedules import Schedule, make_schedule
+from jshard.plot import check_output_path
 
 
 def summary(schedule: Schedule) -> str:
@@ -59,27 +59,55 @@ def as_json(schedule: Schedule) -> dict:
 
 
 KIND_COLOURS = {"F": "#4c72b0", "BW": "#c44e52", "B": "#dd8452", "W": "#55a868"}
+KIND_NAMES = {"F": "F: forward", "BW": "BW: full backward", "B": "B: input-gradient backward",
+              "W": "W: weight-gradient backward"}
+IDLE_COLOUR = "#eeeeee"  # the axes' background: every cell without an action reads as idle
+DPI = 150
+MAX_WIDTH = 20.0  # inches: a long schedule gets narrower cells, not an endless picture
+LABEL_CELL = 0.3  # inches: narrower cells go unlabelled, the colours still say what runs
 
 
-def draw_png(schedule: Schedule, path: str) -> None:
-    """The grid as coloured boxes, one row per stage (needs matplotlib)."""
+def draw_png(schedule: Schedule, path: str):
+    """The grid as coloured boxes, one row per stage, a legend of the kinds of action; returns the Figure."""
     from matplotlib.figure import Figure  # Figure, not pyplot: no GUI backend is involved
-    from matplotlib.patches import Rectangle
+    from matplotlib.patches import Patch
 
-    figure = Figure(figsize=(max(6.0, 0.42 * schedule.ticks), 0.55 * schedule.stages + 1.6))
+    width = min(max(7.5, 0.42 * schedule.ticks), MAX_WIDTH)  # 7.5 inches: room for the summary's lines
+    figure = Figure(figsize=(width, 0.55 * schedule.stages + 1.9), layout="constrained")
     axes = figure.add_subplot()
-    for tick, row in enumerate(schedule.table()):
-        for stage, action in enumerate(row):
-            if action is not None:
-                axes.add_patch(Rectangle((tick, stage), 1, 1, facecolor=KIND_COLOURS[action.kind], edgecolor="white"))
-                label = action.label(chunked=schedule.virtual > 1)
-                axes.text(tick + 0.5, stage + 0.5, label, ha="center", va="center", fontsize=6, color="white")
+    axes.set_facecolor(IDLE_COLOUR)
+    kinds = draw_cells(axes, schedule, labelled=width / schedule.ticks >= LABEL_CELL)
     axes.set_xlim(0, schedule.ticks)
     axes.set_ylim(schedule.stages, 0)
+    # Labels at the cells' centres, as many as fit side by side (about one per 0.35 inch).
+    every = math.ceil(schedule.ticks / (width / 0.35))
+    axes.set_xticks([t + 0.5 for t in range(0, schedule.ticks, every)], [str(t) for t in range(0, schedule.ticks, every)])
     axes.set_yticks([stage + 0.5 for stage in range(schedule.stages)], [f"stage {s}" for s in range(schedule.stages)])
+    axes.tick_params(length=0)
     axes.set_xlabel("tick")
     axes.set_title(summary(schedule), fontsize=8, loc="left")
-    figure.savefig(path, dpi=150, bbox_inches="tight")
+    handles = [Patch(facecolor=KIND_COLOURS[kind], label=KIND_NAMES[kind]) for kind in KIND_COLOURS if kind in kinds]
+    handles.append(Patch(facecolor=IDLE_COLOUR, edgecolor="0.6", label="idle"))
+    figure.legend(handles=handles, loc="outside lower center", ncols=len(handles), frameon=False, fontsize=8)
+    figure.savefig(path, dpi=DPI, bbox_inches="tight")  # tight: a long summary line widens the picture, not cut
+    return figure
+
+
+def draw_cells(axes, schedule: Schedule, labelled: bool) -> set[str]:
+    """One box per action at (tick, stage), labelled F3, BW0.1, ... where it is wide enough; the kinds drawn."""
+    from matplotlib.patches import Rectangle
+
+    kinds = set()
+    for tick, row in enumerate(schedule.table()):
+        for stage, action in enumerate(row):
+            if action is None:
+                continue
+            kinds.add(action.kind)
+            axes.add_patch(Rectangle((tick, stage), 1, 1, facecolor=KIND_COLOURS[action.kind], edgecolor="white"))
+            if labelled:
+                label = action.label(chunked=schedule.virtual > 1)
+                axes.text(tick + 0.5, stage + 0.5, label, ha="center", va="center", fontsize=6, color="white")
+    return kinds
 
 
 def add_parser(commands) -> None:
@@ -95,14 +123,13 @@ def add_parser(commands) -> None:
     flags.add_pipeline(show, microbatches=8, schedule="required")
     add("--stages", type=int, default=4, help="pipeline stages p (default: 4)")
     flags.add_json(show, "the grid and its numbers")
-    add("--png", metavar="FILE", help="also draw the grid to FILE (needs matplotlib: pip install 'jshard[plot]')")
+    add("--png", metavar="FILE", help="also draw the grid to FILE, a PNG")
     show.set_defaults(run=run_show)
 
 
 def run_show(args) -> int:
-    if args.png and importlib.util.find_spec("matplotlib") is None:  # refuse before doing anything
-        print("jshard pipeline show: --png needs matplotlib, an optional extra: pip install 'jshard[plot]'", file=sys.stderr)
-        return 2
+    if args.png:
+        check_output_path(args.png)  # refuse before writing anything
     schedule = make_schedule(args.schedule, args.stages, args.microbatches, args.virtual)
     schedule.validate()
     print(render(schedule))

@@ -183,6 +183,11 @@ class ShardedStep:
             out_specs=(jax.P(), grad_specs), check_vma=True,
         )
         self._grads = jax.jit(self._grads_sharded)
+        self._loss = jax.jit(jax.shard_map(
+            self._loss_body, mesh=mesh,
+            in_specs=(param_specs, self.others.specs, jax.P(self.batch_axes), self.state_specs.master),
+            out_specs=jax.P(), check_vma=True,
+        ))
         self.whole_reads: dict[str, tuple[str, ...]] = {}  # filled as the step is traced
         self.state = self.init_state(params, others)
 
@@ -272,6 +277,11 @@ class ShardedStep:
         loss, grads = self._grads(state.params, state.model_state, batch, state.master)
         return loss, self._pipeline_order(grads, self.grad_specs, inverse=True)
 
+    def loss(self, state: TrainState, batch) -> jax.Array:
+        """The mean loss of `batch` under `state`'s params, forward only and in the same
+        layouts (a pipeline runs its F ticks): evaluation. Neither donates nor changes `state`."""
+        return self._loss(state.params, state.model_state, batch, state.master)
+
     def lower(self, state: TrainState, batch):
         """The lowered step, for `.compile()`, HLO and memory analysis."""
         return self._step.lower(state, batch)
@@ -327,12 +337,9 @@ class ShardedStep:
     def _reduce_dtype(self):
         return self.precision.reduce if self.precision else None
 
-    def _loss_and_grads(self, params, others, batch, master=None):
-        """Steps 1-3: the mean loss over the global batch, its gradient in the `opt` layout
-        (in the precision's reduction dtype), and the model's other Variables as the forward
-        wrote them."""
-        diff, grad_layouts = self._differentiable(params, master)
-        mine = self.others.for_batch_shard(others, self.batch_axes)
+    def _model_builder(self, params, mine):
+        """diff, mine -> the model this device computes with: `params` as its blocks (ZeRO-2:
+        `diff`'s shards paired with the replicas of `params`) and the other Variables `mine`."""
 
         def model_of(diff, mine=mine):
             if self.rules.zero == 2:
@@ -344,11 +351,21 @@ class ShardedStep:
             sync_batch_norms(model, self.batch_axes)
             return model
 
-        def one_value(loss):
-            # Equal on every device of a non-batch axis, but typed varying (it came from
-            # gathered activations): average to make it one value, and its gradient once.
-            spread = tuple(sorted(vma.varying_axes(loss) - set(self.batch_axes) - {self.stage_axis}))
-            return lax.pmean(loss, spread) if spread else loss
+        return model_of
+
+    def _one_value(self, loss):
+        # Equal on every device of a non-batch axis, but typed varying (it came from
+        # gathered activations): average to make it one value, and its gradient once.
+        spread = tuple(sorted(vma.varying_axes(loss) - set(self.batch_axes) - {self.stage_axis}))
+        return lax.pmean(loss, spread) if spread else loss
+
+    def _loss_and_grads(self, params, others, batch, master=None):
+        """Steps 1-3: the mean loss over the global batch, its gradient in the `opt` layout
+        (in the precision's reduction dtype), and the model's other Variables as the forward
+        wrote them."""
+        diff, grad_layouts = self._differentiable(params, master)
+        mine = self.others.for_batch_shard(others, self.batch_axes)
+        model_of, one_value = self._model_builder(params, mine), self._one_value
 
         if self.schedule:  # the pipeline runs its own backward, micro-batch by micro-batch
             loss, grads = pipeline.value_and_grad(self.schedule, self.loss_fn, model_of, diff, batch, self.stage_axis,
@@ -392,6 +409,18 @@ class ShardedStep:
             gather = functools.partial(nn.relayout_local, invariant=True)
             params = self._per_leaf(gather, held, self.opt_layouts, self.param_layouts)
             return TrainState(params, opt_state, model_state, shards if state.master is not None else None), loss
+
+    def _loss_body(self, params, others, batch, master=None):
+        """Evaluation: step 2's forward alone, on the same blocks; no gradient, no state written."""
+        with use_rules(self.rules), nn.recording_whole_reads(self.whole_reads):
+            diff, _ = self._differentiable(params, master)
+            model_of = self._model_builder(params, self.others.for_batch_shard(others, self.batch_axes))
+            if self.schedule:
+                loss = pipeline.forward_loss(self.schedule, self.loss_fn, model_of, diff, batch, self.stage_axis,
+                                             self._one_value)
+            else:
+                loss = self._one_value(self.loss_fn(model_of(diff), batch))
+            return lax.pmean(loss, self.batch_axes)
 
     def _grads_body(self, params, others, batch, master=None):
         with use_rules(self.rules), nn.recording_whole_reads(self.whole_reads):

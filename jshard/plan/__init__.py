@@ -7,7 +7,8 @@ any device work, from the formulas in ../shared/SPEC.md, and checked against XLA
                   `compiled.memory_analysis()` and the compiled HLO's collective bytes
 
 This module is the command line: the shared flags (`jshard.flags`), a hardware profile and
-its overrides, and `--validate`.
+its overrides, `--validate`, and `--png`: the memory per device as stacked bars, one segment
+per kind, against the device's HBM.
 """
 
 from __future__ import annotations
@@ -16,14 +17,18 @@ import dataclasses
 
 from jshard import flags
 from jshard.mesh import STANDARD_AXES, use_fake_cpu_devices
+from jshard.parallel.schedules import SCHEDULES
+from jshard.placement import format_bytes
 from jshard.plan.estimate import (GiB, HARDWARE, Hardware, PlanInput, estimate, layout_table_of, report, sends,
                                   state_bytes, traffic)
 from jshard.plan.validate import (MEMORY_TOLERANCE, VALIDATION, VALIDATION_MODELS, format_validation, validate_one,
                                   within_tolerance)
+from jshard.plot import check_output_path
 from jshard.rules import ShardingError, preset
 
 __all__ = ["HARDWARE", "MEMORY_TOLERANCE", "VALIDATION", "VALIDATION_MODELS", "Hardware", "PlanInput", "add_parser", "estimate",
-           "format_validation", "layout_table_of", "report", "sends", "state_bytes", "traffic", "validate_one"]
+           "format_validation", "layout_table_of", "memory_png", "memory_rows", "report", "sends", "state_bytes", "traffic",
+           "validate_one"]
 
 HARDWARE_FLAGS = (  # flag, Hardware field, unit
     ("--peak-tflops", "peak_flops", 1e12), ("--hbm-gib", "hbm_bytes", GiB), ("--hbm-bw-gbs", "hbm_bw", 1e9),
@@ -47,6 +52,8 @@ def add_parser(commands) -> None:
         add(flag, dest=field, type=float if field != "gpus_per_node" else int,
             help=f"override the profile's {field}" + (f" (in {flag.rsplit('-', 1)[-1]})" if unit > 1 else ""))
     flags.add_json(parser, "the estimate (or the validation rows)")
+    add("--png", metavar="FILE", help="also draw the memory per device to FILE, a PNG: a bar of its kinds against the HBM "
+        "(a pipeline: one per --stage-remat)")
     add("--validate", action="store_true",
         help="build small steps on --fake-devices CPU devices and compare with XLA (ignores the model flags)")
     flags.add_fake_devices(parser)
@@ -67,6 +74,10 @@ def plan_input(args) -> PlanInput:
 
 
 def run(args) -> int:
+    if args.png:  # refuse before any work
+        if args.validate:
+            raise flags.FlagError("--png draws a plan's memory; --validate has no plan to draw: give one or the other")
+        check_output_path(args.png)
     if args.validate:
         use_fake_cpu_devices(args.fake_devices)
         results = []
@@ -81,4 +92,108 @@ def run(args) -> int:
     est = estimate(plan_input(args))
     print(report(est))
     flags.write_json(args.json, est)
+    if args.png:
+        memory_png(est, args.png)
+        print(f"wrote {args.png}")
     return 0
+
+
+# --- --png: memory per device -------------------------------------------------------------
+
+MEMORY_COLOURS = {  # model state in blues and greens, what the step adds in warm colours
+    "params": "#4c72b0", "grads": "#64b5cd", "master": "#55a868", "optimizer": "#8fbc8f",
+    "gathered": "#8172b3", "chunk_weights": "#937860", "activations": "#dd8452", "batch": "#c44e52",
+}
+UNITS = (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+PNG_DPI = 120
+HBM_SCALE = 10  # the HBM line is drawn when it is at most this many times the largest bar
+
+
+def memory_rows(est: dict) -> list[tuple[str, dict[str, int]]]:
+    """(label, {kind: bytes per device}) per bar: the plan; under a pipeline, one per `--stage-remat`
+    mode of the trade the report prints (they differ only in activations), the plan's marked."""
+    memory = {kind: n for kind, n in est["memory_bytes_per_device"].items() if kind != "total"}
+    trade = est["stage_remat_trade"]
+    if not trade:
+        return [(f"{est['strategy']}, remat {est['model']['remat']}", memory)]
+    return [(f"{_schedule_name(est)}, stage remat {mode}" + ("\n(this plan)" if mode == est["stage_remat"] else ""),
+             memory | {"activations": t["activations"]}) for mode, t in trade.items()]
+
+
+def memory_png(est: dict, path: str):
+    """Memory per device as horizontal stacked bars (`memory_rows`) and the HBM as a dashed line; returns the Figure."""
+    from matplotlib.figure import Figure  # Figure, not pyplot: no GUI backend is involved
+
+    rows = memory_rows(est)
+    hbm, hardware = est["hardware"]["hbm_bytes"], est["hardware"]["name"]
+    totals = [sum(memory.values()) for _, memory in rows]
+    # A plan that uses a sliver of HBM would be an invisible bar next to the line: scale to the bars instead.
+    hbm_on_scale = hbm <= HBM_SCALE * max(totals)
+    largest = max(totals + [hbm] if hbm_on_scale else totals)
+    unit_name, unit = _unit(largest)
+    figure = Figure(figsize=(10, 1.5 + 0.65 * len(rows)), layout="constrained")
+    axes = figure.add_subplot()
+    axes.set_xlim(0, 1.3 * largest / unit)  # room right of the longest bar for its total
+    _draw_bars(axes, rows, unit)
+    if hbm_on_scale:
+        axes.axvline(hbm / unit, color="black", linestyle="--", linewidth=1.2,
+                     label=f"HBM {format_bytes(hbm, 1)}\n({hardware})")
+    _label_totals(axes, rows, unit, hbm)
+    axes.set_xlabel(f"memory per device ({unit_name})")
+    axes.invert_yaxis()  # the first row on top
+    axes.grid(axis="x", alpha=0.3)
+    axes.set_axisbelow(True)
+    off_scale = "" if hbm_on_scale else f"\nHBM {format_bytes(hbm, 1)} ({hardware}) is off the scale"
+    axes.set_title(_memory_title(est) + off_scale, fontsize=9, loc="left")
+    figure.legend(loc="outside right upper", frameon=False, fontsize=8)
+    figure.savefig(path, dpi=PNG_DPI)
+    return figure
+
+
+def _unit(largest: float) -> tuple[str, int]:
+    """The largest binary unit the axis reaches at least one of."""
+    return next((name, n) for name, n in UNITS if largest >= n or n == 1)
+
+
+def _draw_bars(axes, rows, unit: int) -> None:
+    """One `barh` per kind (a legend entry each), stacked left to right in the planner's order, each
+    segment wide enough to hold it labelled with its size."""
+    labels = [label for label, _ in rows]
+    left = [0.0] * len(rows)
+    kinds = [kind for kind in rows[0][1] if any(m[kind] for _, m in rows)]  # kinds a plan does not have stay out
+    for kind in kinds:
+        widths = [m[kind] / unit for _, m in rows]
+        bars = axes.barh(labels, widths, left=left, height=0.6, label=kind.replace("_", " "),
+                         color=MEMORY_COLOURS.get(kind, "#bbbbbb"), edgecolor="white", linewidth=0.8)
+        wide = axes.get_xlim()[1] * 0.05
+        axes.bar_label(bars, labels=[f"{w:.3g}" if w >= wide else "" for w in widths], label_type="center",
+                       fontsize=7, color="white")
+        left = [a + b for a, b in zip(left, widths)]
+
+
+def _label_totals(axes, rows, unit: int, hbm: float) -> None:
+    """Each bar's total at its end, in red where it does not fit."""
+    for y, (_, memory) in enumerate(rows):
+        total = sum(memory.values())
+        fits = total <= hbm
+        axes.text(total / unit, y, f" {format_bytes(total, 1)}" + ("" if fits else "\n does not fit"),
+                  va="center", fontsize=8, color="black" if fits else "#c00000")
+
+
+def _schedule_name(est: dict) -> str:
+    """The `--schedule` name of the plan's schedule (the estimate records its class)."""
+    return {cls.__name__: name for name, cls in SCHEDULES.items()}.get(est["schedule"], est["schedule"])
+
+
+def _memory_title(est: dict) -> str:
+    model, mesh = est["model"], " ".join(f"{a}={n}" for a, n in est["mesh"].items() if n > 1) or "one device"
+    pipeline = f", {_schedule_name(est)} m={est['microbatches']}" if est["schedule"] else ""
+    return (f"{model['kind']} {_count(model['params'])} params, {model['layers']} layers, seq {model['seq_len']}, "
+            f"{model['dtype']}, remat {model['remat']}\n"
+            f"{est['strategy']} on {mesh}{pipeline}, micro-batch {est['micro_batch_size']} rows")
+
+
+def _count(n: int) -> str:
+    """70.6 B, 125 M, 838 k: a parameter count as people say it."""
+    scales = (("B", 1e9), ("M", 1e6), ("k", 1e3), ("", 1))
+    return next(f"{n / scale:.3g} {name}".rstrip() for name, scale in scales if n >= scale or scale == 1)

@@ -1,0 +1,201 @@
+"""The user's own data: text files and folders, memory-mapped token files, the BPE tokenizer,
+the held-out split and its forward-only evaluation, and every bad input about them."""
+
+import dataclasses
+import json
+import shutil
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+
+import jshard
+from jshard import data, tokenizer
+from jshard.cli import main
+from jshard.models import GPT, GPT_SIZES, gpt_loss
+from jshard.parallel import build_step
+from jshard.train import TrainConfig, train
+
+RUN = dict(model="tiny", batch_size=8, seq_len=32, strategy="dp", mesh="data=8")
+CLI = ["train", "--model", "tiny", "--steps", "2", "--batch-size", "8", "--seq-len", "32", "--strategy", "dp",
+       "--mesh", "data=8"]
+IDS = np.random.default_rng(7).integers(0, 256, 20_000)  # token ids, as a tokeniser would have written them
+
+
+@pytest.fixture(scope="module")
+def token_files(tmp_path_factory):
+    where = tmp_path_factory.mktemp("tokens")
+    IDS.astype(np.uint16).tofile(where / "ids.bin")  # nanoGPT's layout
+    np.save(where / "ids.npy", IDS.astype(np.int32))
+    return where
+
+
+@pytest.mark.parametrize("name, dtype", [("ids.bin", np.uint16), ("ids.npy", np.int32)])
+def test_token_files_are_memory_mapped_and_rows_read_from_them(token_files, name, dtype):
+    loaded = data.load(str(token_files / name))
+    assert isinstance(loaded.tokens, np.memmap) and loaded.tokens.dtype == dtype
+    assert loaded.tokenizer is None and loaded.max_id == IDS.max()
+    split = data.split(loaded.tokens, 32, seed=0, eval_fraction=0.1)
+    assert isinstance(split.train.tokens, np.memmap) and isinstance(split.eval, np.memmap)  # views, nothing read
+    assert len(split.eval) == 2000 and len(split.train.tokens) == 18_000
+    rows = split.train.rows([0, 1, 500])
+    for row in rows:  # every row is a window of the file's first 18,000 ids
+        start = [s for s in range(18_000 - 32) if np.array_equal(IDS[s:s + 33], row)]
+        assert start and start[0] + 33 <= 18_000
+    held = split.eval_batch(1, 8, NamedSharding(jshard.make_mesh(data=8), jax.P("data")))
+    np.testing.assert_array_equal(np.asarray(held), IDS[18_000:].astype(np.int32)[8 * 33:16 * 33].reshape(8, 33))
+
+
+def test_text_folder_is_its_txt_files_in_path_order(tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "2.txt").write_text("second ")
+    (tmp_path / "1.txt").write_text("first, é ")
+    (tmp_path / "notes.md").write_text("not read")
+    loaded = data.load(str(tmp_path))
+    assert tokenizer.ByteTokenizer().decode(loaded.tokens) == "first, é second "
+    assert loaded.tokenizer_identity == {"kind": "bytes", "vocab_size": 256}
+
+
+def test_bpe_round_trips_and_is_saved_and_loaded_as_it_was(tmp_path):
+    text = data.corpus_tokens().tobytes().decode()
+    bpe = tokenizer.train_bpe([text], 512)
+    ids = bpe.encode(text)
+    assert bpe.decode(ids) == text and len(ids) < len(text) / 2 and ids.max() < 512
+    bpe.save(str(tmp_path))
+    loaded = tokenizer.load(str(tmp_path))
+    assert loaded.identity() == bpe.identity() and np.array_equal(loaded.encode(text), ids)
+    assert tokenizer.load(str(tmp_path / "none")).kind == "bytes"
+
+
+def test_different_process_counts_build_the_same_global_batch():
+    # What each process of a run builds: the rows its devices hold. Split the 8 devices into
+    # 1, 2 or 4 processes: every row is built exactly once, and each is row k of the stream.
+    stream = data.TextBatches(data.corpus_tokens(), 15, seed=0)
+    sharding = NamedSharding(jshard.make_mesh(data=2, fsdp=2, tensor=2), jax.P(("data", "fsdp")))
+    held = sharding.devices_indices_map((8, 16))
+    for processes in (1, 2, 4):
+        devices = sorted(held, key=lambda d: d.id)
+        built = {}
+        for process in range(processes):
+            mine = devices[process * 8 // processes:(process + 1) * 8 // processes]
+            rows = sorted({r for d in mine for r in range(8)[held[d][0]]})
+            built |= dict(zip(rows, stream.rows([40 + r for r in rows])))
+        assert sorted(built) == list(range(8))
+        np.testing.assert_array_equal(np.stack([built[r] for r in range(8)]), stream.rows(range(40, 48)))
+
+
+# -- evaluation: forward only, the same layouts ---------------------------------------------
+
+
+EVAL_STEPS = [  # every kind of step: explicit collectives, ZeRO stages, TP, each pipeline executor, XLA's
+    ("dp", dict(data=8), {}), ("zero2", dict(fsdp=8), {}), ("zero3+tp", dict(fsdp=4, tensor=2), {}),
+    ("pp+fsdp", dict(stage=2, fsdp=4), dict(microbatches=2)),
+    ("pp+dp", dict(stage=2, data=4), dict(microbatches=2, schedule="zb-h1")),
+    ("pp+dp", dict(stage=2, data=4), dict(microbatches=2, schedule="interleaved", virtual=2)),
+    ("dp+tp", dict(data=4, tensor=2), dict(collectives="compiler")),
+]
+
+
+@pytest.mark.parametrize("preset, sizes, kwargs", EVAL_STEPS, ids=lambda v: str(v) if isinstance(v, str) else None)
+def test_eval_loss_is_the_one_device_loss_and_leaves_the_state(preset, sizes, kwargs):
+    config = dataclasses.replace(GPT_SIZES["tiny"], layers=4)
+    tokens = np.random.default_rng(3).integers(0, 256, (16, 33)).astype(np.int32)  # fresh inputs
+    reference = float(gpt_loss(GPT(config, rngs=nnx.Rngs(5)), tokens))  # one device, plain Flax
+    mesh, rules = jshard.make_mesh(**sizes), jshard.preset(preset)
+    step = build_step(jshard.init(lambda: GPT(config, rngs=nnx.Rngs(5)), mesh, rules), optax.adam(1e-2), gpt_loss,
+                      mesh, rules, **kwargs)
+    batch = step.shard_batch(tokens)
+    before = jax.tree.map(np.asarray, step.state.params)
+    loss = float(step.loss(step.state, batch))
+    assert loss == pytest.approx(reference, rel=1e-6)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, step.state.params), before)
+    _, trained = step(step.state, batch)  # the state was neither donated nor changed
+    assert float(trained) == pytest.approx(reference, rel=1e-6)
+
+
+def test_eval_runs_no_backward():
+    mesh, rules = jshard.make_mesh(data=8), jshard.preset("dp")
+    step = build_step(jshard.init(lambda: GPT(GPT_SIZES["tiny"], rngs=nnx.Rngs(0)), mesh, rules), optax.sgd(0.1),
+                      gpt_loss, mesh, rules)
+    batch = step.shard_batch(np.zeros((8, 33), np.int32))
+    forward = step._loss.lower(step.state.params, step.state.model_state, batch, None).compile().cost_analysis()
+    training = step.lower(step.state, batch).compile().cost_analysis()
+    forward, training = (c[0] if isinstance(c, list) else c for c in (forward, training))
+    assert forward["flops"] < training["flops"] / 2.5  # backward is twice the forward
+
+
+# -- runs on the user's data ------------------------------------------------------------------
+
+
+def metrics(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_bpe_run_on_a_text_file_resumes_at_the_exact_row(tmp_path):
+    text = tmp_path / "book.txt"
+    text.write_text(data.corpus_tokens().tobytes().decode() * 2)
+    config = dict(RUN, data=str(text), tokenizer="bpe", vocab=512, eval_every=2, steps=4)
+    whole = train(TrainConfig(**config, checkpoint_dir=str(tmp_path / "a"), checkpoint_every=2,
+                              metrics=str(tmp_path / "a.jsonl")))
+    assert sorted(whole.eval_losses) == [2, 4]
+    assert (tmp_path / "a" / tokenizer.FILE).exists()
+    rows = metrics(tmp_path / "a.jsonl")
+    assert [r.get("eval_loss") for r in rows] == [None, whole.eval_losses[2], None, whole.eval_losses[4]]
+    assert rows[1]["eval_perplexity"] == pytest.approx(np.exp(whole.eval_losses[2]))
+    # Cut after step 2; resume without --tokenizer: the saved BPE, the saved data position.
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "4")
+    resumed = train(TrainConfig(**{**config, "tokenizer": None}, checkpoint_dir=str(tmp_path / "b"), resume=True))
+    assert resumed.first_step == 2
+    assert resumed.losses == whole.losses[2:] and resumed.eval_losses == {4: whole.eval_losses[4]}  # bit for bit
+
+
+def refused(capsys, argv, message):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err, captured.err
+    assert "step " not in captured.out  # nothing trained
+    return captured.err
+
+
+@pytest.mark.parametrize("make, flags, message", [
+    (None, ["--data", "{tmp}/missing.txt"], "missing.txt: no such file or folder"),
+    (lambda tmp: (tmp / "empty.txt").write_text(""), ["--data", "{tmp}/empty.txt"], "empty, no text to train on"),
+    (lambda tmp: (tmp / "empty.bin").write_bytes(b""), ["--data", "{tmp}/empty.bin"], "no tokens in it"),
+    (lambda tmp: (tmp / "odd.bin").write_bytes(b"abc"), ["--data", "{tmp}/odd.bin"], "not a whole number of uint16"),
+    (lambda tmp: np.save(tmp / "m.npy", np.ones((4, 4))), ["--data", "{tmp}/m.npy"], "token ids are a flat integer"),
+    (lambda tmp: np.save(tmp / "neg.npy", np.array([3, -1, 2])), ["--data", "{tmp}/neg.npy"], "negative token id"),
+    (lambda tmp: np.save(tmp / "big.npy", np.array([3, 300, 2])), ["--data", "{tmp}/big.npy"],
+     "token id 300 is outside the model's vocab of 256 (ids 0..255). Fix: --vocab 301"),
+    (None, ["--vocab", "64"], "token id 122 is outside the model's vocab of 64"),
+    (lambda tmp: (tmp / "x.txt").write_text("short"), ["--data", "{tmp}/x.txt"],
+     "--seq-len 32: 5 training tokens hold no window of seq_len + 1 = 33 tokens"),
+    (None, ["--eval-every", "1", "--eval-split", "0"], "the held-out split (0 of 35,189 tokens = 0) holds 0 rows"),
+    (None, ["--eval-every", "1", "--eval-batches", "40"], "40 batches of 8 rows need 320. Fix: fewer --eval-batches"),
+    (None, ["--eval-split", "1"], "--eval-split must be a fraction in [0, 1), got 1.0"),
+    (lambda tmp: np.save(tmp / "ids.npy", np.arange(99)), ["--data", "{tmp}/ids.npy", "--tokenizer", "bpe"],
+     "holds token ids already; --tokenizer bpe trains on text"),
+    (None, ["--tokenizer", "bpe", "--vocab", "200"], "a byte-level BPE needs a vocab above its 256 byte tokens"),
+    (None, ["--plot", "{tmp}/no/curves.png"], "needs a .png file in an existing folder"),
+])
+def test_bad_data_is_refused_before_device_work(capsys, tmp_path, make, flags, message):
+    if make:
+        make(tmp_path)
+    refused(capsys, CLI + [f.format(tmp=tmp_path) for f in flags], message)
+
+
+def test_a_checkpoint_of_another_tokenizer_is_refused(capsys, tmp_path):
+    bpe = ["--tokenizer", "bpe", "--vocab", "320"]
+    assert main(CLI + bpe + ["--checkpoint-dir", str(tmp_path)]) == 0
+    capsys.readouterr()
+    resume = CLI + ["--steps", "3", "--checkpoint-dir", str(tmp_path), "--resume"]
+    err = refused(capsys, resume + ["--tokenizer", "bytes", "--vocab", "320"],
+                  "tokenizer.kind: saved 'bpe', this run 'bytes'")
+    assert "(step 2)" in err
+    # A tokenizer file swapped in beside the checkpoints is not the one it was trained with.
+    trained = tokenizer.load(str(tmp_path)).identity()
+    tokenizer.train_bpe(["some other text"], 320).save(str(tmp_path))
+    refused(capsys, resume, f"was trained with tokenizer {trained}")
