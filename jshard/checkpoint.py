@@ -43,6 +43,10 @@ class Checkpoints:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    def steps(self) -> list[int]:
+        """Every step saved here, oldest first."""
+        return sorted(self._manager.all_steps())
+
     def record(self, step: int) -> dict[str, Any]:
         """The JSON record saved with `step`; reads no arrays."""
         where = os.path.join(self.directory, str(step))
@@ -99,6 +103,21 @@ class Checkpoints:
             return self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(like))).state
         except Exception as e:  # a tree or shape mismatch, or unreadable array data
             raise CheckpointError(self._unreadable(os.path.join(self.directory, str(step)), e)) from e
+
+    def restore_params(self, step: int, like: Any) -> Any:
+        """Only `state["params"]` of `step`, laid out as `like` (as `restore`'s): orbax's partial
+        restore reads no optimizer state, so a model for inference loads its own bytes only."""
+        where = os.path.join(self.directory, str(step))
+        item = {"params": like}
+        args = ocp.args.PyTreeRestore(item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                                      partial_restore=True)
+        reader = ocp.PyTreeCheckpointer()  # the state item's own format (StandardSave writes a PyTree)
+        try:
+            return reader.restore(os.path.join(where, "state"), args=args)["params"]
+        except Exception as e:  # as `restore`
+            raise CheckpointError(self._unreadable(where, e)) from e
+        finally:
+            reader.close()
 
     def close(self) -> None:
         """Wait for a save in flight to be complete (renamed into place)."""

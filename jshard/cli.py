@@ -8,7 +8,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     # Imported here so `jshard --help` stays fast and each module owns its own flags.
-    from jshard import bench, distributed, plan, train
+    from jshard import bench, distributed, generate, plan, plot, train
     from jshard.parallel import show
 
     parser = argparse.ArgumentParser(prog="jshard", description=__doc__)
@@ -18,6 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_parser(commands)
     plan.add_parser(commands)
     distributed.add_parser(commands)
+    generate.add_parser(commands)
+    plot.add_parser(commands)
     return parser
 
 
@@ -26,8 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     from jshard.collectives import CollectiveError
     from jshard.distributed import DistributedError, initialize, leave
     from jshard.flags import FlagError
+    from jshard.generate import GenerateError
     from jshard.mesh import MeshError
     from jshard.parallel.schedules import ScheduleError
+    from jshard.plot import PlotError
     from jshard.rules import ShardingError
     from jshard.train import TrainError
 
@@ -38,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.run(args) or 0)
     # Bad input: the message is the help.
     except (MeshError, ShardingError, CollectiveError, ScheduleError, TrainError, CheckpointError,
-            DistributedError, FlagError) as e:
+            DistributedError, FlagError, PlotError, GenerateError) as e:
         print(f"jshard {args.command}: {e}", file=sys.stderr)
         return leave(2)  # in a multi-process run, at once: the others may wait in a collective
     except Exception:

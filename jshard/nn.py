@@ -468,6 +468,50 @@ class RMSNorm(nnx.Module):
         return (y * param(self.scale)).astype(self.dtype)
 
 
+# -- decoding with a KV cache -------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """The keys and values of the positions a decoder has seen, so that each new token costs
+    one token's work: (batch, length, kv heads, head_dim) each for one attention layer, with
+    a leading `layers` dim for a stack of them (scanned with the layers). Laid out by the
+    rules as `names` say (one layer's names: batch, seq, the heads' name, kv), so a tensor-
+    parallel model keeps each device's heads' keys and values on that device. Positions not
+    yet written hold zeros; `cached_attention` masks them."""
+
+    k: jax.Array
+    v: jax.Array
+    names: tuple = dataclasses.field(metadata=dict(static=True))
+
+    @classmethod
+    def zeros(cls, layers: int, batch: int, length: int, heads: int, head_dim: int, names, dtype) -> KVCache:
+        def empty():
+            return constrain(jnp.zeros((layers, batch, length, heads, head_dim), dtype), ("layers", *names))
+
+        return cls(empty(), empty(), tuple(names))
+
+    def write(self, k: jax.Array, v: jax.Array, position: jax.Array) -> KVCache:
+        """With the keys and values (batch, new, heads, head_dim) of new tokens stored at
+        positions position, position + 1, ... (one layer's cache)."""
+
+        def put(cache, new):
+            cache = lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), position, axis=1)
+            return constrain(cache, self.names)
+
+        return KVCache(put(self.k, k), put(self.v, v), self.names)
+
+
+def cached_attention(q: jax.Array, cache: KVCache, position: jax.Array) -> jax.Array:
+    """Causal attention of new queries (batch, new, heads, head_dim) at positions position, ...
+    over a cache that holds their own keys and values and those of every earlier position;
+    each query sees the positions up to its own (grouped-query as `attention`). XLA's kernel:
+    the mask over the cache's fixed length keeps one compiled program for every position."""
+    seen = (position + jnp.arange(q.shape[1]))[:, None] >= jnp.arange(cache.k.shape[1])
+    return jax.nn.dot_product_attention(q, cache.k, cache.v, mask=seen[None, None], implementation="xla")
+
+
 # -- loss -------------------------------------------------------------------------------------
 
 

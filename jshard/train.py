@@ -38,7 +38,7 @@ from flax import nnx
 from tqdm import tqdm
 
 import jshard
-from jshard import data, flags, optim
+from jshard import data, flags, optim, plot
 from jshard import tokenizer as tokenizers
 from jshard.checkpoint import CheckpointError, Checkpoints
 from jshard.distributed import axes_across_processes, initialize, is_main_process
@@ -225,10 +225,10 @@ def _check_values(config: TrainConfig) -> None:
                                                    and 0 <= config.eval_split < 1):
         raise TrainError(f"--eval-split must be a fraction in [0, 1), got {config.eval_split!r}")
     if config.plot is not None:
-        where = os.path.dirname(os.path.abspath(config.plot))
-        if not config.plot.endswith(".png") or not os.path.isdir(where):
-            raise TrainError(f"--plot {config.plot}: needs a .png file in an existing folder ({where}). "
-                             "Fix: e.g. --plot curves.png, or create the folder first.")
+        try:
+            plot.check_output_path(config.plot)
+        except plot.PlotError as e:
+            raise TrainError(f"--plot {e}") from None
 
 
 @dataclasses.dataclass
@@ -570,8 +570,6 @@ def _train(p: Setup, out) -> TrainResult:
     summary = _summary(p, losses, times, start, time.perf_counter() - begin, peak, flops_per_step, saved_at, evaluated)
     say(summary)
     if c.plot and is_main_process():
-        from jshard import plot  # (matplotlib: imported only when drawing)
-
         history = plot.read_metrics(c.metrics) if c.metrics else records  # a resumed run's file has it all
         plot.metrics_png(history, c.plot, title=f"jshard train --model {c.model} --strategy {p.rules.name} "
                                                f"--mesh {_mesh_str(p.mesh)}")

@@ -179,12 +179,12 @@ def refused(capsys, argv, message):
     (lambda tmp: np.save(tmp / "ids.npy", np.arange(99)), ["--data", "{tmp}/ids.npy", "--tokenizer", "bpe"],
      "holds token ids already; --tokenizer bpe trains on text"),
     (None, ["--tokenizer", "bpe", "--vocab", "200"], "a byte-level BPE needs a vocab above its 256 byte tokens"),
-    (None, ["--plot", "{tmp}/no/curves.png"], "needs a .png file in an existing folder"),
+    (None, ["--plot", "{tmp}/no/curves.png"], "curves.png: directory {tmp}/no does not exist; create it first"),
 ])
 def test_bad_data_is_refused_before_device_work(capsys, tmp_path, make, flags, message):
     if make:
         make(tmp_path)
-    refused(capsys, CLI + [f.format(tmp=tmp_path) for f in flags], message)
+    refused(capsys, CLI + [f.format(tmp=tmp_path) for f in flags], message.format(tmp=tmp_path))
 
 
 def test_a_checkpoint_of_another_tokenizer_is_refused(capsys, tmp_path):

@@ -5,6 +5,10 @@
       -> L × [x += attention(norm(x)); x += mlp(norm(x))]  blocks stacked on `layers`
       -> norm -> head (tied to the token embedding, or its own)  (batch, seq, vocab)
 
+`decode` is the same forward for new tokens at later positions, reading the keys and values
+of the earlier ones from a KV cache (`init_cache`) and writing theirs: generation runs the
+prompt through it once, then one token per call (`jshard.generate`).
+
 The layers are `jshard.nn`'s: each is told the names of its input and knows those of its
 weights, so the same code runs on one device, under the compiler's sharding, and in a
 jshard step whose collectives follow from the rules. Linears have no bias (as in most
@@ -20,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jshard import nn
-from jshard.models.stack import StagedLoss, scan_layers, stack_layers
+from jshard.models.stack import StagedLoss, scan_layers, scan_stack, stack_layers
 
 RESIDUAL = ("batch", "seq", "embed")
 QKV = ("batch", "seq", None, "heads", "kv")  # None: the query / key / value dim
@@ -103,6 +107,11 @@ class Attention(nnx.Module):
         y = nn.attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], self.choice)
         return self.out(y, PER_HEAD)
 
+    def decode(self, x, cache: nn.KVCache, position):
+        qkv = self.qkv(x, RESIDUAL)
+        cache = cache.write(qkv[:, :, 1], qkv[:, :, 2], position)
+        return self.out(nn.cached_attention(qkv[:, :, 0], cache, position), PER_HEAD), cache
+
 
 class MLP(nnx.Module):
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
@@ -127,6 +136,11 @@ class Block(nnx.Module):
     def __call__(self, x):
         x = x + self.attn(self.attn_norm(x))
         return x + self.mlp(self.mlp_norm(x))
+
+    def decode(self, x, cache: nn.KVCache, position):
+        y, cache = self.attn.decode(self.attn_norm(x), cache, position)
+        x = x + y
+        return x + self.mlp(self.mlp_norm(x)), cache
 
 
 class GPT(nnx.Module):
@@ -159,6 +173,21 @@ class GPT(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Logits (batch, seq, vocab) for int tokens (batch, seq)."""
         return self.logits(scan_layers(self.blocks, self.embed(tokens)))
+
+    def init_cache(self, batch: int, length: int | None = None) -> nn.KVCache:
+        """An empty KV cache for `batch` sequences of up to `length` tokens (default: seq_len).
+        Each token attends over the whole cache, masked: a cache no longer than the text reads less."""
+        c = self.config
+        return nn.KVCache.zeros(c.layers, batch, length or c.seq_len, c.heads, c.head_dim, PER_HEAD, c.dtype)
+
+    def decode(self, tokens: jax.Array, cache: nn.KVCache, position) -> tuple[jax.Array, nn.KVCache]:
+        """Logits (batch, new, vocab) of int tokens (batch, new) at positions position, ...,
+        given the cache of every earlier position; and the cache with theirs added. The
+        caller keeps position + new <= seq_len (`position` may be traced: no check here)."""
+        x = self.token_embed(tokens, ("batch", "seq"), RESIDUAL)
+        x = x + self.pos_embed(position + jnp.arange(tokens.shape[1]), ("seq",), RESIDUAL[1:])
+        x, cache = scan_stack(self.blocks, x, lambda x, block, cache: block.decode(x, cache, position), cache)
+        return self.logits(x), cache
 
 
 # Next-token cross-entropy on (batch, seq+1) tokens, in float32; staged for pipelines.

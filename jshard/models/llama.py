@@ -14,7 +14,8 @@ fix it (as for any named dim). Query head h reads KV head h // (heads / kv_heads
 of query heads and its KV heads land on the same device, so no KV head moves.
 
 The stages a pipeline cuts are the GPT's (`embed`, `blocks`, `logits`), so `gpt_loss`
-trains it too.
+trains it too; `decode` and `init_cache` generate with a KV cache as the GPT's do. The cache
+holds keys already rotated, and only the KV heads: grouped-query attention's saving in memory.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from flax import nnx
 
 from jshard import nn
 from jshard.models.gpt import HIDDEN, PER_HEAD, RESIDUAL
-from jshard.models.stack import scan_layers, stack_layers
+from jshard.models.stack import scan_layers, scan_stack, stack_layers
 
 KV = ("batch", "seq", None, "kv_heads", "kv")  # None: the key / value dim
+CACHED = ("batch", "seq", "kv_heads", "kv")  # keys or values of one layer in a KV cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,12 +94,14 @@ LLAMA_SIZES = {
 INIT = nnx.initializers.normal(0.02)
 
 
-def rotary(x: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding of (batch, seq, heads, head_dim) queries or keys, positions
-    0..seq-1, in float32: each pair (i, i + head_dim/2) turned by position · theta^(-2i/head_dim)."""
+def rotary(x: jax.Array, theta: float, first=0) -> jax.Array:
+    """Rotary position embedding of (batch, seq, heads, head_dim) queries or keys at positions
+    first..first+seq-1, in float32: each pair (i, i + head_dim/2) turned by position ·
+    theta^(-2i/head_dim)."""
     half = x.shape[-1] // 2
     frequencies = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * frequencies  # (seq, half)
+    positions = (first + jnp.arange(x.shape[1])).astype(jnp.float32)
+    angles = positions[:, None] * frequencies  # (seq, half)
     cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
@@ -119,6 +123,12 @@ class Attention(nnx.Module):
         kv = self.kv(x, RESIDUAL)
         k, v = rotary(kv[:, :, 0], self.theta), kv[:, :, 1]
         return self.out(nn.attention(q, k, v, self.choice), PER_HEAD)
+
+    def decode(self, x, cache: nn.KVCache, position):
+        q = rotary(self.q(x, RESIDUAL), self.theta, position)
+        kv = self.kv(x, RESIDUAL)
+        cache = cache.write(rotary(kv[:, :, 0], self.theta, position), kv[:, :, 1], position)
+        return self.out(nn.cached_attention(q, cache, position), PER_HEAD), cache
 
 
 class SwiGLU(nnx.Module):
@@ -142,6 +152,11 @@ class Block(nnx.Module):
     def __call__(self, x):
         x = x + self.attn(self.attn_norm(x))
         return x + self.mlp(self.mlp_norm(x))
+
+    def decode(self, x, cache: nn.KVCache, position):
+        y, cache = self.attn.decode(self.attn_norm(x), cache, position)
+        x = x + y
+        return x + self.mlp(self.mlp_norm(x)), cache
 
 
 class Llama(nnx.Module):
@@ -169,3 +184,15 @@ class Llama(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Logits (batch, seq, vocab) for int tokens (batch, seq)."""
         return self.logits(scan_layers(self.blocks, self.embed(tokens)))
+
+    def init_cache(self, batch: int, length: int | None = None) -> nn.KVCache:
+        """As the GPT's: an empty KV cache for `batch` sequences of up to `length` tokens, of the KV heads only."""
+        c = self.config
+        return nn.KVCache.zeros(c.layers, batch, length or c.seq_len, c.kv_heads, c.head_dim, CACHED, c.dtype)
+
+    def decode(self, tokens: jax.Array, cache: nn.KVCache, position) -> tuple[jax.Array, nn.KVCache]:
+        """As the GPT's `decode`: logits of new tokens at positions position, ..., and the cache
+        with their (rotated) keys and values added."""
+        x = self.token_embed(tokens, ("batch", "seq"), RESIDUAL)
+        x, cache = scan_stack(self.blocks, x, lambda x, block, cache: block.decode(x, cache, position), cache)
+        return self.logits(x), cache

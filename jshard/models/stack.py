@@ -79,15 +79,18 @@ def layer_call(layers: nnx.Module) -> Callable[[nnx.Module, jax.Array], jax.Arra
     return nnx.remat(apply, policy=policy) if policy is not None else apply
 
 
-def scan_stack(layers: nnx.Module, x: jax.Array, body: Callable[[jax.Array, nnx.Module], tuple]) -> tuple:
-    """`nnx.scan` of `body(x, layer) -> (x, y)` over the layers of a stack, in order: the
-    final x and the ys stacked on a leading dim. The carry is typed as a layer's output."""
+def scan_stack(layers: nnx.Module, x: jax.Array, body: Callable[..., tuple], *per_layer) -> tuple:
+    """`nnx.scan` of `body(x, layer, *slices) -> (x, y)` over the layers of a stack, in order: the
+    final x and the ys stacked on a leading dim. Each of `per_layer` (pytrees of arrays with a
+    leading layers dim, such as a KV cache) is scanned with the layers, `body` getting its
+    slice. The carry is typed as a layer's output."""
 
-    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata=_LAYERS_METADATA)
-    def run(x, layer):
-        return body(x, layer)
+    @nnx.scan(in_axes=(nnx.Carry, 0) + (0,) * len(per_layer), out_axes=(nnx.Carry, 0),
+              transform_metadata=_LAYERS_METADATA)
+    def run(x, layer, *slices):
+        return body(x, layer, *slices)
 
-    return run(_as_carry(layer_call(layers), layers, x), layers)
+    return run(_as_carry(layer_call(layers), layers, x), layers, *per_layer)
 
 
 def scan_layers(layers: nnx.Module, x: jax.Array) -> jax.Array:
