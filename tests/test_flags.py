@@ -43,6 +43,7 @@ MODEL = {"--model", "--layers", "--embed", "--heads", "--mlp", "--vocab", "--seq
     (("bench", "pipeline"), MODEL | {"--mesh", "--microbatches", "--virtual", "--fake-devices", "--json"}),
     (("bench", "collectives"), {"--mesh", "--fake-devices", "--json"}),
     (("pipeline", "show"), {"--schedule", "--microbatches", "--virtual", "--json"}),
+    (("generate",), {"--mesh", "--strategy", "--fake-devices", "--json"}),
 ])
 def test_every_command_names_the_shared_flags_alike(command, shared):
     assert shared <= options(COMMANDS[command]), shared - options(COMMANDS[command])
