@@ -26,8 +26,13 @@ versions: $(STAMP)
 	@$(VENV)/bin/python -c "import sys, jax, flax, optax, orbax.checkpoint as o; \
 	print(f'python {sys.version.split()[0]}, jax {jax.__version__}, flax {flax.__version__}, optax {optax.__version__}, orbax-checkpoint {o.__version__}')"
 
+# The suite compiles far more than it runs, and one XLA compile keeps about one core busy:
+# two pytest processes (pytest-xdist, each test file whole in one, so module fixtures are
+# shared as in a serial run) take two thirds of the serial time on 2 cores. TEST_WORKERS=0: serial.
+TEST_WORKERS ?= 2
+
 test: versions
-	$(VENV)/bin/python -m pytest
+	$(VENV)/bin/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 clean:
 	rm -rf $(VENV) .venv-py* build *.egg-info
