@@ -150,9 +150,14 @@ def test_bpe_run_on_a_text_file_resumes_at_the_exact_row(tmp_path):
     # Cut after step 2; resume without --tokenizer: the saved BPE, the saved data position.
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     shutil.rmtree(tmp_path / "b" / "4")
-    resumed = train(TrainConfig(**{**config, "tokenizer": None}, checkpoint_dir=str(tmp_path / "b"), resume=True))
+    (tmp_path / "b.jsonl").write_text("".join((tmp_path / "a.jsonl").read_text().splitlines(True)[:2]))
+    resumed = train(TrainConfig(**{**config, "tokenizer": None}, checkpoint_dir=str(tmp_path / "b"), resume=True,
+                                metrics=str(tmp_path / "b.jsonl"), plot=str(tmp_path / "b.png")))
     assert resumed.first_step == 2
     assert resumed.losses == whole.losses[2:] and resumed.eval_losses == {4: whole.eval_losses[4]}  # bit for bit
+    # The picture of the resumed run is drawn from its metrics file: all four steps.
+    assert [r["step"] for r in metrics(tmp_path / "b.jsonl")] == [1, 2, 3, 4]
+    assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def refused(capsys, argv, message):
