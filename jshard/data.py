@@ -51,8 +51,7 @@ class DataError(ValueError):
 
 def corpus_tokens() -> np.ndarray:
     """The shipped corpus as int32 byte values."""
-    text = resources.files("jshard").joinpath(CORPUS).read_bytes()
-    return np.frombuffer(text, np.uint8).astype(np.int32)
+    return load(None).tokens
 
 
 @dataclasses.dataclass

@@ -528,7 +528,7 @@ def _train(p: Setup, out) -> TrainResult:
     peak = device_peak(jax.devices(), p.model.dtype, c.peak_tflops)
     log_every = c.log_every or max(1, c.steps // 10)
     traced = _traced(c, start)
-    losses, times, saved_at, evaluated, records = [], [], None, {}, []
+    losses, times, saved_at, evaluated, records, held_out = [], [], None, {}, [], None
     begin = time.perf_counter()
     bar = tqdm(range(start, c.steps), initial=start, total=c.steps, desc="train", unit="step",
                dynamic_ncols=True, mininterval=0.5,  # None: no bar where stderr is no terminal
@@ -556,7 +556,10 @@ def _train(p: Setup, out) -> TrainResult:
             shown = f"loss {loss:.4f}  {seconds * 1e3:8.1f} ms  {tokens / seconds / 1e3:7.1f}k tok/s" + (
                 f"  MFU {mfu:6.2%}" if peak else "")
             if c.eval_every and (done % c.eval_every == 0 or done == c.steps):
-                evaluated[done] = _evaluate(step, state, p.split, micro_rows, batch_sharding)
+                # The same held-out rows every time: built once, on the devices from then on.
+                held_out = held_out or [p.split.eval_batch(k, micro_rows, batch_sharding)
+                                        for k in range(p.split.batches)]
+                evaluated[done] = _evaluate(step, state, held_out)
                 record.update(eval_loss=evaluated[done], eval_perplexity=math.exp(evaluated[done]))
                 shown += f"  eval {evaluated[done]:.4f}"
             metrics.write(**record)
@@ -577,9 +580,9 @@ def _train(p: Setup, out) -> TrainResult:
     return TrainResult(losses, start, summary, evaluated)
 
 
-def _evaluate(step: ShardedStep, state: TrainState, split: data.Split, rows: int, sharding) -> float:
-    """The mean loss over the split's held-out batches: forward only, in the step's layouts."""
-    return float(np.mean([float(step.loss(state, split.eval_batch(k, rows, sharding))) for k in range(split.batches)]))
+def _evaluate(step: ShardedStep, state: TrainState, batches: list[jax.Array]) -> float:
+    """The mean loss over the held-out `batches`: forward only, in the step's layouts."""
+    return float(np.mean([float(step.loss(state, batch)) for batch in batches]))
 
 
 def _profile_dir(directory: str) -> str:

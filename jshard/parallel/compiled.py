@@ -137,11 +137,15 @@ class CompiledStep:
 
     # -- the traced function, on global arrays -------------------------------------------------
 
+    def _placed(self, params, batch):
+        """`params` and `batch` constrained to the rules' layouts, as every traced function takes them."""
+        batch = jax.tree.map(lambda x: with_sharding_constraint(x, self._batch_sharding), batch)
+        return with_sharding_constraint(params, self._shardings.params), batch
+
     def _loss_and_grads(self, params, stored, batch):
         """The mean loss over the global batch, its gradient in the `opt` layout, and the
         model's other Variables as the forward wrote them (as a train state holds them)."""
-        batch = jax.tree.map(lambda x: with_sharding_constraint(x, self._batch_sharding), batch)
-        params = with_sharding_constraint(params, self._shardings.params)
+        params, batch = self._placed(params, batch)
 
         def loss_of(params):  # the model's Variables made here, at the level the forward writes them
             model = nnx.merge(self.graphdef, params, self.others.loaded(stored))
@@ -172,8 +176,6 @@ class CompiledStep:
 
     def _loss_body(self, params, stored, batch):
         with self._traced():
-            batch = jax.tree.map(lambda x: with_sharding_constraint(x, self._batch_sharding), batch)
-            model = nnx.merge(self.graphdef, with_sharding_constraint(params, self._shardings.params),
-                              self.others.loaded(stored))
-            return self.loss_fn(model, batch)
+            params, batch = self._placed(params, batch)
+            return self.loss_fn(nnx.merge(self.graphdef, params, self.others.loaded(stored)), batch)
 

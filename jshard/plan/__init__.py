@@ -24,7 +24,7 @@ from jshard.plan.estimate import (GiB, HARDWARE, Hardware, PlanInput, estimate, 
 from jshard.plan.validate import (MEMORY_TOLERANCE, VALIDATION, VALIDATION_MODELS, format_validation, validate_one,
                                   within_tolerance)
 from jshard.plot import check_output_path
-from jshard.rules import ShardingError, preset
+from jshard.rules import ShardingError, format_mesh, preset
 
 __all__ = ["HARDWARE", "MEMORY_TOLERANCE", "VALIDATION", "VALIDATION_MODELS", "Hardware", "PlanInput", "add_parser", "estimate",
            "format_validation", "layout_table_of", "memory_png", "memory_rows", "report", "sends", "state_bytes", "traffic",
@@ -186,7 +186,7 @@ def _schedule_name(est: dict) -> str:
 
 
 def _memory_title(est: dict) -> str:
-    model, mesh = est["model"], " ".join(f"{a}={n}" for a, n in est["mesh"].items() if n > 1) or "one device"
+    model, mesh = est["model"], format_mesh(est["mesh"]) or "one device"
     pipeline = f", {_schedule_name(est)} m={est['microbatches']}" if est["schedule"] else ""
     return (f"{model['kind']} {_count(model['params'])} params, {model['layers']} layers, seq {model['seq_len']}, "
             f"{model['dtype']}, remat {model['remat']}\n"
