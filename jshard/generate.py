@@ -50,6 +50,8 @@ NOT_FOR_GENERATION = {
     "pp": ("pp splits the layers into pipeline stages, and one token at a time leaves no micro-batches to "
            "fill them", None),
     "sp": ("sp splits the sequence, and a decode step holds one token", "tp"),
+    "cp": ("cp splits each sequence over devices, and a decode step holds one token", None),
+    "cp-gather": ("cp-gather splits each sequence over devices, and a decode step holds one token", None),
 }
 
 

@@ -5,6 +5,7 @@ A jshard mesh always carries the four standard axes, outermost first:
     data   - pure data parallelism (replicated params)
     stage  - pipeline stages
     fsdp   - data parallelism with sharded params / grads / optimizer state (ZeRO)
+    context - context parallelism: each sequence split over devices
     tensor - tensor (Megatron) and sequence parallelism
 
 Axes not asked for have size 1, so every preset in `jshard.rules` applies to every mesh.
@@ -25,7 +26,7 @@ import os
 import jax
 from jax.sharding import AxisType, Mesh
 
-STANDARD_AXES = ("data", "stage", "fsdp", "tensor")
+STANDARD_AXES = ("data", "stage", "fsdp", "context", "tensor")
 
 
 class MeshError(ValueError):

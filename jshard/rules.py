@@ -40,6 +40,8 @@ Axes = Union[None, str, tuple[str, ...]]
 Kind = Literal["param", "grad", "opt"]
 
 LOGICAL_NAMES = ("batch", "seq", "embed", "mlp", "heads", "kv_heads", "kv", "vocab", "layers")
+ATTENTION_NAMES = ("batch", "seq", "heads", "kv")  # how attention's queries, keys and values are named
+CONTEXT_ATTENTION = ("ring", "gather")
 ZERO_KINDS = {"opt": 1, "grad": 2, "param": 3}  # lowest ZeRO stage that shards each kind
 
 
@@ -82,12 +84,18 @@ class Rules:
     # An unnamed 1-D param (a bias, a norm scale) is replicated and flagged by `describe`;
     # strict rules refuse it, as they refuse every unnamed param that the mesh could split.
     strict: bool = False
+    # Attention over a `seq` the rules split (context parallelism, `jshard.nn.context_attention`):
+    # "ring" passes keys and values round the axes, "gather" all-gathers them.
+    context_attention: str = "ring"
 
     def __post_init__(self):
         object.__setattr__(self, "params", _normalise(self.params, "param"))
         object.__setattr__(self, "activations", _normalise(self.activations, "activation"))
         if self.zero not in (0, 1, 2, 3):
             raise ShardingError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.context_attention not in CONTEXT_ATTENTION:
+            raise ShardingError(f"context_attention must be one of {', '.join(CONTEXT_ATTENTION)}, "
+                                f"got {self.context_attention!r}")
 
     def add(self, params=(), activations=()) -> Rules:
         """These rules first (they take priority), then the existing ones."""
@@ -152,6 +160,12 @@ class Rules:
         sizes = mesh_shape(mesh)
         return tuple(a for a in axes_of(self.spec((name,), None, mesh, kind)[0]) if not split or sizes[a] > 1)
 
+    def context_axes(self, mesh) -> tuple[str, ...]:
+        """The mesh axes (of size > 1) that split attention's `seq`: context parallelism's. A step
+        sums gradients over them as over the batch axes (each device saw its chunks' tokens)."""
+        seq = axes_of(self.spec(ATTENTION_NAMES, None, mesh, "activation")[1])
+        return tuple(a for a in seq if mesh_shape(mesh)[a] > 1)
+
     def __str__(self) -> str:
         def fmt(table):
             # The trailing "replicated on purpose" rules are listed as one group.
@@ -162,8 +176,10 @@ class Rules:
             rest = ", ".join(n for n, _ in table[tail:])
             return "; ".join(part for part in (mapped, rest and f"{'else ' if mapped else ''}replicated: {rest}") if part)
 
+        context = f", {self.context_attention} attention over a split seq" if any(
+            name == "seq" and axes and "context" in axes for name, axes in self.activations) else ""
         return (
-            f"Rules {self.name!r} (ZeRO stage {self.zero})\n"
+            f"Rules {self.name!r} (ZeRO stage {self.zero}{context})\n"
             f"  params:      {fmt(self.params)}\n  activations: {fmt(self.activations)}"
         )
 
@@ -248,6 +264,8 @@ PRESET_PARTS = {
     "tp": "Megatron tensor parallel: heads, mlp and vocab over `tensor`",
     "sp": "tp plus sequence parallel: the residual stream's seq over `tensor`",
     "pp": "pipeline: the stacked `layers` over `stage`",
+    "cp": "context parallel: every activation's seq over `context`, load-balanced; ring attention",
+    "cp-gather": "as cp, with attention all-gathering keys and values instead of the ring",
 }
 
 
@@ -264,6 +282,9 @@ def preset(name: str, strict: bool = False) -> Rules:
     if len(zeros) > 1:
         raise ShardingError(f"preset {name!r} names more than one ZeRO stage; pick one")
     tp, sp = "tp" in parts or "sp" in parts, "sp" in parts
+    if "cp" in parts and "cp-gather" in parts:
+        raise ShardingError(f"preset {name!r} names both cp and cp-gather; pick one")
+    cp = "cp" in parts or "cp-gather" in parts
 
     # Priority order matters only where two names want one axis: attention activations
     # (batch, seq, heads or kv_heads, kv) give `tensor` to the heads, and seq falls back to
@@ -271,11 +292,16 @@ def preset(name: str, strict: bool = False) -> Rules:
     tensor_names = [("vocab", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor")] if tp else []
     batch_axes = tuple(a for a, on in (("data", "dp" in parts), ("fsdp", bool(zeros))) if on)
     params = tensor_names + ([("embed", "fsdp")] if zeros else []) + ([("layers", "stage")] if "pp" in parts else [])
-    activations = [("batch", batch_axes)] + tensor_names + ([("seq", "tensor")] if sp else [])
+    # Context parallelism splits seq over `context` everywhere; with sequence parallelism the
+    # residual stream's seq is split over `tensor` too, within each device's context block,
+    # and attention's (whose heads hold `tensor`) falls back to `context` alone.
+    seq = [("seq", ("context", "tensor")), ("seq", "context")] if cp and sp else (
+        [("seq", "context")] if cp else [("seq", "tensor")] if sp else [])
+    activations = [("batch", batch_axes)] + tensor_names + seq
     replicated = [(n, None) for n in LOGICAL_NAMES]  # every other name: replicated, on purpose
     canonical = "+".join(p for p in PRESET_PARTS if p in parts or (p == "tp" and tp))
     return Rules(params + replicated, activations + replicated, zero=zeros[0] if zeros else 0, name=canonical,
-                 strict=strict)
+                 strict=strict, context_attention="gather" if "cp-gather" in parts else "ring")
 
 
 # Where tests, `jshard bench strategies` and `jshard plan --validate` run each strategy:
@@ -293,6 +319,9 @@ EXAMPLE_MESHES = {
     "dp+fsdp+tp+sp": dict(data=2, fsdp=2, tensor=2),
     "dp+pp": dict(data=2, stage=4),
     "fsdp+tp+pp": dict(fsdp=2, tensor=2, stage=2),
+    "cp": dict(context=8),
+    "dp+cp": dict(data=2, context=4),
+    "dp+cp+tp": dict(data=2, context=2, tensor=2),
 }
 
 

@@ -288,6 +288,13 @@ def set_up(config: TrainConfig) -> Setup:
     check_strategy(mesh, rules, gpt_loss, microbatches, **step_kwargs)
     batch_axes = rules.axes("batch", mesh)
     sizes = mesh_shape(mesh)
+    context = math.prod(sizes[a] for a in rules.context_axes(mesh))
+    if seq_len % (2 * context):
+        raise TrainError(
+            f"--seq-len {seq_len}: context parallelism over {'×'.join(rules.context_axes(mesh))} = {context} cuts each "
+            f"sequence into {2 * context} equal chunks (two per device, load-balanced). Fix: a --seq-len that is a "
+            f"multiple of {2 * context}."
+        )
     batch_shards = math.prod(sizes[a] for a in batch_axes) * (microbatches or 1)
     per_step = batch_shards * config.grad_accum
     if config.batch_size % per_step:
@@ -324,6 +331,16 @@ def set_up(config: TrainConfig) -> Setup:
         raise
     return Setup(config, model, seq_len, mesh, rules, microbatches, policy, step_kwargs, batch_shards, batch_axes,
                  checkpoints, record, seed, tokens, split)
+
+
+def _context_line(p: Setup) -> str:
+    """How context parallelism splits each row, for the set-up's batch line ('' without it)."""
+    axes = p.rules.context_axes(p.mesh)
+    if not axes:
+        return ""
+    n = math.prod(mesh_shape(p.mesh)[a] for a in axes)
+    return (f"; each row over {'+'.join(axes)} ({n} devices × 2 chunks of {p.seq_len // (2 * n)} tokens, "
+            f"load-balanced; {p.rules.context_attention} attention)")
 
 
 def _tokenizer_kind(config: TrainConfig) -> str:
@@ -450,7 +467,8 @@ def _setup_lines(p: Setup, abstract_model, abstract_opt) -> list[str]:
         f"of {format_bytes(count * held)}), {master}optimizer state {format_bytes(opt.bytes_per_device)} of "
         f"{format_bytes(opt.total_bytes)}",
         f"batch       {c.batch_size} rows × {p.seq_len} tokens = {c.batch_size * p.seq_len} tokens per step "
-        f"over {'+'.join(p.batch_axes) or 'no axis'}" + (f", {c.grad_accum} micro-steps" if c.grad_accum > 1 else ""),
+        f"over {'+'.join(p.batch_axes) or 'no axis'}" + (f", {c.grad_accum} micro-steps" if c.grad_accum > 1 else "")
+        + _context_line(p),
         f"training    {c.steps} steps, AdamW lr {c.lr:g} (warm-up {_warmup(c)}, cosine to {c.lr / 10:g}), "
         f"clip 1.0, precision {p.precision.describe()}, remat {c.remat}",
         f"data        {p.data.source}; seed {p.seed}",

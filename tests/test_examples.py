@@ -117,10 +117,25 @@ def test_zero_stages_memory_falls_as_the_textbook_says(capsys):
     assert re.search(zero3, out, re.M), out
 
 
+def test_context_parallel_memory_falls_with_cp_at_seq_4096(capsys):
+    """One 4096-token row on 1, 2, 4 and 8 devices: the ring keeps no scores, so the compiled
+    temporaries per device fall faster than 1/cp; all-gathered K/V keeps each local query's
+    scores over the whole sequence, about 1/cp. The attention's bytes are the planner's."""
+    out = run_example("context_parallel", [], capsys)
+    rows = {(m[0], int(m[1])): tuple(map(float, m[2:])) for m in
+            re.findall(r"^(dp|cp|cp-gather) +(\d) +(\d+) +(\S+) +(\S+) +(\d+) +(\d+) +(\d+)$", out, re.M)}
+    assert sorted(rows) == [("cp", 2), ("cp", 4), ("cp", 8), ("cp-gather", 2), ("cp-gather", 4), ("cp-gather", 8),
+                            ("dp", 1)], out
+    for (preset, cp), (temp, ratio, inverse, _, moved, planned) in rows.items():
+        assert moved == planned, out
+        assert ratio < inverse if preset == "cp" else ratio < 1.1 * inverse, out
+    assert rows["cp", 8][0] < rows["cp", 4][0] < rows["cp", 2][0], out
+
+
 def test_train_gpt_loss_falls(capsys):
     out = run_example("train_gpt", ["--steps", "12", "--embed", "32", "--layers", "2", "--seq-len", "16",
                                     "--batch-size", "8"], capsys)
-    assert "params under 'dp+zero3+tp' (ZeRO stage 3) on mesh data=2 stage=1 fsdp=2 tensor=2" in out, out
+    assert "params under 'dp+zero3+tp' (ZeRO stage 3) on mesh data=2 stage=1 fsdp=2 context=1 tensor=2" in out, out
     (first, last), = numbers(r"loss (\S+) -> (\S+) in 12 steps", out)
     assert last < first - 0.05, out
 

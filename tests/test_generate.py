@@ -187,6 +187,7 @@ def refused(capsys, argv, *messages):
     (["--strategy", "tp", "--mesh", "tensor=8"], ["('heads', size 4) does not divide by tensor=8"]),
     (["--strategy", "dp+pp", "--mesh", "data=4,stage=2"], ["pp splits the layers", "Fix: --strategy dp."]),
     (["--strategy", "dp+sp", "--mesh", "data=4,tensor=2"], ["a decode step holds one token", "Fix: --strategy dp+tp."]),
+    (["--strategy", "dp+cp", "--mesh", "data=4,context=2"], ["cp splits each sequence", "Fix: --strategy dp."]),
 ])
 def test_bad_flags_are_refused_before_device_work(capsys, gpt, flags, messages):
     refused(capsys, ["--checkpoint-dir", str(gpt)] + flags, *messages)

@@ -30,7 +30,10 @@ TOLERANCE = 1e-5
 # agrees to ~1e-7 (checked directly below). eps=1e-4 bounds that gain; it is still AdamW.
 OPTIMIZER = optax.adamw(1e-3, eps=1e-4)
 
-PLANS = STRATEGIES + [("dp+zero1+tp", dict(data=2, fsdp=2, tensor=2)), ("dp+zero2+sp", dict(data=2, fsdp=2, tensor=2))]
+PLANS = STRATEGIES + [("dp+zero1+tp", dict(data=2, fsdp=2, tensor=2)), ("dp+zero2+sp", dict(data=2, fsdp=2, tensor=2)),
+                      # context parallelism over 2 (and 4, 8: the example meshes), with ZeRO and SP, all-gathering K/V
+                      ("dp+cp", dict(data=4, context=2)), ("fsdp+cp+sp", dict(fsdp=2, context=2, tensor=2)),
+                      ("zero2+cp-gather", dict(fsdp=2, context=4))]
 
 MODELS = {
     "mlp": (lambda seed: DeepMLP(MLPConfig(dim=32, layers=3), rngs=nnx.Rngs(seed)), mlp_loss,
@@ -65,9 +68,11 @@ def reference(model_name: str):
 
 
 # The Llama where it differs from the GPT under a strategy: its grouped KV heads split over
-# tensor, ZeRO-3's gathers, sequence parallelism.
-LLAMA_PLANS = ("zero3", "dp+tp", "fsdp+tp", "dp+fsdp+tp+sp", "dp+zero2+sp")
-CASES = [(model, preset, sizes) for model in MODELS for preset, sizes in PLANS if model != "llama" or preset in LLAMA_PLANS]
+# tensor, ZeRO-3's gathers, sequence parallelism; rotary positions of context parallelism's chunks.
+LLAMA_PLANS = ("zero3", "dp+tp", "fsdp+tp", "dp+fsdp+tp+sp", "dp+zero2+sp", "cp", "dp+cp+tp", "fsdp+cp+sp")
+# The MLP has no sequence to split (context parallelism refuses it: test_context.py).
+CASES = [(model, preset, sizes) for model in MODELS for preset, sizes in PLANS
+         if (model != "llama" or preset in LLAMA_PLANS) and (model != "mlp" or "cp" not in preset)]
 
 
 @pytest.mark.parametrize("model_name, preset, sizes", CASES, ids=[f"{p}-{m}" for m, p, _ in CASES])

@@ -72,6 +72,7 @@ def test_dp_trains_and_reports_metrics_and_a_trace(dp):
 
 @pytest.mark.parametrize("strategy, mesh, schedule", [
     ("zero3+tp", "fsdp=4,tensor=2", None), ("pp+fsdp", "stage=2,fsdp=4", None), ("pp+fsdp", "stage=2,fsdp=4", "1f1b"),
+    ("dp+cp", "data=2,context=4", None),
 ])
 def test_strategy_trains_as_dp_does(dp, strategy, mesh, schedule, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -289,6 +290,9 @@ def refused(capsys, argv, message):
     (["--lr", "-1"], "--lr must be a positive number, got -1.0"),
     (["--resume"], "--resume and --checkpoint-every need --checkpoint-dir DIR"),
     (["--strategy", "dp", "--mesh", "data=8", "--schedule", "1f1b"], "no pipeline to feed"),
+    (["--strategy", "dp+cp", "--mesh", "data=2,context=4", "--seq-len", "36"],
+     "--seq-len 36: context parallelism over context = 4 cuts each sequence into 8 equal chunks"),
+    (["--strategy", "cp+pp", "--mesh", "context=4,stage=2"], "Fix: all-gather them instead, preset 'pp+cp-gather'"),
 ])
 def test_bad_flags_are_refused_before_device_work(capsys, flags, message):
     refused(capsys, CLI + flags, message)

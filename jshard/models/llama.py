@@ -94,14 +94,14 @@ LLAMA_SIZES = {
 INIT = nnx.initializers.normal(0.02)
 
 
-def rotary(x: jax.Array, theta: float, first=0) -> jax.Array:
-    """Rotary position embedding of (batch, seq, heads, head_dim) queries or keys at positions
-    first..first+seq-1, in float32: each pair (i, i + head_dim/2) turned by position ·
+def rotary(x: jax.Array, theta: float, first=0, positions: jax.Array | None = None) -> jax.Array:
+    """Rotary position embedding of (batch, seq, heads, head_dim) queries or keys at `positions`
+    (default first..first+seq-1), in float32: each pair (i, i + head_dim/2) turned by position ·
     theta^(-2i/head_dim)."""
     half = x.shape[-1] // 2
     frequencies = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    positions = (first + jnp.arange(x.shape[1])).astype(jnp.float32)
-    angles = positions[:, None] * frequencies  # (seq, half)
+    positions = (first + jnp.arange(x.shape[1])) if positions is None else positions
+    angles = positions.astype(jnp.float32)[:, None] * frequencies  # (seq, half)
     cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
@@ -119,9 +119,11 @@ class Attention(nnx.Module):
                              out_names="embed", **linear)
 
     def __call__(self, x):
-        q = rotary(self.q(x, RESIDUAL), self.theta)
+        q = self.q(x, RESIDUAL)
+        positions = nn.positions(q, PER_HEAD)  # this device's, under context or sequence parallelism
         kv = self.kv(x, RESIDUAL)
-        k, v = rotary(kv[:, :, 0], self.theta), kv[:, :, 1]
+        q, k = rotary(q, self.theta, positions=positions), rotary(kv[:, :, 0], self.theta, positions=positions)
+        v = kv[:, :, 1]
         return self.out(nn.attention(q, k, v, self.choice), PER_HEAD)
 
     def decode(self, x, cache: nn.KVCache, position):

@@ -33,6 +33,7 @@ ZB-H1) and returns the loss and gradients itself; nothing else changes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -115,6 +116,16 @@ def check_strategy(mesh: Mesh, rules: Rules, loss_fn=None, microbatches: int | N
             "(jshard.models.gpt_loss and mlp_loss are). Fix: build_step(..., microbatches=4)."
         )
     pipeline.check_stage_remat(stage_remat or "none")
+    if rules.context_axes(mesh) and rules.context_attention == "ring":
+        # A pipeline tick runs its stage's action in a branch the other stages skip. XLA:CPU
+        # makes every device of the mesh join each collective-permute, so a ring's ppermute there
+        # deadlocks or pairs with another stage's; an all-gather groups only its stage's devices.
+        raise ShardingError(
+            f"build_step: rules {rules.name!r} pipeline the layers over {stages[0]} and pass keys and values "
+            f"round a ring over {'+'.join(rules.context_axes(mesh))}; a ring's sends cannot run inside one "
+            "stage's tick. Fix: all-gather them instead, preset "
+            f"{rules.name.replace('cp', 'cp-gather')!r} (Rules.context_attention='gather')."
+        )
     return make_schedule(schedule or "gpipe", mesh_shape(mesh)[stages[0]], microbatches, virtual)
 
 
@@ -165,6 +176,9 @@ class ShardedStep:
         if rules.zero == 2:
             _check_one_zero_dim(params, self.param_layouts, self.opt_layouts)
         self.batch_axes = table.batch_axes
+        # Axes whose devices see other tokens with the same params: the batch axes, and context
+        # parallelism's, which split each sequence. Gradients are summed over all of them.
+        self.grad_axes = self.batch_axes + rules.context_axes(mesh)
         self.data_shards = math.prod(mesh_shape(mesh)[a] for a in self.batch_axes)
         self.batch_shards = self.data_shards * (microbatches or 1)  # what a global batch splits into
         opt_specs = specs(jax.eval_shape(tx.init, params), mesh, rules, "opt")
@@ -293,8 +307,8 @@ class ShardedStep:
         return treedef.unflatten([fn(leaf, *args) for leaf, *args in zip(leaves, *per_leaf_args)])
 
     def _vary(self, x, layout: nn.Layout):
-        """x, cast to varying over the batch axes it is not split over (no communication)."""
-        return vma.vary(x, [a for a in self.batch_axes if a not in _axes_in(layout)])
+        """x, cast to varying over the batch (and context) axes it is not split over (no communication)."""
+        return vma.vary(x, [a for a in self.grad_axes if a not in _axes_in(layout)])
 
     def _differentiable(self, params, master):
         """Step 1: what autodiff sees, and the layout its gradient comes out in. ZeRO-2's
@@ -324,7 +338,7 @@ class ShardedStep:
                 return self._local(shard.astype(replica.dtype), have, path)
             axes = tuple(a for a in want[split[0]] if a not in have[split[0]])
             # Varying over the stage axis too: a pipeline's branches must not psum over it.
-            own = self.batch_axes + ((self.stage_axis,) if self.stage_axis else ())
+            own = self.grad_axes + ((self.stage_axis,) if self.stage_axis else ())
             vary = tuple(a for a in own if a not in _axes_in(have))
             whole = _split(have, self.stage_axis) or ((),) * replica.ndim
             return nn.ShardWithReplica(shard, replica, split[0] - replica.ndim, axes, vary, whole,
@@ -356,8 +370,25 @@ class ShardedStep:
     def _one_value(self, loss):
         # Equal on every device of a non-batch axis, but typed varying (it came from
         # gathered activations): average to make it one value, and its gradient once.
-        spread = tuple(sorted(vma.varying_axes(loss) - set(self.batch_axes) - {self.stage_axis}))
+        spread = tuple(sorted(vma.varying_axes(loss) - set(self.grad_axes) - {self.stage_axis}))
         return lax.pmean(loss, spread) if spread else loss
+
+    @contextlib.contextmanager
+    def _splitting_sequences(self):
+        """While tracing the loss: under context parallelism, check that the model split its
+        sequences over the context axes (`nn.split_input`: jshard.nn's Embed and cross_entropy).
+        A model that never does computes the same on each device of those axes, and summing its
+        gradients over them would multiply them."""
+        with nn.recording_context_splits([]) as splits:
+            yield
+        context = [a for a in self.grad_axes if a not in self.batch_axes]
+        if context and not splits:
+            raise ShardingError(
+                f"build_step: rules {self.rules.name!r} split each sequence over {'+'.join(context)} (context "
+                "parallelism), but the model's forward split no input over it: no jshard.nn.Embed or "
+                "jshard.nn.cross_entropy reads a (batch, seq) input. Fix: build the model's inputs and loss from "
+                "jshard.nn, or use a preset without cp."
+            )
 
     def _loss_and_grads(self, params, others, batch, master=None):
         """Steps 1-3: the mean loss over the global batch, its gradient in the `opt` layout
@@ -368,8 +399,9 @@ class ShardedStep:
         model_of, one_value = self._model_builder(params, mine), self._one_value
 
         if self.schedule:  # the pipeline runs its own backward, micro-batch by micro-batch
-            loss, grads = pipeline.value_and_grad(self.schedule, self.loss_fn, model_of, diff, batch, self.stage_axis,
-                                                  one_value, self._reduce_dtype, self.stage_remat)
+            with self._splitting_sequences():
+                loss, grads = pipeline.value_and_grad(self.schedule, self.loss_fn, model_of, diff, batch,
+                                                      self.stage_axis, one_value, self._reduce_dtype, self.stage_remat)
             written = others
         else:
             def loss_of(diff, mine):
@@ -383,11 +415,12 @@ class ShardedStep:
             # some versions and not on others, so keeping them makes the count one on all.
             if nn.gathers_weights() and not self._has_stack:
                 loss_of = jax.checkpoint(loss_of, policy=nn.remat_policy)
-            (loss, new), grads = jax.value_and_grad(loss_of, has_aux=True)(diff, mine)
+            with self._splitting_sequences():
+                (loss, new), grads = jax.value_and_grad(loss_of, has_aux=True)(diff, mine)
             written = self.others.written(others, new)
 
         def reduce(g, have, want):
-            pending = [a for a in self.batch_axes if a not in _axes_in(have)]
+            pending = [a for a in self.grad_axes if a not in _axes_in(have)]
             if self._reduce_dtype is not None:
                 g = g.astype(self._reduce_dtype)
             return nn.relayout_local(g, have, want, pending) / self.data_shards
@@ -415,11 +448,12 @@ class ShardedStep:
         with use_rules(self.rules), nn.recording_whole_reads(self.whole_reads):
             diff, _ = self._differentiable(params, master)
             model_of = self._model_builder(params, self.others.for_batch_shard(others, self.batch_axes))
-            if self.schedule:
-                loss = pipeline.forward_loss(self.schedule, self.loss_fn, model_of, diff, batch, self.stage_axis,
-                                             self._one_value)
-            else:
-                loss = self._one_value(self.loss_fn(model_of(diff), batch))
+            with self._splitting_sequences():
+                if self.schedule:
+                    loss = pipeline.forward_loss(self.schedule, self.loss_fn, model_of, diff, batch, self.stage_axis,
+                                                 self._one_value)
+                else:
+                    loss = self._one_value(self.loss_fn(model_of(diff), batch))
             return lax.pmean(loss, self.batch_axes)
 
     def _grads_body(self, params, others, batch, master=None):

@@ -28,7 +28,7 @@ from jshard.models import DecoderConfig, GPTConfig, decoder
 from jshard.parallel.pipeline import STAGE_REMAT, compile_program, work as pipeline_work
 from jshard.parallel.step import check_strategy
 from jshard.placement import LayoutTable, format_bytes, layout_table
-from jshard.nn import attention_implementation
+from jshard.nn import QUERY_TILE, attention_implementation
 from jshard.precision import Precision
 from jshard.rules import Rules, ShardingError, preset
 
@@ -80,6 +80,7 @@ ACT_SEL_H_REPLICATED = 2.0  # kept per layer, whole over tensor
 ACT_SEL_SPLIT = 1.0  # kept per layer, per element of q, k, v and the up-projection (3h + f)
 ACT_SEL_H_SP_WHOLE = 1.0  # under SP: the part of ACT_SEL_H_REPLICATED that stays whole
 ACT_SEL_RECOMPUTE = 0.37  # the one layer being recomputed: this fraction of all it would keep
+RING_BLOCK_FP32 = 4  # ring attention: fp32 (query tile × keys) arrays its backward holds at once
 CE_FP32_PER_VOCAB = 6.0  # logits, softmax and their gradient per token, fp32 (3 × fwd/bwd)
 
 
@@ -106,6 +107,11 @@ def split_axes(rules: Rules, sizes: dict[str, int], name: str) -> tuple[str, ...
     `mlp`, tensor parallelism's; for `seq`, sequence parallelism's. The planner asks the
     rules, as a layer does, and names no mesh axis."""
     return rules.axes(name, _abstract_mesh(sizes), split=True)
+
+
+def sequence_parallel(rules: Rules, sizes: dict[str, int]) -> bool:
+    """Whether the residual stream's seq is split beyond context parallelism's axes (over tensor)."""
+    return bool(set(split_axes(rules, sizes, "seq")) - set(rules.context_axes(_abstract_mesh(sizes))))
 
 
 def gathered_layers_bytes(params, sizes: dict[str, int], rules: Rules, layers: int) -> int:
@@ -212,26 +218,64 @@ def tensor_traffic(config: DecoderConfig, params, rows: int, seq: int, layers_ru
     if sp:
         _add(out, "all-gather", tensor, blocks + 2 * again)
         _add(out, "reduce-scatter", tensor, reductions + again)
-        replicated = sum(p.bytes for p in params if "norm" in p.path or p.path.startswith("pos_embed"))
+        # (the position table's: the gradient of the rows looked up, seq of them)
+        replicated = sum(p.bytes for p in params if "norm" in p.path) + sum(
+            p.bytes * seq // p.shape[0] for p in params if p.path.startswith("pos_embed"))
         _add(out, "all-reduce", tensor, ce + replicated)
     else:
         _add(out, "all-reduce", tensor, reductions + again + ce)
     return out
 
 
+def context_traffic(config: DecoderConfig, rows: int, seq: int, layers_run: int, context: tuple[str, ...],
+                    sizes: dict[str, int], tensor: int, context_attention: str) -> dict:
+    """{(kind, context axes): bytes} of context parallelism's attention for `rows` sequences of
+    `seq` tokens split n ways, through `layers_run` layers (`jshard.nn.ring_attention`).
+
+    With B = one device's keys (or values): rows · seq/n · kv_heads/tensor · head_dim in the
+    compute dtype, the ring sends K and V on n-1 times forward and n-1 times backward, and their
+    gradients, in fp32, n times (home again); "gather" all-gathers K and V (n·B each) and
+    reduce-scatters their gradients. Under remat the forward runs again in backward: the
+    gathers once more; the ring's output and log-sum-exp are its backward's residuals, and XLA
+    runs its sends once (measured)."""
+    if not context:
+        return {}
+    n = shards((context,), sizes)
+    kv_heads = getattr(config, "kv_heads", config.heads)
+    block = rows * (seq // n) * kv_heads // tensor * config.head_dim  # elements of one device's K (or V)
+    itemsize = jnp.dtype(config.dtype).itemsize
+    out: dict = {}
+    if context_attention == "gather":
+        forwards = 2 if config.remat != "none" else 1
+        _add(out, "all-gather", context, layers_run * forwards * 2 * n * block * itemsize)
+        _add(out, "reduce-scatter", context, layers_run * 2 * n * block * itemsize)
+    else:
+        sends = 2 * block * (2 * (n - 1) * itemsize + n * 4)
+        _add(out, "collective-permute", context, layers_run * sends)
+    return out
+
+
 def traffic(config: DecoderConfig, params, sizes: dict[str, int], rules: Rules, batch_axes, rows: int, seq: int,
             stage_axis: str | None = None) -> dict:
-    """{(kind, axes): bytes} per device per step, but the pipeline's sends: params, TP / SP
-    over `rows` local sequences through this stage's layers, and the loss's all-reduce."""
-    comm = param_traffic(params, sizes, rules, batch_axes, stage_axis, remat=config.remat != "none",
-                         tied_head=config.tied_head)
+    """{(kind, axes): bytes} per device per step, but the pipeline's sends: params (gradients
+    summed over the batch and context axes), TP / SP over `rows` local sequences of this
+    device's seq / context tokens through this stage's layers, context parallelism's
+    attention, and the loss's all-reduces."""
+    context = rules.context_axes(_abstract_mesh(sizes))
+    comm = param_traffic(params, sizes, rules, tuple(batch_axes) + context, stage_axis,
+                         remat=config.remat != "none", tied_head=config.tied_head)
     layers_run = config.layers // (sizes[stage_axis] if stage_axis else 1)
-    sp = bool(split_axes(rules, sizes, "seq"))
+    sp = sequence_parallel(rules, sizes)
     tensor = split_axes(rules, sizes, "mlp")
-    for key, nbytes in tensor_traffic(config, params, rows, seq, layers_run, sp, tensor).items():
+    local_seq = seq // shards((context,), sizes)
+    for key, nbytes in tensor_traffic(config, params, rows, local_seq, layers_run, sp, tensor).items():
         _add(comm, *key, nbytes)
-    for axes in (a for a in batch_axes if sizes[a] > 1), (stage_axis,) if stage_axis else ():
-        _add(comm, "all-reduce", tuple(axes), 4)  # the mean loss, over the batch axes, then the stages
+    for key, nbytes in context_traffic(config, rows, seq, layers_run, context, sizes, shards((tensor,), sizes),
+                                       rules.context_attention).items():
+        _add(comm, *key, nbytes)
+    # The mean loss: over the context axes (the loss's own mean), the batch axes, then the stages.
+    for axes in context, (a for a in batch_axes if sizes[a] > 1), (stage_axis,) if stage_axis else ():
+        _add(comm, "all-reduce", tuple(axes), 4)
     return comm
 
 
@@ -249,7 +293,7 @@ def sends(schedule) -> tuple[int, int]:
 @dataclasses.dataclass(frozen=True)
 class PlanInput:
     config: DecoderConfig
-    sizes: dict  # mesh axis -> size, every standard axis present
+    sizes: dict  # mesh axis -> size (standard axes not given: 1)
     strategy: str = "dp"
     schedule: str | None = None
     microbatches: int | None = None
@@ -329,7 +373,8 @@ def pipeline_activations(program, config: DecoderConfig, chunk_layers: int, per_
 
 def estimate(plan: PlanInput) -> dict:
     """Everything `jshard plan` prints, as one JSON-able dict (see the module docstring)."""
-    config, sizes, hw = plan.config, plan.sizes, plan.hardware
+    config, hw = plan.config, plan.hardware
+    sizes = {a: 1 for a in AXES} | dict(plan.sizes)  # standard axes not given: size 1
     rules = preset(plan.strategy)
     schedule = check_strategy(_abstract_mesh(sizes), rules, None, plan.microbatches, plan.schedule, plan.virtual,
                               plan.stage_remat)
@@ -339,9 +384,12 @@ def estimate(plan: PlanInput) -> dict:
     data_shards = math.prod(sizes[a] for a in batch_axes)
     tensor_axes = split_axes(rules, sizes, "mlp")
     tensor = shards((tensor_axes,), sizes)
-    sp = bool(split_axes(rules, sizes, "seq"))
+    sp = sequence_parallel(rules, sizes)
+    context = rules.context_axes(_abstract_mesh(sizes))
+    cp = shards((context,), sizes)
     m = plan.microbatches or 1
-    rows, seq = plan.micro_batch_size, config.seq_len
+    # `seq`: the tokens of one sequence on a device (context parallelism splits it).
+    rows, seq = plan.micro_batch_size, config.seq_len // cp
     stages = schedule.stages if schedule else 1
     n_devices = math.prod(sizes.values())
     try:
@@ -349,6 +397,10 @@ def estimate(plan: PlanInput) -> dict:
     except ValueError as e:  # cudnn asked of a profile or dtype it cannot run on
         raise ShardingError(f"--attention {config.attention}: {e}") from None
     flash = attention == "cudnn"
+    if cp > 1:  # attention is jshard's own, not the model's kernel: the ring keeps no scores (each
+        # block's are recomputed in its backward); "gather" keeps each local query's scores over
+        # the whole sequence, as XLA's kernel does.
+        attention, flash = f"{rules.context_attention} (context parallel)", rules.context_attention == "ring"
 
     # memory
     memory = state_bytes(params, sizes, rules, config.layers)
@@ -378,26 +430,33 @@ def estimate(plan: PlanInput) -> dict:
             "full": 1, "selective": ACT_SEL_RECOMPUTE}.get(config.remat, 0)
         memory["activations"] = int(rows * seq * (config.layers * per_token_layer + recomputed + logits))
         in_flight, trade = 1, None
-    memory["batch"] = rows * m * (seq + 1) * 4
+    if cp > 1 and rules.context_attention == "ring":
+        # The ring's working set, one tile of queries of one block at a time: over the largest
+        # block (its own, seq/cp keys), scores, probabilities and their two gradients in fp32, in
+        # backward (measured: the compiled temporaries at seq 4096 over 2, 4, 8 devices,
+        # examples/context_parallel.py).
+        tile = math.gcd(seq, QUERY_TILE)
+        memory["activations"] += RING_BLOCK_FP32 * 4 * rows * config.heads // tensor * tile * seq
+    memory["batch"] = rows * m * (config.seq_len + 1) * 4
     total_memory = sum(memory.values())
 
     # communication
     stage_axis = table.stage_axes[0] if schedule else None
-    comm = traffic(config, params, sizes, rules, batch_axes, rows * m, seq, stage_axis)
+    comm = traffic(config, params, sizes, rules, batch_axes, rows * m, config.seq_len, stage_axis)
     if schedule:
         a_mb = rows * seq * config.embed * jnp.dtype(config.dtype).itemsize
         forward, backward = sends(schedule)
         _add(comm, "collective-permute", (stage_axis,), (forward + backward) * a_mb)
 
     # time
-    tokens = rows * seq * m * data_shards
-    flops_model = metrics.flops_per_token(config, seq) * tokens
+    tokens = rows * config.seq_len * m * data_shards
+    flops_model = metrics.flops_per_token(config, config.seq_len) * tokens
     if schedule and stage_remat == "full":  # one more forward: +1/3 of 6N (ZB-H1: one for B, one for W)
         flops_run = flops_model * pipeline_work(schedule, stage_remat)
     elif config.remat == "full":
         flops_run = flops_model * 8 / 6
     elif config.remat == "selective":  # the attention core's forward again: QK^T and PV
-        flops_run = flops_model + 4 * config.layers * seq * config.embed * tokens
+        flops_run = flops_model + 4 * config.layers * config.seq_len * config.embed * tokens
     else:
         flops_run = flops_model
     peak = hw.peak_flops * (1 if jnp.dtype(config.dtype) == jnp.bfloat16 else 0.5)
@@ -416,19 +475,24 @@ def estimate(plan: PlanInput) -> dict:
     zero = {a for a in rules.zero_axes if sizes[a] > 1}
     t_tp = t_of(lambda k, a: a == "+".join(tensor_axes))
     t_zero = t_of(lambda k, a: set(a.split("+")) <= zero and k in ("all-gather", "reduce-scatter"))
-    plain = {a for a in batch_axes if sizes[a] > 1} - zero
+    plain = ({a for a in batch_axes if sizes[a] > 1} | set(context)) - zero  # the gradient all-reduce's axes
     t_dp = t_of(lambda k, a: k == "all-reduce" and set(a.split("+")) <= plain) if plain else 0.0
     t_pp = t_of(lambda k, a: a == stage_axis)
+    t_cp = t_of(lambda k, a: a == "+".join(context) and k != "all-reduce") if cp > 1 else 0.0
     bubble = schedule.bubble_fraction_of_step if schedule else 0.0
     ratios = {
         "dp": t_dp / (t_compute * 2 / 3) if t_dp else None,  # the gradient all-reduce hides behind backward
         "zero3": t_zero / t_compute if t_zero and rules.zero == 3 else None,
         "tp": t_tp / t_compute if t_tp else None,
         "pp": t_pp / t_compute if t_pp else None,
+        "cp": context_overlap(config, cp, peak * hw.matmul_efficiency, _link("+".join(context), sizes, hw)[0])
+        if cp > 1 and rules.context_attention == "ring" else None,
     }
     # TP sits on the critical path (each block waits for its reduction); the others overlap
     # compute and show only where they are longer than it.
-    step_s = t_compute / (1 - bubble) + t_tp + max(0.0, t_dp + t_zero + t_pp - t_compute)
+    # The ring's sends overlap attention only: what the ratio leaves of them is exposed.
+    t_cp_exposed = t_cp * max(0.0, 1 - 1 / ratios["cp"]) if t_cp and rules.context_attention == "ring" else t_cp
+    step_s = t_compute / (1 - bubble) + t_tp + t_cp_exposed + max(0.0, t_dp + t_zero + t_pp - t_compute)
     mfu = flops_model / (step_s * n_devices * peak)
 
     warnings = []
@@ -461,6 +525,22 @@ def estimate(plan: PlanInput) -> dict:
         collectives=rows_out, compute_s=t_compute, overlap_ratios=ratios, bubble_fraction=bubble,
         predicted_step_s=step_s, predicted_mfu=mfu, warnings=warnings,
     )
+
+
+def context_overlap(config: DecoderConfig, cp: int, flops: float, bandwidth: float) -> float:
+    """Ring attention's overlap condition: one K/V block's send over one ring step's attention.
+
+    A step after the first computes half a block, (seq/cp) queries × (seq/2cp) keys, per head:
+    4 · rows · heads/tensor · head_dim · seq²/(2cp²) FLOPs forward, while K and V of seq/cp
+    tokens travel (2 · rows · seq/cp · kv_heads/tensor · head_dim · itemsize bytes). Their ratio:
+
+        t_send / t_block = (cp / seq) · (kv_heads / heads) · itemsize · flops / bandwidth
+
+    rows, head_dim and tensor parallelism cancel; it falls with the sequence, as the attention per byte grows. (In
+    backward each step computes 2.5× the FLOPs and sends K, V and their fp32 gradients.)"""
+    kv_heads = getattr(config, "kv_heads", config.heads)
+    itemsize = jnp.dtype(config.dtype).itemsize
+    return cp / config.seq_len * kv_heads / config.heads * itemsize * flops / bandwidth
 
 
 def _precision_line(table: LayoutTable, rules: Rules) -> str:

@@ -25,7 +25,8 @@ from jshard.rules import default_mesh, example_mesh, format_mesh, preset
 # Every strategy on its example mesh (`rules.EXAMPLE_MESHES`), each remat policy with and
 # without tensor and sequence parallelism, and every pipeline schedule: (strategy,
 # micro-batches, schedule, remat, mesh, precision, stage remat), mesh "example" or "default"
-# (`rules.default_mesh`); pipelines keep their residuals, and two recompute their stages.
+# (`rules.default_mesh`); pipelines keep their residuals, and two recompute their stages; then
+# rows per micro-batch per data shard where not 2.
 VALIDATION = (
     ("dp", None, None, "none"), ("zero1", None, None, "none"), ("zero2", None, None, "none"),
     ("zero3", None, None, "none"), ("dp+tp", None, None, "none"), ("dp+tp+sp", None, None, "none"),
@@ -38,6 +39,11 @@ VALIDATION = (
     # Mixed precision (bf16 params and compute, fp32 master): see `validate_one` for what is compared.
     ("dp", None, None, "none", "example", "mixed"), ("zero2", None, None, "none", "example", "mixed"),
     ("zero3", None, None, "none", "example", "mixed"), ("dp+fsdp+tp", None, None, "none", "example", "mixed"),
+    # Context parallelism, ring and all-gathered, with 8 rows per data shard: at 2 the chunks are
+    # so short that what is not per token (the optimizer's temporaries) dominates memory.
+    ("cp", None, None, "none", "example", "fp32", None, 8), ("dp+cp+tp", None, None, "none", "example", "fp32", None, 8),
+    ("dp+cp", None, None, "full", "example", "fp32", None, 8),
+    ("dp+cp-gather", None, None, "none", "default", "fp32", None, 8),
 )
 VALIDATION_MODEL = GPTConfig(seq_len=64, embed=128, heads=4, mlp=512, layers=8)
 # Both decoders run every case; the Llama's 8 query heads share 4 KV heads.
