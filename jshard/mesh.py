@@ -1,6 +1,6 @@
 """Device meshes from named axis sizes, on real devices or N fake CPU devices.
 
-A jshard mesh always carries the four standard axes, outermost first:
+A jshard mesh always carries the five standard axes, outermost first:
 
     data   - pure data parallelism (replicated params)
     stage  - pipeline stages

@@ -191,7 +191,7 @@ class ShardWithReplica(_SplitParam):
     replica: jax.Array
     dim: int = dataclasses.field(metadata=dict(static=True))  # negative: the split dim
     axes: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))  # the ZeRO axes of that dim
-    vary: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))  # batch axes to leave unreduced
+    vary: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))  # batch (and context) axes to leave unreduced
     split: Layout = dataclasses.field(metadata=dict(static=True))  # the replica's layout, as LocalBlock's
     batch_axes: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))
     path: str = dataclasses.field(metadata=dict(static=True))
@@ -226,7 +226,7 @@ def recording_whole_reads(into: dict[str, tuple[str, ...]]):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _replica_with_scattered_grad(shard, replica, dim, axes, vary, reduce):
-    # Varying over the batch axes, so autodiff hands backward this device's own gradient.
+    # Varying over the batch (and context) axes, so autodiff hands backward this device's own gradient.
     return vma.vary(replica, vary)
 
 
@@ -475,12 +475,17 @@ def context_axes() -> tuple[str, ...]:
     return active_rules().context_axes(jax.sharding.get_abstract_mesh())
 
 
+def check_context_length(length: int, n: int) -> None:
+    """Context parallelism over n devices cuts each sequence into 2n equal chunks."""
+    if n > 1 and length % (2 * n):
+        raise ShardingError(f"context parallelism over {n} devices cuts a sequence into {2 * n} equal chunks; "
+                            f"{length} tokens do not divide by {2 * n}. Fix: a seq-len that is a multiple of {2 * n}.")
+
+
 def balanced_order(length: int, n: int) -> jax.Array:
     """The positions of a `length`-token sequence in the load-balanced order over n devices:
     device i's block (the i-th of n) holds chunks i and 2n-1-i of 2n."""
-    if length % (2 * n):
-        raise ShardingError(f"context parallelism over {n} devices cuts a sequence into {2 * n} equal chunks; "
-                            f"{length} tokens do not divide by {2 * n}. Fix: a seq-len that is a multiple of {2 * n}.")
+    check_context_length(length, n)
     chunks = jnp.arange(length).reshape(2 * n, length // (2 * n))
     return jnp.stack([chunks[:n], chunks[::-1][:n]], axis=1).reshape(length)
 
@@ -597,8 +602,9 @@ def _grouped(x, kv_heads):
 QUERY_TILE = 512
 
 
-def _query_tiles(length: int) -> int:
-    return math.gcd(length, QUERY_TILE)  # a tile size that divides the block
+def query_tile(length: int) -> int:
+    """Queries per tile for a block of `length`: the largest divisor of it up to QUERY_TILE."""
+    return max(d for d in range(1, min(length, QUERY_TILE) + 1) if length % d == 0)
 
 
 def _split_rows(x, dim: int, tile: int):
@@ -616,7 +622,7 @@ def _join_rows(x, dim: int):
 def _block_forward(q, k, v, mask):
     """One block: output (batch, q, heads, d) in fp32, and log-sum-exp (batch, kv_heads, group, q),
     of queries over keys where `mask` (q, k) allows (None: everywhere), a tile of queries at a time."""
-    tile = _query_tiles(q.shape[1])
+    tile = query_tile(q.shape[1])
 
     def one_tile(tiles):
         q, mask = tiles
@@ -634,7 +640,7 @@ def _block_backward(q, k, v, d_out, lse, delta, mask):
     """One block's dq (batch, q, heads, d), dk, dv (batch, k, kv_heads, d), fp32, from the
     output's gradient, the rows' log-sum-exp over every block and delta = rowsum(dO · O), a tile
     of queries at a time (dk and dv summed over the tiles)."""
-    hk, tile = k.shape[2], _query_tiles(q.shape[1])
+    hk, tile = k.shape[2], query_tile(q.shape[1])
     k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
 
     def one_tile(dkv, tiles):

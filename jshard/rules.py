@@ -188,7 +188,7 @@ def _unknown_axes(table, sizes: dict[str, int], label: str) -> list[str]:
     return [
         f"{label} {name!r} -> {axis!r} names a mesh axis the mesh does not have (axes: "
         f"{', '.join(sizes)}). Fix: build the mesh with {axis}=N (jshard.make_mesh always has "
-        "data, stage, fsdp, tensor) or change the rule."
+        "data, stage, fsdp, context, tensor) or change the rule."
         for name, axes in table for axis in axes if axis not in sizes
     ]
 
@@ -326,10 +326,12 @@ EXAMPLE_MESHES = {
 
 
 def example_mesh(strategy: str, devices: int = 8) -> dict[str, int]:
-    """`EXAMPLE_MESHES[strategy]` on `devices`: its outermost axis takes what the others leave."""
-    if strategy not in EXAMPLE_MESHES:
+    """`EXAMPLE_MESHES[strategy]` on `devices`: its outermost axis takes what the others leave.
+    A strategy is found under any spelling of its preset ('dp+tp+cp' as 'dp+cp+tp')."""
+    canonical = {preset(name).name: sizes for name, sizes in EXAMPLE_MESHES.items()}
+    sizes = EXAMPLE_MESHES.get(strategy) or canonical.get(preset(strategy).name)
+    if sizes is None:
         raise ShardingError(f"no example mesh for {strategy!r}; those with one: {', '.join(EXAMPLE_MESHES)}")
-    sizes = EXAMPLE_MESHES[strategy]
     outer, inner = next(iter(sizes)), math.prod(list(sizes.values())[1:])
     if devices % inner:
         raise ShardingError(f"the example mesh of {strategy!r} ({format_mesh(sizes)}) needs a multiple of "

@@ -111,11 +111,11 @@ def test_bad_strategies_are_refused_before_placing(preset, sizes, message):
 
 
 def test_bench_strategies_shows_parity_and_textbook_bytes(tmp_path):
-    """The issue's check: `jshard bench strategies --plans ...` on cp alone and with dp and tp."""
+    """The issue's check (its `--plans` is `--strategies` here): cp alone and with dp and tp."""
     from jshard.cli import main
 
     out = tmp_path / "rows.json"
-    argv = ["bench", "strategies", "--plans", "cp@context=8;dp+cp+tp@data=2,context=2,tensor=2", "--layers", "2",
+    argv = ["bench", "strategies", "--strategies", "cp@context=8;dp+cp+tp@data=2,context=2,tensor=2", "--layers", "2",
             "--embed", "32", "--mlp", "128", "--seq-len", "16", "--batch-size", "8", "--repeats", "1", "--json", str(out)]
     assert main(argv) == 0
     rows = __import__("json").loads(out.read_text())
@@ -152,6 +152,29 @@ def test_ring_runs_a_block_tile_by_tile(monkeypatch):
     jaxpr = str(jax.make_jaxpr(step.value_and_grad)(step.state, step.shard_batch(batch)))
     assert "length=4" in jaxpr  # the own block's 8 queries (2 chunks of 4 per device) in 4 tiles
     _, grads = step.value_and_grad(step.state, step.shard_batch(batch))
+    flat = dict(nnx.to_flat_state(expected))
+    for path, g in nnx.to_flat_state(grads):
+        want = np.asarray(flat[path].get_value())
+        assert np.linalg.norm(np.asarray(g.get_value()) - want) / np.linalg.norm(want) < 1e-5, path
+
+
+def test_a_loss_that_averages_only_its_own_chunks():
+    """A user's loss that is the mean over this device's tokens (optax's cross-entropy, the
+    labels split as the inputs are): the step averages it over the context axes, so loss and
+    gradients are one device's."""
+    import jax.numpy as jnp
+
+    def own_loss(model, tokens):
+        logits = model(tokens[:, :-1]).astype(jnp.float32)
+        labels = nn.split_input(tokens[:, 1:], ("batch", "seq"))  # the identity outside a step
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    batch = np.random.default_rng(3).integers(0, 64, (4, 17))
+    loss, expected = nnx.value_and_grad(own_loss)(decoders.make("gpt", 0), batch)
+    step = build_step(decoders.make("gpt", 0), OPTIMIZER, own_loss, jshard.make_mesh(data=2, context=4),
+                      jshard.preset("dp+cp"))
+    step_loss, grads = step.value_and_grad(step.state, step.shard_batch(batch))
+    assert abs(float(step_loss) - float(loss)) <= 1e-5 * abs(float(loss))
     flat = dict(nnx.to_flat_state(expected))
     for path, g in nnx.to_flat_state(grads):
         want = np.asarray(flat[path].get_value())

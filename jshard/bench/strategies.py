@@ -48,7 +48,7 @@ COLUMNS = ("strategy", "mesh", "comm_bytes", "textbook_bytes", "comm_ratio", "me
 def add_parser(benches) -> None:
     parser = benches.add_parser("strategies", help="explicit steps vs textbook bytes, memory, one device and XLA's partitioner")
     add = parser.add_argument
-    add("--strategies", "--plans", dest="strategies", help="';'-separated presets, each on its example mesh (rules.EXAMPLE_MESHES, its outermost "
+    add("--strategies", help="';'-separated presets, each on its example mesh (rules.EXAMPLE_MESHES, its outermost "
                              "axis taking the devices) or on preset@mesh, e.g. 'dp;zero3@fsdp=8' (default: every "
                              "strategy without a pipeline)")
     flags.add_bench(parser, "small with seq-len 64", batch_size=16)

@@ -178,7 +178,8 @@ class ShardedStep:
         self.batch_axes = table.batch_axes
         # Axes whose devices see other tokens with the same params: the batch axes, and context
         # parallelism's, which split each sequence. Gradients are summed over all of them.
-        self.grad_axes = self.batch_axes + rules.context_axes(mesh)
+        self.context_axes = rules.context_axes(mesh)
+        self.grad_axes = self.batch_axes + self.context_axes
         self.data_shards = math.prod(mesh_shape(mesh)[a] for a in self.batch_axes)
         self.batch_shards = self.data_shards * (microbatches or 1)  # what a global batch splits into
         opt_specs = specs(jax.eval_shape(tx.init, params), mesh, rules, "opt")
@@ -369,22 +370,23 @@ class ShardedStep:
 
     def _one_value(self, loss):
         # Equal on every device of a non-batch axis, but typed varying (it came from
-        # gathered activations): average to make it one value, and its gradient once.
-        spread = tuple(sorted(vma.varying_axes(loss) - set(self.grad_axes) - {self.stage_axis}))
+        # gathered activations): average to make it one value, and its gradient once. Over
+        # the context axes a loss may differ (a mean over this device's chunks, unless the loss
+        # averaged over them itself, as nn.cross_entropy does): the average is the whole mean.
+        spread = tuple(sorted(vma.varying_axes(loss) - set(self.batch_axes) - {self.stage_axis}))
         return lax.pmean(loss, spread) if spread else loss
 
     @contextlib.contextmanager
     def _splitting_sequences(self):
         """While tracing the loss: under context parallelism, check that the model split its
         sequences over the context axes (`nn.split_input`: jshard.nn's Embed and cross_entropy).
-        A model that never does computes the same on each device of those axes, and summing its
-        gradients over them would multiply them."""
+        A model that never does computes the same on each device of those axes: refused, as a
+        mesh axis no rule uses is."""
         with nn.recording_context_splits([]) as splits:
             yield
-        context = [a for a in self.grad_axes if a not in self.batch_axes]
-        if context and not splits:
+        if self.context_axes and not splits:
             raise ShardingError(
-                f"build_step: rules {self.rules.name!r} split each sequence over {'+'.join(context)} (context "
+                f"build_step: rules {self.rules.name!r} split each sequence over {'+'.join(self.context_axes)} (context "
                 "parallelism), but the model's forward split no input over it: no jshard.nn.Embed or "
                 "jshard.nn.cross_entropy reads a (batch, seq) input. Fix: build the model's inputs and loss from "
                 "jshard.nn, or use a preset without cp."

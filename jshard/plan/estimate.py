@@ -28,7 +28,7 @@ from jshard.models import DecoderConfig, GPTConfig, decoder
 from jshard.parallel.pipeline import STAGE_REMAT, compile_program, work as pipeline_work
 from jshard.parallel.step import check_strategy
 from jshard.placement import LayoutTable, format_bytes, layout_table
-from jshard.nn import QUERY_TILE, attention_implementation
+from jshard.nn import attention_implementation, check_context_length, query_tile
 from jshard.precision import Precision
 from jshard.rules import Rules, ShardingError, preset
 
@@ -237,7 +237,8 @@ def context_traffic(config: DecoderConfig, rows: int, seq: int, layers_run: int,
     gradients, in fp32, n times (home again); "gather" all-gathers K and V (n·B each) and
     reduce-scatters their gradients. Under remat the forward runs again in backward: the
     gathers once more; the ring's output and log-sum-exp are its backward's residuals, and XLA
-    runs its sends once (measured)."""
+    runs its sends once (measured). (A stack of one layer, whose scan XLA unrolls, sends K and V
+    n-1 times in all: XLA merges the backward's sends with the forward's; not modelled.)"""
     if not context:
         return {}
     n = shards((context,), sizes)
@@ -310,7 +311,7 @@ def _abstract_mesh(sizes: dict[str, int]):
 
 def _link(axes: str, sizes: dict[str, int], hw: Hardware) -> tuple[float, str]:
     """Bandwidth of a mesh axis group: intra-node when its devices and every axis inside it
-    (mesh order data, stage, fsdp, tensor: tensor innermost) fit in one node."""
+    (mesh order data, stage, fsdp, context, tensor: tensor innermost) fit in one node."""
     first = min(AXES.index(a) for a in axes.split("+"))
     span = math.prod(sizes[a] for a in AXES[first:])
     return (hw.intra_bw, "intra") if span <= hw.gpus_per_node else (hw.inter_bw, "inter")
@@ -388,8 +389,9 @@ def estimate(plan: PlanInput) -> dict:
     context = rules.context_axes(_abstract_mesh(sizes))
     cp = shards((context,), sizes)
     m = plan.microbatches or 1
-    # `seq`: the tokens of one sequence on a device (context parallelism splits it).
-    rows, seq = plan.micro_batch_size, config.seq_len // cp
+    # The tokens of one sequence on a device (context parallelism splits it).
+    check_context_length(config.seq_len, cp)
+    rows, local_seq = plan.micro_batch_size, config.seq_len // cp
     stages = schedule.stages if schedule else 1
     n_devices = math.prod(sizes.values())
     try:
@@ -412,15 +414,15 @@ def estimate(plan: PlanInput) -> dict:
     logits = CE_FP32_PER_VOCAB * config.vocab / tensor * 4
     if schedule:
         program = compile_program(schedule, stage_remat)
-        a_mb = rows * seq * config.embed * jnp.dtype(config.dtype).itemsize
+        a_mb = rows * local_seq * config.embed * jnp.dtype(config.dtype).itemsize
         chunk_layers = layers_local // schedule.virtual
         # Each chunk's weights are sliced out of the local stack for the branch that runs it
         # (measured: XLA materialises the slices), so the stack counts once more.
         memory["chunk_weights"] = sum(local(p.bytes, p.param, sizes) for p in params if p.names[:1] == ("layers",))
         # The trade `stage_remat` picks: activation memory against the work of the backward.
         trade = {mode: dict(activations=int(pipeline_activations(
-                     compile_program(schedule, mode), config, chunk_layers, per_token_layer, logits, rows * seq, a_mb,
-                     tensor, sp, mode)), work=pipeline_work(schedule, mode))
+                     compile_program(schedule, mode), config, chunk_layers, per_token_layer, logits, rows * local_seq,
+                     a_mb, tensor, sp, mode)), work=pipeline_work(schedule, mode))
                  for mode in STAGE_REMAT}
         memory["activations"] = trade[stage_remat]["activations"]
         in_flight = schedule.peak_in_flight()
@@ -428,15 +430,15 @@ def estimate(plan: PlanInput) -> dict:
         # Under remat the backward recomputes one layer at a time (all of it, or what selective dropped).
         recomputed = _all_activations(config, tensor, sp, flash) * {
             "full": 1, "selective": ACT_SEL_RECOMPUTE}.get(config.remat, 0)
-        memory["activations"] = int(rows * seq * (config.layers * per_token_layer + recomputed + logits))
+        memory["activations"] = int(rows * local_seq * (config.layers * per_token_layer + recomputed + logits))
         in_flight, trade = 1, None
     if cp > 1 and rules.context_attention == "ring":
         # The ring's working set, one tile of queries of one block at a time: over the largest
-        # block (its own, seq/cp keys), scores, probabilities and their two gradients in fp32, in
-        # backward (measured: the compiled temporaries at seq 4096 over 2, 4, 8 devices,
+        # block (its own, local_seq keys), scores, probabilities and their two gradients in fp32,
+        # in backward (measured: the compiled temporaries at seq 4096 over 2, 4, 8 devices,
         # examples/context_parallel.py).
-        tile = math.gcd(seq, QUERY_TILE)
-        memory["activations"] += RING_BLOCK_FP32 * 4 * rows * config.heads // tensor * tile * seq
+        tile = query_tile(local_seq)
+        memory["activations"] += RING_BLOCK_FP32 * 4 * rows * config.heads // tensor * tile * local_seq
     memory["batch"] = rows * m * (config.seq_len + 1) * 4
     total_memory = sum(memory.values())
 
@@ -444,7 +446,7 @@ def estimate(plan: PlanInput) -> dict:
     stage_axis = table.stage_axes[0] if schedule else None
     comm = traffic(config, params, sizes, rules, batch_axes, rows * m, config.seq_len, stage_axis)
     if schedule:
-        a_mb = rows * seq * config.embed * jnp.dtype(config.dtype).itemsize
+        a_mb = rows * local_seq * config.embed * jnp.dtype(config.dtype).itemsize
         forward, backward = sends(schedule)
         _add(comm, "collective-permute", (stage_axis,), (forward + backward) * a_mb)
 

@@ -6,6 +6,7 @@ and its collective bytes with the compiled HLO's (exactly). docs/planning.md sho
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -52,13 +53,14 @@ VALIDATION_MODELS = {"gpt": VALIDATION_MODEL,
 MEMORY_TOLERANCE = 0.10
 
 
-def compiled_pipeline_permute_bytes(schedule, config: DecoderConfig, rows: int) -> int:
+def compiled_pipeline_permute_bytes(schedule, config: DecoderConfig, rows: int, context: int = 1) -> int:
     """What hlo.collectives counts for the executor's ppermutes (forward and backward, and each
     again for late sends where the schedule has any): they sit in a `cond` inside the scan over
-    ticks, so it counts them on every tick; the planner's figure (`sends`) counts the sends."""
+    ticks, so it counts them on every tick; the planner's figure (`sends`) counts the sends.
+    Each carries a device's seq / `context` tokens of its rows."""
     program = compile_program(schedule)
     permutes = 2 + int(program.late_forward.any()) + int(program.late_backward.any())
-    return permutes * schedule.ticks * rows * config.seq_len * config.embed * jnp.dtype(config.dtype).itemsize
+    return permutes * schedule.ticks * rows * config.seq_len // context * config.embed * jnp.dtype(config.dtype).itemsize
 
 
 def validate_one(strategy: str, microbatches, schedule, remat: str, mesh: str = "example", precision: str = "fp32",
@@ -91,7 +93,8 @@ def validate_one(strategy: str, microbatches, schedule, remat: str, mesh: str = 
     counted = hlo.bytes_by_kind(compiled.as_text(), lowered.as_text())  # in the program's dtypes
     predicted = dict(est["comm_bytes_per_step"])
     if step.schedule:
-        predicted["collective-permute"] = compiled_pipeline_permute_bytes(step.schedule, config, rows)
+        context = math.prod(mesh_shape(mesh)[a] for a in rules.context_axes(mesh))
+        predicted["collective-permute"] = compiled_pipeline_permute_bytes(step.schedule, config, rows, context)
     predicted_memory = est["memory_bytes_per_device"]["total"]
     compared = "total"
     if jax.default_backend() == "cpu" and policy.compute != jnp.float32:
@@ -112,12 +115,12 @@ def within_tolerance(result: dict) -> bool:
 
 
 def format_validation(results: list[dict]) -> str:
-    lines = [f"{'model':<7}{'strategy':<16}{'mesh':<24}{'schedule':<13}{'remat':<10}{'precision':<10}{'memory est':>12}"
+    lines = [f"{'model':<7}{'strategy':<16}{'mesh':<27}{'schedule':<13}{'remat':<10}{'precision':<10}{'memory est':>12}"
              f"{'compiled':>12}{'err':>8}  comm bytes by kind (est = compiled)"]
     for r in results:
         comm = ", ".join(f"{k} {v}" for k, v in sorted(r["comm_compiled"].items()))
         mark = "exact" if r["comm_exact"] else f"MISMATCH est {r['comm_predicted']}"
         state = " (state)" if r["memory_compared"] == "state" else ""
-        lines.append(f"{r['model']:<7}{r['strategy']:<16}{r['mesh']:<24}{r['schedule']:<13}{r['remat']:<10}{r['precision']:<10}"
+        lines.append(f"{r['model']:<7}{r['strategy']:<16}{r['mesh']:<27}{r['schedule']:<13}{r['remat']:<10}{r['precision']:<10}"
                      f"{r['memory_predicted']:>12}{r['memory_compiled']:>12}{r['memory_rel_err'] * 100:>7.1f}%{state}  {mark}: {comm}")
     return "\n".join(lines)
