@@ -528,6 +528,12 @@ def split_input(x: jax.Array, names) -> jax.Array:
     return x
 
 
+def laid_out_input(x: jax.Array, names, dst: Layout) -> jax.Array:
+    """A step input (split over the batch axes only) as layout `dst`: its context chunks taken
+    (`split_input`), then moved like any block (sequence parallelism's slice, say)."""
+    return relayout_local(split_input(x, names), _input_layout(names), dst)
+
+
 def positions(x: jax.Array, names, dim: int = 1) -> jax.Array:
     """The sequence positions of dim `dim` of activation `x` (named `names`) on this device: in
     a step, of its share of the sequence (context parallelism's chunks, sequence parallelism's
@@ -536,8 +542,7 @@ def positions(x: jax.Array, names, dim: int = 1) -> jax.Array:
         return jnp.arange(x.shape[dim])
     have = layout(names)[dim]
     whole = x.shape[dim] * math.prod(lax.axis_size(a) for a in have)
-    # Positions as a step input: split over the context axes, then as this activation's seq.
-    return relayout_local(split_input(jnp.arange(whole), ("seq",)), _input_layout(("seq",)), (have,))
+    return laid_out_input(jnp.arange(whole), ("seq",), (have,))  # positions as a step input would be
 
 
 def context_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -835,7 +840,7 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, names: Sequence[str | No
     logits_layout = layout(names)
     vocab_axes = logits_layout[-1]
     # Labels have the logits' layout on their dims (sequence-parallel logits split seq).
-    labels = relayout_local(split_input(labels, names[:-1]), _input_layout(names[:-1]), logits_layout[:-1])
+    labels = laid_out_input(labels, names[:-1], logits_layout[:-1])
     peak = lax.stop_gradient(logits.max(-1))
     if vocab_axes:
         peak = lax.pmax(peak, vocab_axes)
