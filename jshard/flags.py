@@ -32,7 +32,8 @@ from jshard.parallel.pipeline import STAGE_REMAT
 from jshard.parallel.schedules import SCHEDULES
 from jshard.rules import Rules, default_mesh
 
-MODEL_FIELDS = ("layers", "embed", "heads", "kv_heads", "mlp", "vocab")  # config fields a flag overrides
+# Config fields a flag overrides (--experts, --moe-every: a Llama's mixture of experts).
+MODEL_FIELDS = ("layers", "embed", "heads", "kv_heads", "mlp", "vocab", "experts", "moe_every")
 
 
 class FlagError(ValueError):

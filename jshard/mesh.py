@@ -1,16 +1,19 @@
 """Device meshes from named axis sizes, on real devices or N fake CPU devices.
 
-A jshard mesh always carries the five standard axes, outermost first:
+A jshard mesh always carries the six standard axes, outermost first:
 
     data   - pure data parallelism (replicated params)
     stage  - pipeline stages
     fsdp   - data parallelism with sharded params / grads / optimizer state (ZeRO)
     context - context parallelism: each sequence split over devices
+    expert - expert parallelism: a mixture of experts' experts split over devices, which
+             hold other rows of the batch everywhere else
     tensor - tensor (Megatron) and sequence parallelism
 
 Axes not asked for have size 1, so every preset in `jshard.rules` applies to every mesh.
 The order puts `tensor` innermost: on GPUs adjacent devices share the fastest links, and
-tensor parallelism talks every layer. Extra, user-named axes follow the standard ones.
+tensor parallelism talks every layer; `expert` next to it, as its all-to-alls run every
+MoE layer. Extra, user-named axes follow the standard ones.
 
 In a multi-process run (`jshard.distributed`), `jax.devices()` is the global device list,
 so the same call on every process builds one global mesh; devices are taken process by
@@ -26,7 +29,7 @@ import os
 import jax
 from jax.sharding import AxisType, Mesh
 
-STANDARD_AXES = ("data", "stage", "fsdp", "context", "tensor")
+STANDARD_AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
 
 
 class MeshError(ValueError):

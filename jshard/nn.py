@@ -13,7 +13,9 @@ sharded-matmul cases):
 - a contracting dim split over an axis (row-parallel): the product is a partial sum,
   reduced by `psum`, or by `psum_scatter` where the output wants that axis on a dim
   (sequence parallel);
-- an output dim split like the weight's (column-parallel): no communication.
+- an output dim split like the weight's (column-parallel): no communication;
+- an axis that should split another dim of an activation than it does (a mixture of
+  experts' buffer, from its rows to its experts: `jshard.moe`): an all-to-all.
 
 Outside a jshard step these are plain Flax layers: the same model runs on one device, or
 under `jax.jit` with the compiler placing collectives (`jshard.constrain`).
@@ -24,6 +26,7 @@ Layouts here are specs as tuples, one tuple of mesh axes per dim: `((data, fsdp)
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
@@ -49,7 +52,7 @@ def layout(names: Sequence[str | None], kind: str = "activation") -> Layout:
     return layout_of(spec)
 
 
-def _in_step() -> bool:
+def in_step() -> bool:
     return active_rules() is not None and bool(manual_axes())
 
 
@@ -76,6 +79,10 @@ def relayout_local(x: jax.Array, src: Layout, dst: Layout, partial: Sequence[str
             summed.append(axis)
     if summed:
         x = lax.psum(x, tuple(summed))
+    for a, b in _moves(src, dst):  # an axis leaving dim a for dim b: each device sends the others their parts
+        axis = src[a][-1]
+        x = lax.all_to_all(vma.vary(x, (axis,)), axis, split_axis=b, concat_axis=a, tiled=True)
+        src[a], src[b] = src[a][:-1], src[b] + (axis,)
     for dim, (have, want) in enumerate(zip(src, dst)):
         want = tuple(want)
         if have == want:
@@ -94,13 +101,21 @@ def relayout_local(x: jax.Array, src: Layout, dst: Layout, partial: Sequence[str
     return x
 
 
+def _moves(src, dst) -> list[tuple[int, int]]:
+    """(a, b) for each axis that is the innermost split of dim a in `src` and should be that of
+    dim b in `dst`, all else on both dims equal: an all-to-all moves it ((n-1)/n of the block
+    leaves each device) where a gather and a slice would move n-1 times the block."""
+    return [(a, b) for a, have in enumerate(src) if have for b, want in enumerate(dst)
+            if b != a and tuple(dst[a]) == have[:-1] and tuple(want) == tuple(src[b]) + (have[-1],)]
+
+
 def relayout(x: jax.Array, src_names, dst_names, partial: Sequence[str] = ()) -> jax.Array:
     """x, laid out as the rules place `src_names`, laid out as they place `dst_names`.
 
     Inside a step this is explicit collectives (`relayout_local`); outside, a sharding
     constraint to `dst_names` for the compiler.
     """
-    if not _in_step():
+    if not in_step():
         return constrain(x, dst_names)
     return relayout_local(x, layout(src_names), layout(dst_names), partial)
 
@@ -268,7 +283,7 @@ def param(variable: nnx.Variable, dtype=None) -> jax.Array:
         value = value.block
     if dtype is not None:
         value = value.astype(dtype)
-    if not _in_step():
+    if not in_step():
         return value
     names = variable.get_metadata()["out_sharding"]
     have, want = layout(names, "param"), _gathered_layout(names)
@@ -280,13 +295,13 @@ def param(variable: nnx.Variable, dtype=None) -> jax.Array:
 def gathers_weights() -> bool:
     """Inside a step whose params are split over ZeRO axes (ZeRO-3)."""
     rules = active_rules()
-    return _in_step() and rules.zero == 3 and any(lax.axis_size(a) > 1 for a in rules.zero_axes)
+    return in_step() and rules.zero == 3 and any(lax.axis_size(a) > 1 for a in rules.zero_axes)
 
 
 def holds_replicas() -> bool:
     """Inside a step whose params are replicas with sharded gradients (ZeRO-2)."""
     rules = active_rules()
-    return _in_step() and rules.zero == 2 and any(lax.axis_size(a) > 1 for a in rules.zero_axes)
+    return in_step() and rules.zero == 2 and any(lax.axis_size(a) > 1 for a in rules.zero_axes)
 
 
 _CASTS = {"pvary", "pcast"}  # type casts that move no data (JAX < 0.11 names the cast pvary)
@@ -328,27 +343,37 @@ def matmul(x: jax.Array, x_names, w: jax.Array, w_names) -> jax.Array:
     contracted dims (gathering sequence-parallel activations before a column-parallel
     weight); a contracted dim split over an axis leaves a partial sum, reduced onto the
     result's layout (a psum, or a reduce-scatter along seq under sequence parallelism).
+    Names leading both x and w are batch dims of the product, laid out as the weight has them
+    (a stack of experts' weights, each meeting its expert's rows).
     """
     x_names, w_names = tuple(x_names), tuple(w_names)
-    contracted = [name for name in x_names if name is not None and name in w_names]
-    lead = x_names[: len(x_names) - len(contracted)]
-    if tuple(contracted) != x_names[len(lead):]:
-        raise ValueError(f"matmul: the names shared by x {x_names} and w {w_names} must be x's trailing dims")
+    shared = [name for name in x_names if name is not None and name in w_names]
+    # Shared names leading both x and w are batch dims of the product (a stack of experts'
+    # weights, one per expert's rows); the others are contracted and must trail x.
+    batched = 0
+    while batched < len(shared) and x_names[batched] == w_names[batched] == shared[batched]:
+        batched += 1
+    contracted = shared[batched:]
+    lead = x_names[batched: len(x_names) - len(contracted)]
+    if tuple(contracted) != x_names[len(x_names) - len(contracted):]:
+        raise ValueError(f"matmul: the names shared by x {x_names} and w {w_names} must lead both (batch dims) "
+                         "or trail x (contracted)")
     w_contracted = [w_names.index(name) for name in contracted]
-    w_free = [i for i in range(len(w_names)) if i not in w_contracted]
-    y_names = lead + tuple(w_names[i] for i in w_free)
-    dims = ((tuple(range(len(lead), len(x_names))), tuple(w_contracted)), ((), ()))
-    if not _in_step():  # (inside a plain shard_map, x may vary where w does not)
+    w_free = [i for i in range(batched, len(w_names)) if i not in w_contracted]
+    y_names = x_names[:batched] + lead + tuple(w_names[i] for i in w_free)
+    dims = ((tuple(range(len(x_names) - len(contracted), len(x_names))), tuple(w_contracted)),
+            (tuple(range(batched)), tuple(range(batched))))
+    if not in_step():  # (inside a plain shard_map, x may vary where w does not)
         return constrain(lax.dot_general(*vma.match(x, w), dims), y_names)
     w_layout = _gathered_layout(w_names)
     # Leading dims as the result wants them, less the axes the weight holds: those reach
     # the result only when a partial sum is reduce-scattered (row-parallel, sequence parallel).
     w_axes = {a for axes in w_layout for a in axes}
-    y_lead = tuple(tuple(a for a in axes if a not in w_axes) for axes in layout(y_names)[: len(lead)])
-    x_want = y_lead + tuple(w_layout[i] for i in w_contracted)
+    y_lead = tuple(tuple(a for a in axes if a not in w_axes) for axes in layout(y_names)[batched: batched + len(lead)])
+    x_want = w_layout[:batched] + y_lead + tuple(w_layout[i] for i in w_contracted)
     x = relayout_local(x, layout(x_names), x_want)
     partial = [a for i in w_contracted for a in w_layout[i]]
-    y_have = y_lead + tuple(w_layout[i] for i in w_free)
+    y_have = w_layout[:batched] + y_lead + tuple(w_layout[i] for i in w_free)
     x, w = vma.match(x, w)  # a weight alike on every device of a batch axis meets this device's rows
     return relayout_local(lax.dot_general(x, w, dims), y_have, layout(y_names), partial)
 
@@ -388,7 +413,7 @@ class Embed(nnx.Module):
     def __call__(self, ids: jax.Array, ids_names: Sequence[str | None], out_names: Sequence[str | None]) -> jax.Array:
         """Rows for int `ids`; inside a step `ids` arrive split over the batch axes only."""
         table = param(self.embedding, self.dtype)
-        if not _in_step():
+        if not in_step():
             return constrain(jnp.take(table, ids, axis=0), out_names)
         ids = split_input(ids, ids_names)
         vocab_axes, embed_axes = _gathered_layout(self.names)
@@ -470,7 +495,7 @@ def context_axes() -> tuple[str, ...]:
     """Inside a step: the mesh axes (of size > 1) the rules split attention's `seq` over, context
     parallelism's (`Rules.context_axes`). () elsewhere, and where only the residual stream's seq
     is split (sequence parallelism gathers it before attention)."""
-    if not _in_step():
+    if not in_step():
         return ()
     return active_rules().context_axes(jax.sharding.get_abstract_mesh())
 
@@ -516,7 +541,7 @@ def split_input(x: jax.Array, names) -> jax.Array:
     """A step input, which arrives split over the batch axes only, as this device's share under
     context parallelism: each seq dim's load-balanced chunks (`_input_layout`). The identity
     outside a step and without context parallelism."""
-    if not _in_step():
+    if not in_step():
         return x
     for dim, axes in enumerate(_input_layout(names)):
         if axes and names[dim] != "batch":
@@ -538,7 +563,7 @@ def positions(x: jax.Array, names, dim: int = 1) -> jax.Array:
     """The sequence positions of dim `dim` of activation `x` (named `names`) on this device: in
     a step, of its share of the sequence (context parallelism's chunks, sequence parallelism's
     slice), else 0, 1, ...; int32."""
-    if not _in_step():
+    if not in_step():
         return jnp.arange(x.shape[dim])
     have = layout(names)[dim]
     whole = x.shape[dim] * math.prod(lax.axis_size(a) for a in have)
@@ -828,6 +853,53 @@ def cached_attention(q: jax.Array, cache: KVCache, position: jax.Array) -> jax.A
 # -- loss -------------------------------------------------------------------------------------
 
 
+# -- losses a layer adds ------------------------------------------------------------------
+
+_loss_scale: contextvars.ContextVar[float] = contextvars.ContextVar("jshard_loss_scale", default=1.0)
+
+
+@contextlib.contextmanager
+def scaled_losses(scale: float):
+    """Within this block, losses added in backward (`with_loss_gradient`) are scaled by `scale`:
+    a pipeline seeds each micro-batch's loss with 1/M in backward, so it scales theirs too."""
+    token = _loss_scale.set(_loss_scale.get() * scale)
+    try:
+        yield
+    finally:
+        _loss_scale.reset(token)
+
+
+def with_loss_gradient(y: jax.Array, loss: jax.Array, weight: float) -> jax.Array:
+    """y, unchanged; in backward `loss` gets the cotangent `weight`: as if weight · loss were
+    added to the loss being differentiated, though the loss reported does not show it (an
+    auxiliary loss, such as a router's load balancing; Megatron's MoEAuxLossAutoScaler).
+
+    Inside a step `loss` is this device's share, as a step's loss is: the mean over the batch
+    shards is the whole. Where devices computed it alike (over tensor or context) it is averaged
+    first, so that its gradient counts once."""
+    if in_step():
+        keep = set(layout(("batch",))[0]) | set(layout(("layers",), "param")[0])
+        spread = tuple(sorted(vma.varying_axes(loss) - keep))
+        loss = lax.pmean(loss, spread) if spread else loss
+    return _with_loss_gradient(y, loss, weight * _loss_scale.get())
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _with_loss_gradient(y, loss, weight):
+    return y
+
+
+def _with_loss_fwd(y, loss, weight):
+    return y, loss
+
+
+def _with_loss_bwd(weight, loss, g):
+    return g, vma.zeros_like(loss) + jnp.asarray(weight, loss.dtype)
+
+
+_with_loss_gradient.defvjp(_with_loss_fwd, _with_loss_bwd)
+
+
 def cross_entropy(logits: jax.Array, labels: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Mean next-token cross-entropy; vocab-parallel where the rules split the last dim.
 
@@ -835,7 +907,7 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, names: Sequence[str | No
     this device's share of the batch (the step averages over the batch axes).
     """
     logits = logits.astype(jnp.float32)
-    if not _in_step():
+    if not in_step():
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], axis=-1))
     logits_layout = layout(names)
     vocab_axes = logits_layout[-1]

@@ -39,7 +39,7 @@ from jshard.mesh import STANDARD_AXES, mesh_shape
 Axes = Union[None, str, tuple[str, ...]]
 Kind = Literal["param", "grad", "opt"]
 
-LOGICAL_NAMES = ("batch", "seq", "embed", "mlp", "heads", "kv_heads", "kv", "vocab", "layers")
+LOGICAL_NAMES = ("batch", "seq", "embed", "mlp", "heads", "kv_heads", "kv", "vocab", "layers", "experts")
 ATTENTION_NAMES = ("batch", "seq", "heads", "kv")  # how attention's queries, keys and values are named
 CONTEXT_ATTENTION = ("ring", "gather")
 ZERO_KINDS = {"opt": 1, "grad": 2, "param": 3}  # lowest ZeRO stage that shards each kind
@@ -107,9 +107,14 @@ class Rules:
 
     @property
     def zero_axes(self) -> tuple[str, ...]:
-        """Mesh axes that shard both the batch and some param: the ZeRO / FSDP axes."""
+        """Mesh axes that shard both the batch and some param dim that activations keep whole:
+        the ZeRO / FSDP axes, whose weights are gathered to meet the rows. An axis that splits a
+        param dim as it splits the activations of that name (`experts` over `expert`) is where
+        that part of the computation happens: the rows travel to it (all-to-all), not the weight."""
         batch = {a for name, axes in self.activations if name == "batch" for a in axes}
-        return tuple(dict.fromkeys(a for _, axes in self.params for a in axes if a in batch))
+        computed_in_place = {a for rule in self.params if rule in self.activations for a in rule[1]}
+        return tuple(dict.fromkeys(a for _, axes in self.params for a in axes
+                                   if a in batch and a not in computed_in_place))
 
     @property
     def mesh_axes(self) -> tuple[str, ...]:
@@ -188,7 +193,7 @@ def _unknown_axes(table, sizes: dict[str, int], label: str) -> list[str]:
     return [
         f"{label} {name!r} -> {axis!r} names a mesh axis the mesh does not have (axes: "
         f"{', '.join(sizes)}). Fix: build the mesh with {axis}=N (jshard.make_mesh always has "
-        "data, stage, fsdp, context, tensor) or change the rule."
+        "data, stage, fsdp, context, expert, tensor) or change the rule."
         for name, axes in table for axis in axes if axis not in sizes
     ]
 
@@ -266,6 +271,8 @@ PRESET_PARTS = {
     "pp": "pipeline: the stacked `layers` over `stage`",
     "cp": "context parallel: every activation's seq over `context`, load-balanced; ring attention",
     "cp-gather": "as cp, with attention all-gathering keys and values instead of the ring",
+    "ep": "expert parallel: a mixture of experts' `experts` over `expert`, rows sent to them by all-to-all; "
+          "elsewhere the batch over `expert` too",
 }
 
 
@@ -291,13 +298,19 @@ def preset(name: str, strict: bool = False) -> Rules:
     # replicated. A Llama's grouped KV heads split over `tensor` as its query heads do.
     tensor_names = [("vocab", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor")] if tp else []
     batch_axes = tuple(a for a, on in (("data", "dp" in parts), ("fsdp", bool(zeros))) if on)
-    params = tensor_names + ([("embed", "fsdp")] if zeros else []) + ([("layers", "stage")] if "pp" in parts else [])
+    # Expert parallelism: `expert` holds its own rows of the batch (data parallel) everywhere
+    # but in the experts, which it splits; a MoE layer's buffer of rows per expert names both
+    # dims, so `experts` takes the axis there and its rows fall back to the other batch axes:
+    # laying the buffer out from one to the other is an all-to-all over `expert`.
+    experts = [("experts", "expert")] if "ep" in parts else []
+    batch = [("batch", batch_axes + ("expert",)), ("batch", batch_axes)] if experts else [("batch", batch_axes)]
+    params = tensor_names + experts + ([("embed", "fsdp")] if zeros else []) + ([("layers", "stage")] if "pp" in parts else [])
     # Context parallelism splits seq over `context` everywhere; with sequence parallelism the
     # residual stream's seq is split over `tensor` too, within each device's context block,
     # and attention's (whose heads hold `tensor`) falls back to `context` alone.
     seq = [("seq", ("context", "tensor")), ("seq", "context")] if cp and sp else (
         [("seq", "context")] if cp else [("seq", "tensor")] if sp else [])
-    activations = [("batch", batch_axes)] + tensor_names + seq
+    activations = experts + batch + tensor_names + seq
     replicated = [(n, None) for n in LOGICAL_NAMES]  # every other name: replicated, on purpose
     canonical = "+".join(p for p in PRESET_PARTS if p in parts or (p == "tp" and tp))
     return Rules(params + replicated, activations + replicated, zero=zeros[0] if zeros else 0, name=canonical,
@@ -322,6 +335,10 @@ EXAMPLE_MESHES = {
     "cp": dict(context=8),
     "dp+cp": dict(data=2, context=4),
     "dp+cp+tp": dict(data=2, context=2, tensor=2),
+    "ep": dict(expert=8),
+    "dp+ep": dict(data=2, expert=4),
+    "fsdp+ep": dict(fsdp=2, expert=4),
+    "dp+ep+tp": dict(data=2, expert=2, tensor=2),
 }
 
 

@@ -76,6 +76,8 @@ class TrainConfig:
     kv_heads: int | None = None  # a Llama's
     mlp: int | None = None
     vocab: int | None = None
+    experts: int | None = None  # a Llama's mixture of experts (jshard.moe)
+    moe_every: int | None = None
     attention: str | None = None  # None: the model's (auto: cuDNN flash on a GPU in bf16, else XLA)
     mesh: str | None = None  # None: the strategy's default mesh over the devices (rules.default_mesh)
     strategy: str = "dp+fsdp+tp"
@@ -286,6 +288,13 @@ def set_up(config: TrainConfig) -> Setup:
     step_kwargs = {k: v for k, v in dict(schedule=config.schedule, virtual=config.virtual,
                                          stage_remat=config.stage_remat).items() if v is not None}
     check_strategy(mesh, rules, gpt_loss, microbatches, **step_kwargs)
+    experts_axes = rules.axes("experts", mesh, "param", split=True)
+    if experts_axes and not getattr(model, "experts", 0):
+        raise TrainError(
+            f"--strategy {config.strategy}: rules {rules.name!r} split experts over {'+'.join(experts_axes)}, but no param "
+            f"of the model has an 'experts' dim: --model {config.model} has no mixture of experts. Fix: a model with "
+            "experts (--model moe-tiny), or a preset without ep."
+        )
     batch_axes = rules.axes("batch", mesh)
     sizes = mesh_shape(mesh)
     context = math.prod(sizes[a] for a in rules.context_axes(mesh))
@@ -460,7 +469,7 @@ def _setup_lines(p: Setup, abstract_model, abstract_opt) -> list[str]:
     lines = [
         f"model       {m.family} {c.model}: {m.layers} layers, embed {m.embed}, {m.heads} heads"
         f"{f' ({m.kv_heads} kv)' if hasattr(m, 'kv_heads') else ''}, mlp {m.mlp}, "
-        f"{_fmt_count(count)} params, vocab {m.vocab}",
+        f"{_fmt_count(count)} params, vocab {m.vocab}" + _experts_line(m),
         f"devices     {jax.device_count()} × {jax.devices()[0].device_kind}, mesh {mesh}" + _processes(p.mesh),
         f"strategy    {p.rules.name} (ZeRO stage {p.rules.zero}){pipeline}",
         f"per device  {_fmt_count(per_device)} params ({format_bytes(per_device * held)} in {p.precision.param.name} "
@@ -479,6 +488,15 @@ def _setup_lines(p: Setup, abstract_model, abstract_opt) -> list[str]:
     ]
     lines += [f"! {row.path}: {flag}" for row in params.flagged for flag in row.flags]
     return lines
+
+
+def _experts_line(m: DecoderConfig) -> str:
+    if not getattr(m, "experts", 0):
+        return ""
+    slots = "dropless" if m.capacity_factor is None else f"capacity factor {m.capacity_factor:g}"
+    where = "every block" if m.moe_every == 1 else f"every {m.moe_every}th block"
+    return (f"; a mixture of {m.experts} experts in {where}, top-{m.top_k} routed, {slots}, "
+            f"balance loss weight {m.balance_loss:g}")
 
 
 def _processes(mesh) -> str:
@@ -547,6 +565,8 @@ def _train(p: Setup, out) -> TrainResult:
     log_every = c.log_every or max(1, c.steps // 10)
     traced = _traced(c, start)
     losses, times, saved_at, evaluated, records, held_out = [], [], None, {}, [], None
+    routed = {}  # step -> router statistics of a mixture of experts, on that step's batch
+    router_stats = _router_stats(step) if getattr(p.model, "experts", 0) else None
     begin = time.perf_counter()
     bar = tqdm(range(start, c.steps), initial=start, total=c.steps, desc="train", unit="step",
                dynamic_ncols=True, mininterval=0.5,  # None: no bar where stderr is no terminal
@@ -560,7 +580,8 @@ def _train(p: Setup, out) -> TrainResult:
             tick = time.perf_counter()
             micro = []
             for _ in range(c.grad_accum):
-                state, loss = step(state, stream.batch(position, micro_rows, batch_sharding))
+                batch = stream.batch(position, micro_rows, batch_sharding)
+                state, loss = step(state, batch)
                 position += micro_rows
                 micro.append(float(loss))  # waits for the micro-step
             loss, seconds = float(np.mean(micro)), time.perf_counter() - tick
@@ -580,15 +601,22 @@ def _train(p: Setup, out) -> TrainResult:
                 evaluated[done] = _evaluate(step, state, held_out)
                 record.update(eval_loss=evaluated[done], eval_perplexity=math.exp(evaluated[done]))
                 shown += f"  eval {evaluated[done]:.4f}"
+            logged = done % log_every == 0 or done == c.steps or index == start or done in evaluated
+            if router_stats and logged:
+                routed[done] = router_stats(state, batch)
+                record.update(routed[done])
+                shown += f"  load max {max(map(max, routed[done]['expert_load'])):.2f} " \
+                         f"dropped {routed[done]['dropped']:.1%}"
             metrics.write(**record)
             records.append(record)
             bar.set_postfix_str(shown, refresh=False)
-            if done % log_every == 0 or done == c.steps or index == start or done in evaluated:
+            if logged:
                 bar.write(f"step {done:5d}  {shown}" + ("  (compiling)" if index == start else ""), file=out)
             if p.checkpoints and (done == c.steps or (c.checkpoint_every and done % c.checkpoint_every == 0)):
                 p.checkpoints.save(done, _portable(step, step.to_model_order(state)), _record(p, done, position, loss))
                 saved_at = done
-    summary = _summary(p, losses, times, start, time.perf_counter() - begin, peak, flops_per_step, saved_at, evaluated)
+    summary = _summary(p, losses, times, start, time.perf_counter() - begin, peak, flops_per_step, saved_at, evaluated,
+                       routed)
     say(summary)
     if c.plot and is_main_process():
         history = plot.read_metrics(c.metrics) if c.metrics else records  # a resumed run's file has it all
@@ -596,6 +624,26 @@ def _train(p: Setup, out) -> TrainResult:
                                                f"--mesh {_mesh_str(p.mesh)}")
         say(f"  plot        {c.plot}")
     return TrainResult(losses, start, summary, evaluated)
+
+
+def _router_stats(step: ShardedStep):
+    """(state, batch) -> a mixture of experts' router statistics on the batch's rows (`Llama.
+    router_stats`), outside the step: a forward under jax.jit, the compiler placing it, on the
+    state's params. Means over the MoE layers but `expert_load`, one list per layer."""
+    graphdef = nnx.graphdef(step.model(step.state))
+
+    @jax.jit
+    def stats(model_state, tokens):
+        routed = nnx.merge(graphdef, model_state).router_stats(tokens[:, :-1])
+        return dict(balance_loss=routed["balance"].mean(), dropped=routed["dropped"].mean(),
+                    expert_load=routed["load"])
+
+    def run(state: TrainState, batch) -> dict:
+        found = jax.device_get(stats(nnx.state(step.model(state)), batch))
+        return dict(balance_loss=float(found["balance_loss"]), dropped=float(found["dropped"]),
+                    expert_load=np.round(found["expert_load"], 4).tolist())
+
+    return run
 
 
 def _evaluate(step: ShardedStep, state: TrainState, batches: list[jax.Array]) -> float:
@@ -626,7 +674,7 @@ def _mesh_str(mesh) -> str:
     return ",".join(f"{k}={v}" for k, v in mesh_shape(mesh).items() if v > 1) or "one device"
 
 
-def _summary(p: Setup, losses, times, start, wall, peak, flops_per_step, saved_at, evaluated) -> str:
+def _summary(p: Setup, losses, times, start, wall, peak, flops_per_step, saved_at, evaluated, routed) -> str:
     c = p.config
     steady = times[1:] or times  # the first step compiles
     step_s = statistics.median(steady)
@@ -648,6 +696,12 @@ def _summary(p: Setup, losses, times, start, wall, peak, flops_per_step, saved_a
         lines.append(f"  eval        loss {evaluated[last_step]:.4f}, perplexity {math.exp(evaluated[last_step]):.2f} at "
                      f"step {last_step} on {p.split.batches} × {c.batch_size // c.grad_accum} held-out rows"
                      + (f" (step {first}: {evaluated[first]:.4f})" if first != last_step else ""))
+    if routed:
+        at = max(routed)
+        load = np.asarray(routed[at]["expert_load"])
+        lines.append(f"  experts     load per expert (of {p.model.top_k} choices per token) {load.min():.3f}..{load.max():.3f} "
+                     f"(uniform {1 / p.model.experts:.3f}), {routed[at]['dropped']:.1%} of choices dropped, balance loss "
+                     f"{routed[at]['balance_loss']:.4f} (1 = balanced) at step {at}, on its batch")
     if peak:
         lines.append(f"  MFU         {flops_per_step / step_s / peak.flops:.2%}: {flops_per_step / step_s / 1e9:.2f} "
                      f"GFLOP/s of model FLOPs (6·N + attention) over a peak of {peak.flops / 1e9:.1f} GFLOP/s")

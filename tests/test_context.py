@@ -48,7 +48,8 @@ def test_every_device_holds_an_equal_share_of_causal_work(n):
             np.testing.assert_array_equal(visible, half, err_msg=f"device {i}, block of {j}")
 
 
-def _collective_bytes(step, batch) -> dict[str, int]:
+def collective_bytes(step, batch) -> dict[str, int]:
+    """Bytes per kind of every collective the compiled step runs (loop trips counted)."""
     lowered = step.lower(step.state, step.shard_batch(batch))
     out = {}
     for c in hlo.collectives(lowered.compile().as_text(), lowered.as_text()):
@@ -72,7 +73,7 @@ def test_compiled_bytes_are_the_planners(model, preset, sizes, remat):
     config = dataclasses.replace(decoders.CONFIGS[model], remat=remat)
     batch = np.random.default_rng(0).integers(0, config.vocab, (8, config.seq_len + 1))
     step = build_step(decoder(config, nnx.Rngs(0)), OPTIMIZER, gpt_loss, jshard.make_mesh(**sizes), jshard.preset(preset))
-    counted = _collective_bytes(step, batch)
+    counted = collective_bytes(step, batch)
     assert sum(counted.values()) == textbook_bytes(step, config, batch.shape)
     n, tensor = sizes["context"], sizes.get("tensor", 1)
     kv_heads = getattr(config, "kv_heads", config.heads)

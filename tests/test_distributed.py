@@ -211,7 +211,7 @@ def test_two_processes_train_as_one_and_checkpoints_cross_process_counts(tmp_pat
     np.testing.assert_allclose([r["eval_loss"] for r in evaluated if "eval_loss" in r],
                                [alone.eval_losses[2], alone.eval_losses[4]], rtol=1e-6)
     lines = run.stdout.splitlines()
-    assert ("[0]   devices     8 × cpu, mesh data=2 stage=1 fsdp=2 context=1 tensor=2, 2 processes × 4 devices, "
+    assert ("[0]   devices     8 × cpu, mesh data=2 stage=1 fsdp=2 context=1 expert=1 tensor=2, 2 processes × 4 devices, "
             "across processes: data") in lines
     assert sum(line.startswith("[0] step ") for line in lines) == 4
     # Process 0 alone prints the run's report. Both log the native runtime's lines (gloo's,

@@ -135,7 +135,7 @@ def test_context_parallel_memory_falls_with_cp_at_seq_4096(capsys):
 def test_train_gpt_loss_falls(capsys):
     out = run_example("train_gpt", ["--steps", "12", "--embed", "32", "--layers", "2", "--seq-len", "16",
                                     "--batch-size", "8"], capsys)
-    assert "params under 'dp+zero3+tp' (ZeRO stage 3) on mesh data=2 stage=1 fsdp=2 context=1 tensor=2" in out, out
+    assert "params under 'dp+zero3+tp' (ZeRO stage 3) on mesh data=2 stage=1 fsdp=2 context=1 expert=1 tensor=2" in out, out
     (first, last), = numbers(r"loss (\S+) -> (\S+) in 12 steps", out)
     assert last < first - 0.05, out
 

@@ -7,7 +7,7 @@ from jshard import MeshError
 
 def test_standard_axes_always_present_in_order():
     mesh = jshard.make_mesh(data=2, fsdp=2, tensor=2)
-    assert jshard.mesh_shape(mesh) == {"data": 2, "stage": 1, "fsdp": 2, "context": 1, "tensor": 2}
+    assert jshard.mesh_shape(mesh) == {"data": 2, "stage": 1, "fsdp": 2, "context": 1, "expert": 1, "tensor": 2}
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
 
 
@@ -18,7 +18,7 @@ def test_minus_one_fills_the_rest():
 
 def test_custom_axis_and_device_subset():
     mesh = jshard.make_mesh(ranks=4, devices=jax.devices()[:4])
-    assert jshard.mesh_shape(mesh) == {"data": 1, "stage": 1, "fsdp": 1, "context": 1, "tensor": 1, "ranks": 4}
+    assert jshard.mesh_shape(mesh) == {"data": 1, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1, "ranks": 4}
 
 
 def test_explicit_axis_type():

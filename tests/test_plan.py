@@ -1,24 +1,29 @@
 """The planner against the compiler: predicted per-device memory within 10% of
-compiled.memory_analysis(), predicted collective bytes equal to the compiled HLO's."""
+compiled.memory_analysis(), predicted collective bytes equal to the compiled HLO's; and its
+plans of a mixture of experts (Mixtral 8x7B)."""
 
+import dataclasses
 import json
 
+import jax.numpy as jnp
 import pytest
 
-from jshard import plan
+from jshard import moe, plan
 from jshard.cli import main
-from jshard.models import GPT_SIZES
+from jshard.models import GPT_SIZES, SIZES
 from jshard.parallel.schedules import make_schedule
 
 
 # The GPT on every validation row; the Llama (whose every row `jshard plan --validate` prints,
 # docs/planning.md) on one per kind of formula: DP, ZeRO-3's gathers, TP+SP with and without
-# remat, a pipeline, mixed precision, context parallelism (grouped KV heads round the ring).
+# remat, a pipeline, mixed precision, context parallelism (grouped KV heads round the ring);
+# the mixture of experts on every MoE row (ep on each of its example meshes, and under remat).
 LLAMA_ROWS = {("dp", None, None, "none"), ("zero3", None, None, "none"), ("dp+tp+sp", None, None, "none"),
               ("dp+tp+sp", None, None, "full"), ("dp+pp", 4, "1f1b", "none"),
               ("zero3", None, None, "none", "example", "mixed"),
               ("dp+cp+tp", None, None, "none", "example", "fp32", None, 8)}
-CASES = [(case, "gpt") for case in plan.VALIDATION] + [(case, "llama") for case in plan.VALIDATION if case in LLAMA_ROWS]
+CASES = ([(case, "gpt") for case in plan.VALIDATION] + [(case, "llama") for case in plan.VALIDATION if case in LLAMA_ROWS]
+         + [(case, "moe") for case in plan.MOE_VALIDATION])
 
 
 @pytest.mark.parametrize("case, model", CASES, ids=["/".join(map(str, c)) + f"-{m}" for c, m in CASES])
@@ -79,3 +84,60 @@ def test_planner_counts_the_sends_of_the_tick_table(name, stages, microbatches, 
         forward += any(kind == "F" and position < positions - 1 for kind, position in at)
         backward += any(kind in ("B", "BW") and position > 0 for kind, position in at)
     assert plan.sends(schedule) == (forward, backward)  # was (29, 29) for interleaved p=4 m=8 v=2
+
+
+# -- a mixture of experts -------------------------------------------------------------------------
+
+MIXTRAL = dataclasses.replace(SIZES["mixtral-8x7b"], dtype=jnp.bfloat16)  # as `jshard plan` builds it
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4, 8])
+def test_mixtral_expert_params_per_device_fall_as_one_over_ep(ep):
+    """dp+ep on 64 H100s: each device holds 8/ep experts' weights and the rest whole; the
+    all-to-all of the dispatch buffer (4 per layer, of rows · E · C · embed) puts (ep-1)/ep of it on
+    the node's links, and the predicted step waits for it."""
+    est = plan.estimate(plan.PlanInput(MIXTRAL, {"data": 64 // ep, "expert": ep}, "dp+ep", precision="bf16"))
+    experts, n = est["moe"], est["model"]["params"]
+    assert experts["experts_per_device"] == 8 // ep and experts["active_params"] < 0.3 * n
+    assert experts["expert_param_bytes_per_device"] == experts["expert_params"] * 4 // ep  # fp32 params
+    assert est["memory_bytes_per_device"]["params"] == (n - experts["expert_params"]) * 4 + experts["expert_params"] * 4 // ep
+    slots = moe.capacity(MIXTRAL.seq_len, 8, 2, MIXTRAL.capacity_factor)
+    all_to_all = [r for r in est["collectives"] if r["kind"] == "all-to-all"]
+    if ep == 1:
+        assert not all_to_all and est["overlap_ratios"]["ep"] is None
+        return
+    [row] = all_to_all
+    assert row["bytes"] == MIXTRAL.layers * 4 * 8 * slots * MIXTRAL.embed * 2 and row["axes"] == "expert"
+    assert row["link"] == "intra" and row["seconds"] == pytest.approx(row["bytes"] * (ep - 1) / ep / 450e9)
+    assert est["predicted_step_s"] >= est["compute_s"] + row["seconds"]
+
+
+@pytest.mark.parametrize("capacity_factor", [1.0, 1.25, None])
+def test_compute_counts_the_slots_the_experts_run(capacity_factor):
+    """Model FLOPs (and MFU) count top_k experts a token; the compute time counts every slot
+    of the buffer, E · C per row, filled or not (dropless: C = seq)."""
+    config = dataclasses.replace(SIZES["moe-tiny"], capacity_factor=capacity_factor)
+    est = plan.estimate(plan.PlanInput(config, {"expert": 8}, "ep", hardware=plan.HARDWARE["cpu"]))
+    slots = 8 * moe.capacity(config.seq_len, 8, 2, capacity_factor) / config.seq_len
+    padding = 6 * 3 * config.embed * config.mlp * config.layers * (slots - 2) * est["tokens_per_step"]
+    assert est["flops_per_step"]["run"] - est["flops_per_step"]["model"] == pytest.approx(padding)
+    assert est["moe"]["slots_per_token"] == slots
+
+
+@pytest.mark.parametrize("argv, fits", [
+    (["--strategy", "fsdp+ep", "--mesh", "fsdp=8,expert=8", "--remat", "full"], True),
+    (["--strategy", "dp+ep", "--mesh", "data=8,expert=8", "--remat", "full"], False),
+])
+def test_mixtral_plan(argv, fits, capsys):
+    assert main(["plan", "--model", "mixtral-8x7b", *argv]) == 0
+    text = capsys.readouterr().out
+    assert "46.7 B params (12.9 B active)" in text and "experts     8 in every block, top-2, capacity 10240" in text
+    assert "all-to-all         expert      ×8" in text and ("DOES NOT FIT" in text) != fits
+
+
+@pytest.mark.parametrize("strategy, mesh", [("cp", "context=8"), ("dp+cp+ep", "data=2,context=2,expert=2"),
+                                            ("cp-gather+ep", "context=2,expert=4")])
+def test_context_parallel_moe_is_refused(strategy, mesh, capsys):
+    assert main(["plan", "--model", "moe-tiny", "--strategy", strategy, "--mesh", mesh]) == 2
+    err = capsys.readouterr().err
+    assert "mixture of experts (8 experts) under context parallelism" in err and "Fix: drop cp" in err

@@ -18,8 +18,9 @@ import jshard
 from jshard import hlo
 from jshard.models import GPT, DeepMLP, GPTConfig, MLPConfig, gpt_loss, mlp_loss
 from jshard.parallel import build_step
+from jshard.rules import format_mesh
 import decoders
-from meshes import STRATEGIES
+from meshes import EXPERT_STRATEGIES, STRATEGIES
 from reference import train_on_one_device
 
 SEED = int(np.random.default_rng().integers(1 << 31))
@@ -34,6 +35,10 @@ PLANS = STRATEGIES + [("dp+zero1+tp", dict(data=2, fsdp=2, tensor=2)), ("dp+zero
                       # context parallelism over 2 (and 4, 8: the example meshes), with ZeRO and SP, all-gathering K/V
                       ("dp+cp", dict(data=4, context=2)), ("fsdp+cp+sp", dict(fsdp=2, context=2, tensor=2)),
                       ("zero2+cp-gather", dict(fsdp=2, context=4))]
+# Expert parallelism over 8, 4 (the example meshes) and 2, with DP, ZeRO-2/3, TP and SP; and a
+# mixture of experts without it (every device computes every expert for its rows).
+EXPERT_PLANS = [("dp", dict(data=8))] + EXPERT_STRATEGIES + [
+    ("dp+ep", dict(data=4, expert=2)), ("zero2+ep", dict(fsdp=2, expert=4)), ("dp+ep+tp+sp", dict(data=2, expert=2, tensor=2))]
 
 MODELS = {
     "mlp": (lambda seed: DeepMLP(MLPConfig(dim=32, layers=3), rngs=nnx.Rngs(seed)), mlp_loss,
@@ -71,11 +76,14 @@ def reference(model_name: str):
 # tensor, ZeRO-3's gathers, sequence parallelism; rotary positions of context parallelism's chunks.
 LLAMA_PLANS = ("zero3", "dp+tp", "fsdp+tp", "dp+fsdp+tp+sp", "dp+zero2+sp", "cp", "dp+cp+tp", "fsdp+cp+sp")
 # The MLP has no sequence to split (context parallelism refuses it: test_context.py).
-CASES = [(model, preset, sizes) for model in MODELS for preset, sizes in PLANS
-         if (model != "llama" or preset in LLAMA_PLANS) and (model != "mlp" or "cp" not in preset)]
+CASES = [(model, preset, sizes) for model in MODELS if model != "moe" for preset, sizes in PLANS
+         if (model != "llama" or preset in LLAMA_PLANS) and (model != "mlp" or "cp" not in preset)] + [
+         ("moe", preset, sizes) for preset, sizes in EXPERT_PLANS]
 
 
-@pytest.mark.parametrize("model_name, preset, sizes", CASES, ids=[f"{p}-{m}" for m, p, _ in CASES])
+@pytest.mark.parametrize("model_name, preset, sizes", CASES,
+                         ids=[f"{p}-{m}" + ("" if (p, s) in EXPERT_STRATEGIES or m != "moe" else "-" + format_mesh(s))
+                              for m, p, s in CASES])
 def test_matches_one_device(model_name, preset, sizes):
     make, loss_fn, _ = MODELS[model_name]
     batches, loss, grads, losses, params = reference(model_name)

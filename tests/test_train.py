@@ -85,6 +85,27 @@ def test_strategy_trains_as_dp_does(dp, strategy, mesh, schedule, tmp_path, monk
     np.testing.assert_allclose(list(result.eval_losses.values()), list(dp[0].eval_losses.values()), rtol=1e-4)
 
 
+def test_moe_trains_under_dp_ep_as_under_dp_and_reports_its_experts(tmp_path):
+    """moe-tiny's per-step and held-out losses under dp+ep equal dp's; every logged step's
+    metrics carry the router statistics: each layer's expert load, dropped choices, balance."""
+    moe = dict(model="moe-tiny", eval_every=EVAL_EVERY, log_every=2)
+    dp = run(strategy="dp", mesh="data=8", metrics=str(tmp_path / "dp.jsonl"), **moe)
+    ep = run(strategy="dp+ep", mesh="data=2,expert=4", metrics=str(tmp_path / "ep.jsonl"), **moe)
+    assert_falls(ep.losses)
+    np.testing.assert_allclose(ep.losses, dp.losses, rtol=1e-4)
+    np.testing.assert_allclose(list(ep.eval_losses.values()), list(dp.eval_losses.values()), rtol=1e-4)
+    rows = {name: [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+            for name in ("dp", "ep")}
+    routed = [r for r in rows["ep"] if "expert_load" in r]
+    assert [r["step"] for r in routed] == [1, 2, 4, 5]
+    for r, d in zip(routed, (r for r in rows["dp"] if "expert_load" in r)):
+        load = np.asarray(r["expert_load"])
+        assert load.shape == (2, 8) and np.allclose(load.sum(-1), 1, atol=1e-3)
+        assert 0 < r["dropped"] < 1 and r["balance_loss"] > 0
+        np.testing.assert_allclose(load, d["expert_load"], atol=2e-4)
+    assert "experts     load per expert" in ep.summary and "of choices dropped" in ep.summary
+
+
 def test_gradient_accumulation_and_remat_leave_the_losses_as_they_were(dp):
     # Two micro-steps of 8 rows each (optax.MultiSteps) are one step of 16; remat recomputes, it does not change.
     losses = run(strategy="dp", mesh="data=8", grad_accum=2, remat="full").losses
@@ -293,6 +314,9 @@ def refused(capsys, argv, message):
     (["--strategy", "dp+cp", "--mesh", "data=2,context=4", "--seq-len", "36"],
      "--seq-len 36: context parallelism over context = 4 cuts each sequence into 8 equal chunks"),
     (["--strategy", "cp+pp", "--mesh", "context=4,stage=2"], "Fix: all-gather them instead, preset 'pp+cp-gather'"),
+    (["--strategy", "dp+ep", "--mesh", "data=2,expert=4"], "no param of the model has an 'experts' dim"),
+    (["--model", "moe-tiny", "--strategy", "ep", "--mesh", "expert=8", "--batch-size", "4"],
+     "--batch-size 4 does not split over 8 batch shards (expert)"),
 ])
 def test_bad_flags_are_refused_before_device_work(capsys, flags, message):
     refused(capsys, CLI + flags, message)

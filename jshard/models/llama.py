@@ -21,12 +21,14 @@ holds keys already rotated, and only the KV heads: grouped-query attention's sav
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jshard import nn
+from jshard import moe, nn
+from jshard.moe import MoE
 from jshard.models.gpt import HIDDEN, PER_HEAD, RESIDUAL
 from jshard.models.stack import scan_layers, scan_stack, stack_layers
 
@@ -49,6 +51,18 @@ class LlamaConfig:
     remat: str = "none"  # see stack.py
     attention: str = "auto"  # the kernel: auto, xla or cudnn (`nn.attention_implementation`)
     norm_epsilon: float = 1e-5
+    # A mixture of experts in place of each block's MLP (`jshard.moe`): `experts` SwiGLUs of
+    # width `mlp`, each token routed to `top_k`; 0 experts: the dense MLP.
+    experts: int = 0
+    top_k: int = 2
+    capacity_factor: float | None = 1.25  # slots per expert per row, over k·seq/experts; None: dropless
+    balance_loss: float = 0.01  # weight of the router's load-balancing loss (its gradient)
+    moe_every: int = 1  # every n-th block has the experts, the others a dense MLP (stacked n at a time)
+
+    @property
+    def moe_layers(self) -> int:
+        """Blocks with a mixture of experts."""
+        return self.layers // self.moe_every if self.experts else 0
 
     @property
     def head_dim(self) -> int:
@@ -60,14 +74,17 @@ class LlamaConfig:
     def column_outputs(self) -> int:
         """Width per token of the column-parallel linears' outputs (q, k, v, gate, up), split under TP."""
         return self.embed + 2 * self.kv_heads * self.head_dim + 2 * self.mlp
-    family = "Llama"
+    family = "Llama"  # what reports and checkpoint records call the model
 
     @property
     def matmul_weights(self) -> int:
         """N of the 6·N FLOPs per token: q and out (h × h), k and v (h × kv_heads·head_dim), the
-        three MLP matrices, and the head (tied or not)."""
+        three MLP matrices (of each of the top_k experts a token goes to, and the router), and
+        the head (tied or not)."""
         h = self.embed
-        return self.layers * (2 * h * h + 2 * h * self.kv_heads * self.head_dim + 3 * h * self.mlp) + self.vocab * h
+        experts = self.moe_layers * (3 * h * self.mlp * self.top_k + h * self.experts)
+        dense = (self.layers - self.moe_layers) * 3 * h * self.mlp
+        return self.layers * (2 * h * h + 2 * h * self.kv_heads * self.head_dim) + experts + dense + self.vocab * h
 
     def __post_init__(self):
         if self.embed % self.heads:
@@ -76,6 +93,10 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig: heads={self.heads} must divide by kv_heads={self.kv_heads}")
         if self.attention not in nn.ATTENTION:
             raise ValueError(f"LlamaConfig: attention={self.attention!r}; choose one of {', '.join(nn.ATTENTION)}")
+        if self.experts:
+            moe.check(self.experts, self.top_k, self.capacity_factor, "LlamaConfig")
+        if self.moe_every < 1 or self.layers % self.moe_every:
+            raise ValueError(f"LlamaConfig: layers={self.layers} must divide by moe_every={self.moe_every}")
 
 
 # The published shapes (Meta's model cards and config.json), and small ones for CPUs.
@@ -88,6 +109,10 @@ LLAMA_SIZES = {
                                 rope_theta=500000.0),
     "llama-3.1-70b": LlamaConfig(vocab=128256, seq_len=8192, embed=8192, heads=64, kv_heads=8, mlp=28672, layers=80,
                                  rope_theta=500000.0),
+    # Mixtures of experts: every block's MLP is `experts` SwiGLUs, each token routed to 2.
+    "moe-tiny": LlamaConfig(seq_len=64, embed=64, heads=4, kv_heads=2, mlp=128, layers=2, experts=8),
+    "mixtral-8x7b": LlamaConfig(vocab=32000, seq_len=32768, embed=4096, heads=32, kv_heads=8, mlp=14336, layers=32,
+                                rope_theta=1e6, experts=8, top_k=2),
 }
 
 
@@ -145,20 +170,61 @@ class SwiGLU(nnx.Module):
         return self.down(jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], HIDDEN)
 
 
+def mixture(config: LlamaConfig, rngs: nnx.Rngs) -> MoE:
+    return MoE(config.embed, config.mlp, config.experts, config.top_k, config.capacity_factor, config.balance_loss,
+               rngs=rngs, kernel_init=INIT, dtype=config.dtype)
+
+
 class Block(nnx.Module):
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         norm = dict(epsilon=config.norm_epsilon, dtype=config.dtype)
         self.attn_norm, self.attn = nn.RMSNorm(config.embed, **norm), Attention(config, rngs=rngs)
-        self.mlp_norm, self.mlp = nn.RMSNorm(config.embed, **norm), SwiGLU(config, rngs=rngs)
+        self.mlp_norm = nn.RMSNorm(config.embed, **norm)
+        self.mlp = mixture(config, rngs) if config.experts else SwiGLU(config, rngs=rngs)
 
     def __call__(self, x):
+        return self.forward(x)[0]
+
+    def forward(self, x):
+        """(the block's output, its router statistics: None for a dense MLP)."""
         x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+        if isinstance(self.mlp, MoE):
+            y, stats = self.mlp.forward(self.mlp_norm(x), RESIDUAL)
+            return x + y, stats
+        return x + self.mlp(self.mlp_norm(x)), None
 
     def decode(self, x, cache: nn.KVCache, position):
         y, cache = self.attn.decode(self.attn_norm(x), cache, position)
         x = x + y
-        return x + self.mlp(self.mlp_norm(x)), cache
+        # Generation routes without dropping (each token to all its k experts), as inference does.
+        mlp = functools.partial(self.mlp, dropless=True) if isinstance(self.mlp, MoE) else self.mlp
+        return x + mlp(self.mlp_norm(x)), cache
+
+
+class Blocks(nnx.Module):
+    """`moe_every` blocks stacked as one layer of the stack: a dense MLP in all but the last,
+    which has the mixture of experts (at 2: every other block, as GShard's and Switch's)."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        dense = dataclasses.replace(config, experts=0)
+        self.dense = nnx.List([Block(dense, rngs=rngs) for _ in range(config.moe_every - 1)])
+        self.moe = Block(config, rngs=rngs)
+
+    def __call__(self, x):
+        return self.forward(x)[0]
+
+    def forward(self, x):
+        for block in self.dense:
+            x = block(x)
+        return self.moe.forward(x)
+
+    def decode(self, x, cache: nn.KVCache, position):
+        """`cache` holds one layer of KV cache per block, on a leading dim."""
+        written = []
+        for i, block in enumerate([*self.dense, self.moe]):
+            x, layer = block.decode(x, jax.tree.map(lambda a: a[i], cache), position)
+            written.append(layer)
+        return x, jax.tree.map(lambda *layers: jnp.stack(layers), *written)
 
 
 class Llama(nnx.Module):
@@ -166,7 +232,9 @@ class Llama(nnx.Module):
         self.config = config
         self.token_embed = nn.Embed(config.vocab, config.embed, names=("vocab", "embed"),
                                     embedding_init=INIT, dtype=config.dtype, rngs=rngs)
-        self.blocks = stack_layers(lambda rngs: Block(config, rngs=rngs), config.layers, rngs, config.remat)
+        per_layer = config.moe_every if config.experts else 1  # blocks per layer of the stack
+        layer = Blocks if per_layer > 1 else Block
+        self.blocks = stack_layers(lambda rngs: layer(config, rngs=rngs), config.layers // per_layer, rngs, config.remat)
         self.final_norm = nn.RMSNorm(config.embed, epsilon=config.norm_epsilon, dtype=config.dtype)
         if not config.tied_head:
             self.head = nn.Linear(config.embed, config.vocab, in_names="embed", out_names="vocab",
@@ -187,6 +255,14 @@ class Llama(nnx.Module):
         """Logits (batch, seq, vocab) for int tokens (batch, seq)."""
         return self.logits(scan_layers(self.blocks, self.embed(tokens)))
 
+    def router_stats(self, tokens: jax.Array) -> dict:
+        """Each MoE layer's router statistics on int tokens (batch, seq), stacked on a leading
+        layers dim: `balance` (the load-balancing loss), `load` (layers, experts: the fraction
+        of token choices each expert got) and `dropped` (the fraction past capacity)."""
+        if not self.config.experts:
+            raise ValueError("router_stats: this Llama has no mixture of experts (experts=0)")
+        return scan_stack(self.blocks, self.embed(tokens), lambda x, block: block.forward(x))[1]
+
     def init_cache(self, batch: int, length: int | None = None) -> nn.KVCache:
         """As the GPT's: an empty KV cache for `batch` sequences of up to `length` tokens, of the KV heads only."""
         c = self.config
@@ -196,5 +272,9 @@ class Llama(nnx.Module):
         """As the GPT's `decode`: logits of new tokens at positions position, ..., and the cache
         with their (rotated) keys and values added."""
         x = self.token_embed(tokens, ("batch", "seq"), RESIDUAL)
-        x, cache = scan_stack(self.blocks, x, lambda x, block, cache: block.decode(x, cache, position), cache)
+        per_layer = self.config.moe_every if self.config.experts else 1
+        stacked = jax.tree.map(lambda a: a.reshape(a.shape[0] // per_layer, per_layer, *a.shape[1:]), cache)
+        x, stacked = scan_stack(self.blocks, x, lambda x, block, cache: block.decode(x, cache, position),
+                                stacked if per_layer > 1 else cache)
+        cache = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), stacked) if per_layer > 1 else stacked
         return self.logits(x), cache

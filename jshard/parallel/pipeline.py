@@ -445,7 +445,8 @@ def value_and_grad(schedule: Schedule, loss: StagedLoss, model_of: Callable, dif
     dtype (fp32 over bf16 params), else in the param's. `stage_remat` (`STAGE_REMAT`): keep
     each segment's residuals from F to its backward, or recompute them there.
     """
-    return _execute(schedule, loss, model_of, diff, batch, stage_axis, one_value, accumulate, stage_remat)
+    with nn.scaled_losses(1 / schedule.microbatches):  # as each micro-batch's loss is seeded
+        return _execute(schedule, loss, model_of, diff, batch, stage_axis, one_value, accumulate, stage_remat)
 
 
 def forward_loss(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, batch, stage_axis: str,

@@ -140,6 +140,18 @@ def _check_one_zero_dim(params, param_layouts, opt_layouts) -> None:
             )
 
 
+def _check_experts(table, mesh: Mesh, rules: Rules) -> None:
+    """Rules that split `experts` over an axis need a model with experts (`jshard.moe`): else
+    that axis only splits the batch, a data-parallel axis under another name."""
+    axes = rules.axes("experts", mesh, "param", split=True)
+    if axes and not any("experts" in (p.names or ()) for p in table.params):
+        raise ShardingError(
+            f"build_step: rules {rules.name!r} split experts over {'+'.join(axes)}, but no param of the model has an "
+            "'experts' dim: there are no experts to place. Fix: a model with a mixture of experts (jshard.moe.MoE, "
+            f"e.g. --model moe-tiny), or a preset without ep (its devices then split the batch: use 'data')."
+        )
+
+
 class ShardedStep:
     """`state, loss = step(state, batch)`: one optimizer step of `loss_fn(model, batch)`.
 
@@ -164,6 +176,7 @@ class ShardedStep:
         self._has_stack = has_stack(model)
         self.table = table = layout_table(params, mesh, rules, precision)  # every bad input raises here
         self.precision = table.precision
+        _check_experts(table, mesh, rules)
         param_specs = table.specs(params, "param")
         self.param_layouts = table.layouts("param")
         self._param_paths = [p.path for p in table.params]

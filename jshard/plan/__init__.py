@@ -21,14 +21,14 @@ from jshard.parallel.schedules import SCHEDULES
 from jshard.placement import format_bytes
 from jshard.plan.estimate import (GiB, HARDWARE, Hardware, PlanInput, estimate, layout_table_of, report, sends,
                                   state_bytes, traffic)
-from jshard.plan.validate import (MEMORY_TOLERANCE, VALIDATION, VALIDATION_MODELS, format_validation, validate_one,
-                                  within_tolerance)
+from jshard.plan.validate import (MEMORY_TOLERANCE, MOE_VALIDATION, VALIDATION, VALIDATION_MODELS, format_validation,
+                                  validate_one, validation_cases, within_tolerance)
 from jshard.plot import check_output_path
 from jshard.rules import ShardingError, format_mesh, preset
 
-__all__ = ["HARDWARE", "MEMORY_TOLERANCE", "VALIDATION", "VALIDATION_MODELS", "Hardware", "PlanInput", "add_parser", "estimate",
-           "format_validation", "layout_table_of", "memory_png", "memory_rows", "report", "sends", "state_bytes", "traffic",
-           "validate_one"]
+__all__ = ["HARDWARE", "MEMORY_TOLERANCE", "MOE_VALIDATION", "VALIDATION", "VALIDATION_MODELS", "Hardware", "PlanInput",
+           "add_parser", "estimate", "format_validation", "layout_table_of", "memory_png", "memory_rows", "report", "sends",
+           "state_bytes", "traffic", "validate_one", "validation_cases"]
 
 HARDWARE_FLAGS = (  # flag, Hardware field, unit
     ("--peak-tflops", "peak_flops", 1e12), ("--hbm-gib", "hbm_bytes", GiB), ("--hbm-bw-gbs", "hbm_bw", 1e9),
@@ -82,8 +82,8 @@ def run(args) -> int:
         use_fake_cpu_devices(args.fake_devices)
         results = []
         print(format_validation([]))
-        for case, model in ((case, model) for model in VALIDATION_MODELS.values() for case in VALIDATION):
-            results.append(validate_one(*case, model=model))
+        for case, model in validation_cases():
+            results.append(validate_one(*case, model=VALIDATION_MODELS[model]))
             print(format_validation(results[-1:]).splitlines()[1], flush=True)
         flags.write_json(args.json, results)
         ok = all(map(within_tolerance, results))

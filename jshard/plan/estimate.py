@@ -10,6 +10,11 @@ precision, remat policy, micro-batch size and a hardware profile, `estimate` giv
     time     compute from model FLOPs (6·N + attention, plus the forward that remat and the
              pipeline's stage recompute run again), the bubble, exposed communication, MFU
 
+A mixture of experts (a Llama with `experts`): its dispatch buffer's slots in the activations
+(ACT_SLOT_*), its all-to-alls on the critical path, and in the compute time every slot the
+experts run (E·C per row, filled or not), where MFU's model FLOPs count top_k experts a token;
+context parallelism with experts is refused (not modelled).
+
 The formulas are ../shared/SPEC.md's; `validate.py` checks them against XLA.
 """
 
@@ -28,6 +33,7 @@ from jshard.models import DecoderConfig, GPTConfig, decoder
 from jshard.parallel.pipeline import STAGE_REMAT, compile_program, work as pipeline_work
 from jshard.parallel.step import check_strategy
 from jshard.placement import LayoutTable, format_bytes, layout_table
+from jshard.moe import capacity
 from jshard.nn import attention_implementation, check_context_length, query_tile
 from jshard.precision import Precision
 from jshard.rules import Rules, ShardingError, preset
@@ -80,6 +86,22 @@ ACT_SEL_H_REPLICATED = 2.0  # kept per layer, whole over tensor
 ACT_SEL_SPLIT = 1.0  # kept per layer, per element of q, k, v and the up-projection (3h + f)
 ACT_SEL_H_SP_WHOLE = 1.0  # under SP: the part of ACT_SEL_H_REPLICATED that stays whole
 ACT_SEL_RECOMPUTE = 0.37  # the one layer being recomputed: this fraction of all it would keep
+# A mixture of experts (`jshard.moe`) in place of the MLP: the dispatch buffer has E·C slots
+# per row (C = `moe.capacity` of the whole row), s = E·C/seq per token (about capacity factor
+# × top_k), every slot computed whether a token fills it or not. Measured as the ACT_* above
+# (slopes over batch size, parted over 2 and 4 layers, varying the MLP width, the capacity
+# factor, the embedding and the experts; ep, dp, dp+ep+tp, fsdp+ep: docs/planning.md), in
+# place of ACT_F · f:
+ACT_SLOT_H = 1.0  # per slot: the buffer the experts read (whole over tensor; under ep the all-to-all'd copy)
+ACT_SLOT_F = 6.0  # per slot: gate and up (2f), SiLU, the product and what their backward reads, split over tensor
+ACT_ROUTER_FP32 = 1.0  # per expert: the router's probabilities, float32 whatever the compute dtype
+# Once per step, what the backward of one MoE layer holds at once (the gradients of gate_up
+# and the hidden, per slot, split over tensor); under remat (full or selective: the experts'
+# matmuls have a batch dim, `experts`, so selective keeps none of them) that layer's recompute
+# with it, in place of the dense layer's recomputed activations (measured: none beside it).
+ACT_SLOT_BACKWARD_F = 8.0
+ACT_SLOT_RECOMPUTE_F = 9.0
+ACT_SLOT_TP_H = 2.0  # under TP, per slot: the two buffers its all-reduces leave whole (down's output, gate_up's input gradient)
 RING_BLOCK_FP32 = 4  # ring attention: fp32 (query tile × keys) arrays its backward holds at once
 CE_FP32_PER_VOCAB = 6.0  # logits, softmax and their gradient per token, fp32 (3 × fwd/bwd)
 
@@ -115,9 +137,16 @@ def sequence_parallel(rules: Rules, sizes: dict[str, int]) -> bool:
 
 
 def gathered_layers_bytes(params, sizes: dict[str, int], rules: Rules, layers: int) -> int:
-    """ZeRO-3: two layers' weights gathered at once (one in use, the next arriving), still split by tensor."""
-    one_layer = sum(p.gathered_bytes for p in params if p.names and p.names[0] == "layers") // layers
-    return 2 * one_layer // shards((split_axes(rules, sizes, "mlp"),), sizes)
+    """ZeRO-3: two layers' weights gathered at once (one in use, the next arriving), each still
+    split over its other axes (tensor; an expert's weights over `expert`). A layer is one of the
+    stack's: `layers` blocks, or of a MoE Llama `layers // moe_every` of `moe_every` blocks each
+    (the stack's own leading dim)."""
+    zero = set(rules.zero_axes)
+    stacked = [p for p in params if p.names and p.names[0] == "layers"]
+    if not stacked:
+        return 0
+    per_layer = sum(p.gathered_bytes // shards(p.param[1:], sizes, skip=zero) for p in stacked)
+    return 2 * per_layer // min(layers, stacked[0].shape[0])
 
 
 def grad_bytes(p, rules: Rules, sizes: dict[str, int]) -> int:
@@ -175,6 +204,9 @@ def param_traffic(params, sizes: dict[str, int], rules: Rules, batch_axes, stage
     out: dict = {}
     for p in params:
         in_param = {a for axes in p.param for a in axes} & zero
+        # (a batch axis that splits the param, as `expert` an expert's weights: its gradient
+        # is whole there already, each device having computed with every row sent to it)
+        reduced = tuple(a for a in plain if not any(a in axes for axes in p.param))
         tied = p.path.startswith("token_embed") and tied_head and rules.zero >= 2
         if in_param:
             size = p.gathered_bytes // shards(p.param, sizes, skip=in_param)
@@ -185,7 +217,7 @@ def param_traffic(params, sizes: dict[str, int], rules: Rules, batch_axes, stage
             axes = sorted({a for axes in p.opt for a in axes} - {a for axes in p.param for a in axes})
             _add(out, "all-gather", axes, p.bytes // shards(p.param, sizes))
             _add(out, "reduce-scatter", axes, p.reduce_bytes // shards(p.param, sizes) * (2 if tied else 1))
-        _add(out, "all-reduce", plain, p.reduce_bytes // shards(p.opt, sizes))
+        _add(out, "all-reduce", reduced, p.reduce_bytes // shards(p.opt, sizes))
         if stage_axis and not any(stage_axis in axes for axes in p.param):
             _add(out, "all-reduce", (stage_axis,), p.reduce_bytes // shards(p.opt, sizes))
     return out
@@ -205,7 +237,9 @@ def tensor_traffic(config: DecoderConfig, params, rows: int, seq: int, layers_ru
     params that see seq-split inputs (norms, position table) all-reduce their gradients.
     Under remat (full or selective) each block's forward runs again in backward up to its
     last collective, whose output backward does not need: TP's first all-reduce, SP's two
-    all-gathers and its first reduce-scatter, once more per block.
+    all-gathers and its first reduce-scatter, once more per block. A layer of the stack that
+    holds several blocks (a MoE Llama's `moe_every`) reruns all but its last one whole: their
+    second all-reduce (SP: reduce-scatter) too.
     """
     if not tensor:
         return {}
@@ -213,17 +247,20 @@ def tensor_traffic(config: DecoderConfig, params, rows: int, seq: int, layers_ru
     out: dict = {}
     c = config.input_projections
     blocks, reductions = 4 * layers_run * a + 2 * a, (2 + c) * layers_run * a + 2 * a
+    per_layer = getattr(config, "moe_every", 1) if getattr(config, "experts", 0) else 1  # blocks per stacked layer
+    inner = layers_run - layers_run // per_layer  # blocks rerun whole
     again = layers_run * a if config.remat != "none" else 0
+    whole = inner * a if config.remat != "none" else 0
     ce = 3 * rows * seq * 4
     if sp:
         _add(out, "all-gather", tensor, blocks + 2 * again)
-        _add(out, "reduce-scatter", tensor, reductions + again)
+        _add(out, "reduce-scatter", tensor, reductions + again + whole)
         # (the position table's: the gradient of the rows looked up, seq of them)
         replicated = sum(p.bytes for p in params if "norm" in p.path) + sum(
             p.bytes * seq // p.shape[0] for p in params if p.path.startswith("pos_embed"))
         _add(out, "all-reduce", tensor, ce + replicated)
     else:
-        _add(out, "all-reduce", tensor, reductions + again + ce)
+        _add(out, "all-reduce", tensor, reductions + again + whole + ce)
     return out
 
 
@@ -256,6 +293,42 @@ def context_traffic(config: DecoderConfig, rows: int, seq: int, layers_run: int,
     return out
 
 
+def expert_traffic(config: DecoderConfig, params, rows: int, seq: int, layers_run: int, batch_axes, experts_axes,
+                   tensor: tuple[str, ...], sp: bool) -> dict:
+    """{(kind, axes): bytes} of a mixture of experts (`jshard.moe`) for `rows` local sequences of
+    `seq` tokens through `layers_run` blocks, every `moe_every`-th a MoE layer.
+
+    With D = one device's dispatch buffer, rows · experts · C · embed in the compute dtype
+    (C = `moe.capacity`, slots per expert per row), expert parallelism all-to-alls D four
+    times per layer (to the experts and back, forward and backward), six under remat (the
+    forward runs again). The load f_e sums over the batch axes (experts floats, forward).
+    Under TP the experts' down projection all-reduces D forward and their gate_up's input
+    gradient D backward (again under remat), in place of the dense MLP's A = rows · seq ·
+    embed; under SP the MoE gathers whole rows (one all-gather, its transpose one
+    reduce-scatter, in place of the dense MLP's two each) and the router, which reads them,
+    all-reduces its gradient."""
+    if not getattr(config, "experts", 0):
+        return {}
+    layers_run //= config.moe_every  # the MoE layers among them
+    itemsize = jnp.dtype(config.dtype).itemsize
+    slots = capacity(seq, config.experts, config.top_k, config.capacity_factor)
+    buffer = rows * config.experts * slots * config.embed * itemsize
+    dense = rows * seq * config.embed * itemsize
+    again = config.remat != "none"
+    out: dict = {}
+    _add(out, "all-to-all", experts_axes, layers_run * (6 if again else 4) * buffer)
+    _add(out, "all-reduce", batch_axes, layers_run * config.experts * 4)
+    if tensor:
+        _add(out, "all-reduce", tensor, layers_run * (3 if again else 2) * buffer)
+        if sp:
+            _add(out, "all-gather", tensor, -layers_run * dense)
+            _add(out, "reduce-scatter", tensor, -layers_run * dense)
+            _add(out, "all-reduce", tensor, sum(p.bytes for p in params if "router" in p.path))
+        else:
+            _add(out, "all-reduce", tensor, -2 * layers_run * dense)
+    return out
+
+
 def traffic(config: DecoderConfig, params, sizes: dict[str, int], rules: Rules, batch_axes, rows: int, seq: int,
             stage_axis: str | None = None) -> dict:
     """{(kind, axes): bytes} per device per step, but the pipeline's sends: params (gradients
@@ -273,6 +346,10 @@ def traffic(config: DecoderConfig, params, sizes: dict[str, int], rules: Rules, 
         _add(comm, *key, nbytes)
     for key, nbytes in context_traffic(config, rows, seq, layers_run, context, sizes, shards((tensor,), sizes),
                                        rules.context_attention).items():
+        _add(comm, *key, nbytes)
+    experts_axes = split_axes(rules, sizes, "experts")
+    for key, nbytes in expert_traffic(config, params, rows, seq, layers_run, tuple(a for a in batch_axes if sizes[a] > 1),
+                                      experts_axes, tensor, sp).items():
         _add(comm, *key, nbytes)
     # The mean loss: over the context axes (the loss's own mean), the batch axes, then the stages.
     for axes in context, (a for a in batch_axes if sizes[a] > 1), (stage_axis,) if stage_axis else ():
@@ -311,35 +388,86 @@ def _abstract_mesh(sizes: dict[str, int]):
 
 def _link(axes: str, sizes: dict[str, int], hw: Hardware) -> tuple[float, str]:
     """Bandwidth of a mesh axis group: intra-node when its devices and every axis inside it
-    (mesh order data, stage, fsdp, context, tensor: tensor innermost) fit in one node."""
+    (mesh order data, stage, fsdp, context, expert, tensor: tensor innermost) fit in one node."""
     first = min(AXES.index(a) for a in axes.split("+"))
     span = math.prod(sizes[a] for a in AXES[first:])
     return (hw.intra_bw, "intra") if span <= hw.gpus_per_node else (hw.inter_bw, "inter")
 
 
 def _wire_factor(kind: str, n: int) -> float:
-    """Bytes each device puts on the wire per byte of K (ring algorithms; docs/collectives.md)."""
-    return {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(kind, (n - 1) / n)
+    """Bytes each device puts on the wire per byte of K (ring algorithms; docs/collectives.md;
+    an all-to-all keeps 1/n of its buffer and sends the rest)."""
+    return {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0, "all-to-all": (n - 1) / n}.get(kind, (n - 1) / n)
+
+
+def is_moe(config: DecoderConfig) -> bool:
+    return bool(getattr(config, "experts", 0))
+
+
+def _moe_parts(config: DecoderConfig) -> tuple[DecoderConfig, DecoderConfig, int]:
+    """(one MoE block, one dense block, blocks per layer of the stack) of a MoE Llama: its
+    `moe_every` = n blocks of a stacked layer are n - 1 dense ones and one with the experts."""
+    n = getattr(config, "moe_every", 1)
+    return dataclasses.replace(config, moe_every=1, layers=1), dataclasses.replace(config, experts=0), n
+
+
+def slots_per_token(config: DecoderConfig) -> float:
+    """A MoE layer's dispatch buffer slots per token, E · C / seq (C = `moe.capacity` of a whole
+    row): what the experts compute, filled or not (about capacity factor × top_k; E when dropless)."""
+    return config.experts * capacity(config.seq_len, config.experts, config.top_k, config.capacity_factor) / config.seq_len
 
 
 def activation_bytes_per_token_layer(config: DecoderConfig, tensor: int, sp: bool, flash: bool) -> float:
+    """Bytes per token per block that its backward keeps (a MoE Llama's: the mean over its blocks)."""
     itemsize = jnp.dtype(config.dtype).itemsize
     h = config.embed
-    if config.remat == "full":
-        return ACT_FULL_REMAT * h * itemsize / (tensor if sp else 1)
+    if config.remat == "full":  # each layer of the stack keeps its input (a MoE Llama's: of moe_every blocks)
+        return ACT_FULL_REMAT * h * itemsize / (tensor if sp else 1) / (_moe_parts(config)[2] if is_moe(config) else 1)
+    if is_moe(config) and config.moe_every > 1:
+        block, dense, n = _moe_parts(config)
+        return (activation_bytes_per_token_layer(block, tensor, sp, flash)
+                + (n - 1) * activation_bytes_per_token_layer(dense, tensor, sp, flash)) / n
     if config.remat == "selective":
         whole = (ACT_SEL_H_SP_WHOLE * h + (ACT_SEL_H_REPLICATED - ACT_SEL_H_SP_WHOLE) * h / tensor if sp
                  else ACT_SEL_H_REPLICATED * h)
+        if is_moe(config):  # the experts' matmuls have a batch dim: only the router's output is kept
+            return (whole + ACT_SEL_SPLIT * 3 * h / tensor) * itemsize + _router_bytes(config)
         return (whole + ACT_SEL_SPLIT * (3 * h + config.mlp) / tensor) * itemsize
     return _all_activations(config, tensor, sp, flash)
 
 
 def _all_activations(config: DecoderConfig, tensor: int, sp: bool, flash: bool) -> float:
-    """Bytes per token of one layer that keeps everything for its backward."""
+    """Bytes per token of one layer that keeps everything for its backward (a MoE layer: its
+    slots and router in place of the MLP's ACT_F · f)."""
     h, f, scores = config.embed, config.mlp, 0 if flash else config.heads * config.seq_len
-    split = ACT_H_SHARDED * h + ACT_F * f + ACT_SCORES * scores
+    split = ACT_H_SHARDED * h + ACT_SCORES * scores
     whole = ACT_H_SP_WHOLE * h + (ACT_H_REPLICATED - ACT_H_SP_WHOLE) * h / tensor if sp else ACT_H_REPLICATED * h
-    return (whole + split / tensor) * jnp.dtype(config.dtype).itemsize
+    itemsize = jnp.dtype(config.dtype).itemsize
+    if is_moe(config):
+        slots = slots_per_token(config) * (ACT_SLOT_H * h + ACT_SLOT_F * f / tensor)
+        return (whole + split / tensor + slots) * itemsize + _router_bytes(config)
+    return (whole + (split + ACT_F * f) / tensor) * itemsize
+
+
+def _router_bytes(config: DecoderConfig) -> float:
+    return ACT_ROUTER_FP32 * config.experts * 4
+
+
+def backward_working_bytes(config: DecoderConfig, tensor: int, sp: bool, flash: bool) -> float:
+    """Bytes per token the backward adds once per step beyond what each layer keeps, one layer at
+    a time: under remat the layer being recomputed (all of it, or what selective dropped:
+    ACT_SEL_RECOMPUTE of it); a MoE layer's own measured terms, its experts' gradients
+    (ACT_SLOT_BACKWARD_F), under remat with their recompute (ACT_SLOT_RECOMPUTE_F), and under
+    TP two whole buffers (ACT_SLOT_TP_H); under remat with `moe_every` = n, the n - 1 dense
+    blocks recomputed with it."""
+    recomputed = {"full": 1, "selective": ACT_SEL_RECOMPUTE}.get(config.remat, 0)
+    if is_moe(config):
+        _, dense, n = _moe_parts(config)
+        coefficient = ACT_SLOT_BACKWARD_F if config.remat == "none" else ACT_SLOT_RECOMPUTE_F
+        whole = ACT_SLOT_TP_H * config.embed if tensor > 1 else 0.0
+        experts = slots_per_token(config) * (coefficient * config.mlp / tensor + whole) * jnp.dtype(config.dtype).itemsize
+        return experts + (n - 1) * recomputed * _all_activations(dense, tensor, sp, flash)
+    return _all_activations(config, tensor, sp, flash) * recomputed
 
 
 def pipeline_activations(program, config: DecoderConfig, chunk_layers: int, per_token_layer: float, logits: float,
@@ -391,6 +519,13 @@ def estimate(plan: PlanInput) -> dict:
     m = plan.microbatches or 1
     # The tokens of one sequence on a device (context parallelism splits it).
     check_context_length(config.seq_len, cp)
+    if is_moe(config) and cp > 1:
+        raise ShardingError(
+            f"a mixture of experts ({config.experts} experts) under context parallelism ({'+'.join(context)}={cp}) "
+            "is not modelled: the MoE layer routes whole rows (`moe.MOE_IN`), so the devices of a context group "
+            "gather their sequence and each runs the same experts on all of it, and its memory and collectives under "
+            "cp have not been checked against the compiler. Fix: drop cp from --strategy and split the rows over "
+            "data, fsdp or expert instead (--remat full keeps long rows small), or plan a dense model.")
     rows, local_seq = plan.micro_batch_size, config.seq_len // cp
     stages = schedule.stages if schedule else 1
     n_devices = math.prod(sizes.values())
@@ -427,9 +562,7 @@ def estimate(plan: PlanInput) -> dict:
         memory["activations"] = trade[stage_remat]["activations"]
         in_flight = schedule.peak_in_flight()
     else:
-        # Under remat the backward recomputes one layer at a time (all of it, or what selective dropped).
-        recomputed = _all_activations(config, tensor, sp, flash) * {
-            "full": 1, "selective": ACT_SEL_RECOMPUTE}.get(config.remat, 0)
+        recomputed = backward_working_bytes(config, tensor, sp, flash)
         memory["activations"] = int(rows * local_seq * (config.layers * per_token_layer + recomputed + logits))
         in_flight, trade = 1, None
     if cp > 1 and rules.context_attention == "ring":
@@ -453,14 +586,21 @@ def estimate(plan: PlanInput) -> dict:
     # time
     tokens = rows * config.seq_len * m * data_shards
     flops_model = metrics.flops_per_token(config, config.seq_len) * tokens
+    # The FLOPs run count what the experts compute: every slot of the buffer, filled or not,
+    # E·C/seq per token where the model FLOPs (and MFU) count top_k.
+    flops_base, expert_forward = flops_model, 0.0
+    if is_moe(config):
+        per_slot = 2 * 3 * config.embed * config.mlp * config.moe_layers * tokens  # the experts' forward, a slot per token
+        flops_base += 3 * per_slot * (slots_per_token(config) - config.top_k)
+        expert_forward = per_slot * slots_per_token(config)  # what selective remat runs again
     if schedule and stage_remat == "full":  # one more forward: +1/3 of 6N (ZB-H1: one for B, one for W)
-        flops_run = flops_model * pipeline_work(schedule, stage_remat)
+        flops_run = flops_base * pipeline_work(schedule, stage_remat)
     elif config.remat == "full":
-        flops_run = flops_model * 8 / 6
-    elif config.remat == "selective":  # the attention core's forward again: QK^T and PV
-        flops_run = flops_model + 4 * config.layers * config.seq_len * config.embed * tokens
+        flops_run = flops_base * 8 / 6
+    elif config.remat == "selective":  # the attention core's forward again: QK^T and PV; and the experts'
+        flops_run = flops_base + 4 * config.layers * config.seq_len * config.embed * tokens + expert_forward
     else:
-        flops_run = flops_model
+        flops_run = flops_base
     peak = hw.peak_flops * (1 if jnp.dtype(config.dtype) == jnp.bfloat16 else 0.5)
     t_compute = flops_run / (n_devices * peak * hw.matmul_efficiency)
     times, rows_out = {}, []
@@ -481,20 +621,23 @@ def estimate(plan: PlanInput) -> dict:
     t_dp = t_of(lambda k, a: k == "all-reduce" and set(a.split("+")) <= plain) if plain else 0.0
     t_pp = t_of(lambda k, a: a == stage_axis)
     t_cp = t_of(lambda k, a: a == "+".join(context) and k != "all-reduce") if cp > 1 else 0.0
+    t_ep = t_of(lambda k, a: k == "all-to-all")
     bubble = schedule.bubble_fraction_of_step if schedule else 0.0
     ratios = {
         "dp": t_dp / (t_compute * 2 / 3) if t_dp else None,  # the gradient all-reduce hides behind backward
         "zero3": t_zero / t_compute if t_zero and rules.zero == 3 else None,
         "tp": t_tp / t_compute if t_tp else None,
+        "ep": t_ep / t_compute if t_ep else None,
         "pp": t_pp / t_compute if t_pp else None,
         "cp": context_overlap(config, cp, peak * hw.matmul_efficiency, _link("+".join(context), sizes, hw)[0])
         if cp > 1 and rules.context_attention == "ring" else None,
     }
-    # TP sits on the critical path (each block waits for its reduction); the others overlap
-    # compute and show only where they are longer than it.
+    # TP sits on the critical path (each block waits for its reduction), and so do EP's
+    # all-to-alls (the experts wait for their rows, the rows for the experts' outputs); the
+    # others overlap compute and show only where they are longer than it.
     # The ring's sends overlap attention only: what the ratio leaves of them is exposed.
     t_cp_exposed = t_cp * max(0.0, 1 - 1 / ratios["cp"]) if t_cp and rules.context_attention == "ring" else t_cp
-    step_s = t_compute / (1 - bubble) + t_tp + t_cp_exposed + max(0.0, t_dp + t_zero + t_pp - t_compute)
+    step_s = t_compute / (1 - bubble) + t_tp + t_ep + t_cp_exposed + max(0.0, t_dp + t_zero + t_pp - t_compute)
     mfu = flops_model / (step_s * n_devices * peak)
 
     warnings = []
@@ -507,7 +650,18 @@ def estimate(plan: PlanInput) -> dict:
             warnings.append(f"{name} overlap ratio {r:.2f} > 1: its communication cannot hide behind compute")
     if schedule and m < stages:
         warnings.append(f"m < p: {m} micro-batches for {stages} stages leave most of the pipeline idle")
-    if not isinstance(config, GPTConfig):
+    experts_axes = split_axes(rules, sizes, "experts")
+    if experts_axes and _link("+".join(experts_axes), sizes, hw)[1] == "inter":
+        warnings.append(f"EP axis spans nodes: {'+'.join(experts_axes)}={shards((experts_axes,), sizes)}"
+                        + (f" (× tensor={tensor} inside it)" if tensor > 1 else "")
+                        + f" > {hw.gpus_per_node} GPUs per node: its all-to-alls cross the inter-node links")
+    if is_moe(config):
+        warnings.append("activations: the mixture of experts' bytes per token are measured (docs/planning.md); "
+                        "attention's and the norms' are the GPT block's")
+        if schedule:
+            warnings.append("a mixture of experts under a pipeline: its stage buffers use the dense block's "
+                            "formulas (ZB-H1's crossover, the recompute); not validated")
+    elif not isinstance(config, GPTConfig):
         warnings.append(f"activations: the GPT block's measured bytes per token; a {config.family} "
                         "block's (gated MLP, grouped KV heads) are not yet measured")
 
@@ -521,11 +675,29 @@ def estimate(plan: PlanInput) -> dict:
         memory_bytes_per_device=dict(total=int(total_memory), **{k: int(v) for k, v in memory.items()}),
         model_state_bytes=int(sum(memory[k] for k in MODEL_STATE)),
         precision=_precision_line(table, rules),
+        moe=_moe_summary(config, params, sizes, experts_axes) if is_moe(config) else None,
+        flops_per_step=dict(model=flops_model, run=flops_run),
         fits=total_memory <= hw.hbm_bytes,
         comm_bytes_per_step={k: int(sum(r["bytes"] for r in rows_out if r["kind"] == k)) for k in
                              sorted({r["kind"] for r in rows_out})},
         collectives=rows_out, compute_s=t_compute, overlap_ratios=ratios, bubble_fraction=bubble,
         predicted_step_s=step_s, predicted_mfu=mfu, warnings=warnings,
+    )
+
+
+def _moe_summary(config: DecoderConfig, params, sizes: dict[str, int], experts_axes) -> dict:
+    """What the report says of a mixture of experts: its routing, slots, and where its experts are."""
+    experts = [p for p in params if "experts" in p.names]
+    expert_params = sum(p.elements for p in experts)
+    return dict(
+        experts=config.experts, top_k=config.top_k, capacity_factor=config.capacity_factor,
+        capacity=capacity(config.seq_len, config.experts, config.top_k, config.capacity_factor),
+        slots_per_token=slots_per_token(config), expert_axes="+".join(experts_axes),
+        moe_every=config.moe_every, moe_layers=config.moe_layers,
+        experts_per_device=config.experts // shards((experts_axes,), sizes),
+        expert_params=expert_params, active_params=sum(p.elements for p in params) - expert_params * (
+            config.experts - config.top_k) // config.experts,
+        expert_param_bytes_per_device=sum(local(p.bytes, p.param, sizes) for p in experts),
     )
 
 
@@ -557,21 +729,31 @@ def _precision_line(table: LayoutTable, rules: Rules) -> str:
 
 
 def report(est: dict) -> str:
-    mem, model = est["memory_bytes_per_device"], est["model"]
+    mem, model, moe = est["memory_bytes_per_device"], est["model"], est["moe"]
     hw = est["hardware"]
     mesh = " ".join(f"{a}={n}" for a, n in est["mesh"].items())
     lines = [
         f"jshard plan: {model['kind']} {model['layers']} layers, embed {model['embed']}, heads {model['heads']}"
         + (f" ({model['kv_heads']} kv)" if "kv_heads" in model else "") + f", mlp {model['mlp']}, "
-        f"vocab {model['vocab']}, seq {model['seq_len']}: {model['params'] / 1e9:.3g} B params, {model['dtype']}, remat {model['remat']}, "
+        f"vocab {model['vocab']}, seq {model['seq_len']}: {model['params'] / 1e9:.3g} B params"
+        + (f" ({moe['active_params'] / 1e9:.3g} B active)" if moe else "") + f", {model['dtype']}, remat {model['remat']}, "
         f"attention {est['attention']}",
         f"  mesh        {mesh} on {hw['name']} ({hw['gpus_per_node']} per node)",
         f"  precision   {est['precision']}",
         f"  strategy    {est['strategy']}" + (f", {est['schedule']} m={est['microbatches']}, stage remat "
                                               f"{est['stage_remat']}" if est["schedule"] else "")
         + f", micro-batch {est['micro_batch_size']} rows, {est['tokens_per_step']} tokens per step",
-        "memory per device",
     ]
+    if moe:
+        where = (f"over {moe['expert_axes']}: {moe['experts_per_device']} per device" if moe["expert_axes"]
+                 else "no expert axis: every device runs all of them")
+        factor = "dropless" if moe["capacity_factor"] is None else f"factor {moe['capacity_factor']:g}"
+        every = "every block" if moe["moe_every"] == 1 else f"{moe['moe_layers']} of the {model['layers']} blocks"
+        lines.append(f"  experts     {moe['experts']} in {every}, top-{moe['top_k']}, capacity {moe['capacity']} slots per "
+                     f"expert per row ({factor}): {moe['slots_per_token']:.3g} slots per token run for {moe['top_k']} "
+                     f"routed (the experts' FLOPs ×{moe['slots_per_token'] / moe['top_k']:.3g}); {where} "
+                     f"({format_bytes(moe['expert_param_bytes_per_device'], 2)} of expert params)")
+    lines.append("memory per device")
     for key in ("params", "grads", "master", "optimizer", "gathered", "chunk_weights", "activations", "batch"):
         if mem.get(key):
             lines.append(f"  {key:<14}{format_bytes(mem[key], 2):>12}")
@@ -588,7 +770,9 @@ def report(est: dict) -> str:
         lines.append(f"  {r['kind']:<19}{r['axes']:<12}×{r['group']:<4}{format_bytes(r['bytes'], 2):>12}  {r['link']:<6}{r['seconds'] * 1e3:10.3f} ms")
     ratios = "  ".join(f"{k} {v:.3f}" for k, v in est["overlap_ratios"].items() if v is not None) or "none"
     lines += [
-        f"  compute     {est['compute_s'] * 1e3:.3f} ms",
+        f"  compute     {est['compute_s'] * 1e3:.3f} ms"
+        + (f" ({est['flops_per_step']['run'] / est['flops_per_step']['model']:.3f}× the model FLOPs MFU counts)"
+           if moe else ""),
         f"  overlap     t_comm/t_compute: {ratios}",
         f"  bubble      {est['bubble_fraction']:.3f}",
         f"  predicted   step {est['predicted_step_s'] * 1e3:.3f} ms, MFU {est['predicted_mfu'] * 100:.1f}%",

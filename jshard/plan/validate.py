@@ -1,6 +1,8 @@
 """The planner against the compiler: `jshard plan --validate` builds small steps on fake CPU
 devices and compares the estimate's memory with `compiled.memory_analysis()` (within 10%)
-and its collective bytes with the compiled HLO's (exactly). docs/planning.md shows the table.
+and its collective bytes with the compiled HLO's (exactly): the GPT and the Llama on every
+`VALIDATION` case, the mixture of experts on every `MOE_VALIDATION` case (`validation_cases`).
+docs/planning.md shows the table.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from flax import nnx
 
 from jshard import hlo
 from jshard.mesh import STANDARD_AXES, make_mesh, mesh_shape
-from jshard.models import DecoderConfig, GPTConfig, LlamaConfig, decoder, gpt_loss
+from jshard.models import LLAMA_SIZES, DecoderConfig, GPTConfig, LlamaConfig, decoder, gpt_loss
 from jshard.parallel.pipeline import compile_program
 from jshard.parallel.step import build_step
 from jshard.plan.estimate import HARDWARE, PlanInput, estimate
@@ -46,11 +48,30 @@ VALIDATION = (
     ("dp+cp", None, None, "full", "example", "fp32", None, 8),
     ("dp+cp-gather", None, None, "none", "default", "fp32", None, 8),
 )
+# Expert parallelism on each of its example meshes, and once under full remat.
+MOE_VALIDATION = (
+    ("ep", None, None, "none"), ("dp+ep", None, None, "none"), ("fsdp+ep", None, None, "none"),
+    ("dp+ep+tp", None, None, "none"), ("dp+ep", None, None, "full"),
+)
 VALIDATION_MODEL = GPTConfig(seq_len=64, embed=128, heads=4, mlp=512, layers=8)
-# Both decoders run every case; the Llama's 8 query heads share 4 KV heads.
+# Both decoders run every VALIDATION case; the Llama's 8 query heads share 4 KV heads. The
+# MOE_VALIDATION cases run on `moe-tiny` (2 layers, embed 64, 8 experts of mlp 128, top-2,
+# capacity factor 1.25).
 VALIDATION_MODELS = {"gpt": VALIDATION_MODEL,
-                     "llama": LlamaConfig(seq_len=64, embed=128, heads=8, kv_heads=4, mlp=384, layers=8)}
+                     "llama": LlamaConfig(seq_len=64, embed=128, heads=8, kv_heads=4, mlp=384, layers=8),
+                     "moe": LLAMA_SIZES["moe-tiny"]}
 MEMORY_TOLERANCE = 0.10
+
+
+def validation_cases() -> list[tuple[tuple, str]]:
+    """(case, key of VALIDATION_MODELS) for every row `jshard plan --validate` runs, in order."""
+    return ([(case, model) for model in ("gpt", "llama") for case in VALIDATION]
+            + [(case, "moe") for case in MOE_VALIDATION])
+
+
+def model_name(config: DecoderConfig) -> str:
+    """The validation table's model column: the decoder's family, MoE for one with experts."""
+    return "MoE" if getattr(config, "experts", 0) else config.family
 
 
 def compiled_pipeline_permute_bytes(schedule, config: DecoderConfig, rows: int, context: int = 1) -> int:
@@ -102,7 +123,7 @@ def validate_one(strategy: str, microbatches, schedule, remat: str, mesh: str = 
         predicted_memory = sum(est["memory_bytes_per_device"][k] for k in ("params", "master", "optimizer"))
         measured = ma.argument_size_in_bytes - est["memory_bytes_per_device"]["batch"]
     return dict(
-        model=config.family, strategy=rules.name, mesh=format_mesh(mesh_shape(mesh)),
+        model=model_name(config), strategy=rules.name, mesh=format_mesh(mesh_shape(mesh)),
         schedule=(schedule or "-") + ("/full" if stage_remat == "full" else ""), remat=remat, precision=policy.name,
         memory_compared=compared, memory_predicted=predicted_memory, memory_compiled=measured,
         memory_rel_err=predicted_memory / measured - 1,
