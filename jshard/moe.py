@@ -10,7 +10,8 @@
       -> back to the tokens, each choice weighted by its gate
 
 Capacity is per row, C = ceil(capacity_factor · k · seq / experts): which choices are dropped
-depends on the row alone, so it is the same on one device and on every mesh.
+depends on the row alone, so it is the same on one device and on every mesh (but under
+context parallelism, whose chunk order the step refuses to queue by: `step.check_experts`).
 `capacity_factor=None` is dropless: C = seq, the most one expert can be chosen in a row.
 
 Expert parallelism follows from the names alone. The buffer is built where its rows are
@@ -162,8 +163,8 @@ class MoE(nnx.Module):
         y = y.transpose(1, 0, 2, 3).reshape(rows, self.experts * slots, -1)
         place = vma.where(routing.kept, routing.slot, 0).reshape(rows, seq * self.top_k, 1)
         chosen = jnp.take_along_axis(y, place, axis=1).reshape(rows, seq, self.top_k, -1)
-        weight = vma.where(routing.kept, routing.gate, 0).astype(chosen.dtype)
-        out = jnp.einsum("bskd,bsk->bsd", *vma.match(chosen, weight))
+        weight = vma.where(routing.kept, routing.gate, 0)  # the k-way sum in float32, as the gates are
+        out = jnp.einsum("bskd,bsk->bsd", *vma.match(chosen.astype(jnp.float32), weight))
         out = nn.with_loss_gradient(out, balance_loss, self.balance_weight)
         stats = dict(balance=balance_loss, load=load, dropped=dropped)
         return nn.relayout(out.astype(x.dtype), MOE_IN, names), stats

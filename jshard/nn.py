@@ -348,14 +348,17 @@ def matmul(x: jax.Array, x_names, w: jax.Array, w_names) -> jax.Array:
     """
     x_names, w_names = tuple(x_names), tuple(w_names)
     shared = [name for name in x_names if name is not None and name in w_names]
-    # Shared names leading both x and w are batch dims of the product (a stack of experts'
-    # weights, one per expert's rows); the others are contracted and must trail x.
+    # x's trailing names that w has are contracted; shared names leading both x and w are batch
+    # dims of the product (a stack of experts' weights, one per expert's rows).
+    trailing = 0
+    while trailing < len(x_names) and x_names[-1 - trailing] is not None and x_names[-1 - trailing] in w_names:
+        trailing += 1
+    contracted = list(x_names[len(x_names) - trailing:])
     batched = 0
-    while batched < len(shared) and x_names[batched] == w_names[batched] == shared[batched]:
+    while batched < len(shared) - trailing and x_names[batched] == w_names[batched]:
         batched += 1
-    contracted = shared[batched:]
-    lead = x_names[batched: len(x_names) - len(contracted)]
-    if tuple(contracted) != x_names[len(x_names) - len(contracted):]:
+    lead = x_names[batched: len(x_names) - trailing]
+    if len(shared) != batched + trailing:
         raise ValueError(f"matmul: the names shared by x {x_names} and w {w_names} must lead both (batch dims) "
                          "or trail x (contracted)")
     w_contracted = [w_names.index(name) for name in contracted]
@@ -850,9 +853,6 @@ def cached_attention(q: jax.Array, cache: KVCache, position: jax.Array) -> jax.A
     return jax.nn.dot_product_attention(q, cache.k, cache.v, mask=seen[None, None], implementation="xla")
 
 
-# -- loss -------------------------------------------------------------------------------------
-
-
 # -- losses a layer adds ------------------------------------------------------------------
 
 _loss_scale: contextvars.ContextVar[float] = contextvars.ContextVar("jshard_loss_scale", default=1.0)
@@ -878,7 +878,8 @@ def with_loss_gradient(y: jax.Array, loss: jax.Array, weight: float) -> jax.Arra
     shards is the whole. Where devices computed it alike (over tensor or context) it is averaged
     first, so that its gradient counts once."""
     if in_step():
-        keep = set(layout(("batch",))[0]) | set(layout(("layers",), "param")[0])
+        rules = active_rules()
+        keep = {a for name, axes in rules.activations + rules.params if name in ("batch", "layers") for a in axes}
         spread = tuple(sorted(vma.varying_axes(loss) - keep))
         loss = lax.pmean(loss, spread) if spread else loss
     return _with_loss_gradient(y, loss, weight * _loss_scale.get())
@@ -898,6 +899,9 @@ def _with_loss_bwd(weight, loss, g):
 
 
 _with_loss_gradient.defvjp(_with_loss_fwd, _with_loss_bwd)
+
+
+# -- loss -------------------------------------------------------------------------------------
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array, names: Sequence[str | None]) -> jax.Array:

@@ -17,7 +17,8 @@ Resolution, for one tensor with logical names `names`:
 Params, gradients and optimizer state share one table, `params`, which gives the fully
 sharded layout. `zero` says which of them use it (ZeRO stage 1: optimizer state; 2: and
 gradients; 3: and params); the others drop the ZeRO axes -- the mesh axes that shard both
-the batch and some param, `fsdp` in the presets -- and are replicated over them.
+the batch and some param dim the activations keep whole, `fsdp` in the presets (not
+`expert`, which splits `experts` in both) -- and are replicated over them.
 Activations have their own table: `embed` shards a weight over `fsdp` but never an
 activation.
 """

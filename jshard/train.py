@@ -48,6 +48,7 @@ from jshard.nn import attention_implementation
 from jshard.models import SIZES, DecoderConfig, decoder, gpt_loss
 from jshard.models.stack import REMAT_POLICIES
 from jshard.parallel import ShardedStep, TrainState, build_step, check_strategy, stage_axes
+from jshard.parallel.step import check_experts
 from jshard.parallel.pipeline import STAGE_REMAT
 from jshard.placement import describe, format_bytes
 from jshard.precision import PRECISIONS, REDUCE_DTYPES, Precision, precision
@@ -288,13 +289,7 @@ def set_up(config: TrainConfig) -> Setup:
     step_kwargs = {k: v for k, v in dict(schedule=config.schedule, virtual=config.virtual,
                                          stage_remat=config.stage_remat).items() if v is not None}
     check_strategy(mesh, rules, gpt_loss, microbatches, **step_kwargs)
-    experts_axes = rules.axes("experts", mesh, "param", split=True)
-    if experts_axes and not getattr(model, "experts", 0):
-        raise TrainError(
-            f"--strategy {config.strategy}: rules {rules.name!r} split experts over {'+'.join(experts_axes)}, but no param "
-            f"of the model has an 'experts' dim: --model {config.model} has no mixture of experts. Fix: a model with "
-            "experts (--model moe-tiny), or a preset without ep."
-        )
+    check_experts(mesh, rules, bool(getattr(model, "experts", 0)))
     batch_axes = rules.axes("batch", mesh)
     sizes = mesh_shape(mesh)
     context = math.prod(sizes[a] for a in rules.context_axes(mesh))
@@ -494,7 +489,7 @@ def _experts_line(m: DecoderConfig) -> str:
     if not getattr(m, "experts", 0):
         return ""
     slots = "dropless" if m.capacity_factor is None else f"capacity factor {m.capacity_factor:g}"
-    where = "every block" if m.moe_every == 1 else f"every {m.moe_every}th block"
+    where = "every block" if m.moe_every == 1 else f"one block in {m.moe_every}"
     return (f"; a mixture of {m.experts} experts in {where}, top-{m.top_k} routed, {slots}, "
             f"balance loss weight {m.balance_loss:g}")
 
@@ -605,8 +600,8 @@ def _train(p: Setup, out) -> TrainResult:
             if router_stats and logged:
                 routed[done] = router_stats(state, batch)
                 record.update(routed[done])
-                shown += f"  load max {max(map(max, routed[done]['expert_load'])):.2f} " \
-                         f"dropped {routed[done]['dropped']:.1%}"
+                load, dropped = routed[done]["expert_load"], routed[done]["dropped"]
+                shown += f"  load max {max(map(max, load)):.2f} dropped {dropped:.1%}"
             metrics.write(**record)
             records.append(record)
             bar.set_postfix_str(shown, refresh=False)

@@ -138,6 +138,21 @@ def test_expert_weights_per_device_fall_as_one_over_ep(ep):
 # -- every n-th block, and decoding -----------------------------------------------------------
 
 
+@pytest.mark.parametrize("top_k, capacity_factor", [(1, 1.0), (2, None)])
+def test_top_1_and_dropless_match_one_device(top_k, capacity_factor):
+    """Switch's top-1 (the raw probability as gate) and dropless routing (every choice a slot)
+    under dp+ep+tp, against one device, balance gradient included."""
+    make = functools.partial(decoders.make, "moe", SEED, top_k=top_k, capacity_factor=capacity_factor)
+    batch = batch_of()
+    expected_loss, expected = nnx.value_and_grad(gpt_loss)(make(), batch)
+    step = build_step(make(), OPTIMIZER, gpt_loss, jshard.make_mesh(data=2, expert=2, tensor=2), jshard.preset("dp+ep+tp"))
+    loss, grads = step.value_and_grad(step.state, step.shard_batch(batch))
+    assert relative_error(loss, expected_loss) <= TOLERANCE
+    assert_trees_close(grads, expected, "gradient")
+    dropped = make().router_stats(batch[:, :-1])["dropped"]
+    assert np.all(dropped == 0) if capacity_factor is None else np.all(dropped > 0)
+
+
 def test_moe_every_other_block_matches_one_device():
     """moe_every=2: the stack's layers each hold a dense block and a MoE block."""
     make = functools.partial(decoders.make, "moe", SEED, layers=4, moe_every=2)
@@ -167,14 +182,14 @@ def test_decoding_with_a_cache_routes_as_the_forward_without_dropping(moe_every)
 # -- a pipeline ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_pipeline_matches_one_device(schedule):
+@pytest.mark.parametrize("schedule, moe_every", [("1f1b", 1), ("zb-h1", 2)])
+def test_pipeline_matches_one_device(schedule, moe_every):
     """dp+ep+pp: each micro-batch balances its own tokens, and its balance gradient counts 1/M
     as its loss does. The reference: one device, the loss averaged over the same micro-batches
     (chunk j of every batch shard), each forward's balance gradient scaled 1/M."""
     shards, microbatches = 4, 2  # data × expert
     batch = batch_of()
-    make = functools.partial(decoders.make, "moe", SEED, layers=4)
+    make = functools.partial(decoders.make, "moe", SEED, layers=4 * moe_every, moe_every=moe_every)
     step = build_step(make(), OPTIMIZER, gpt_loss, jshard.make_mesh(data=2, expert=2, stage=2),
                       jshard.preset("dp+ep+pp"), microbatches, schedule)
     loss, grads = step.value_and_grad(step.state, step.shard_batch(batch))
@@ -206,26 +221,44 @@ def test_compiler_placed_step_matches_the_explicit_one():
 
 
 def test_bf16_matches_fp32_on_one_device():
+    """bf16 compute (the experts' matmuls and the all-to-alls), fp32 router and gate sum."""
     batch = batch_of()
-    expected, _ = nnx.value_and_grad(gpt_loss)(decoders.make("moe", SEED), batch)
+    expected, expected_grads = nnx.value_and_grad(gpt_loss)(decoders.make("moe", SEED), batch)
     step = build_step(decoders.make("moe", SEED, dtype=jnp.bfloat16), OPTIMIZER, gpt_loss,
                       jshard.make_mesh(data=2, expert=4), jshard.preset("dp+ep"), precision="mixed")
-    loss, _ = step.value_and_grad(step.state, step.shard_batch(batch))
+    loss, grads = step.value_and_grad(step.state, step.shard_batch(batch))
     assert relative_error(loss, expected) <= 2e-2
+    flat = dict(nnx.to_flat_state(expected_grads))
+    for path, g in nnx.to_flat_state(grads):
+        if "experts" in (g.get_metadata().get("out_sharding") or ()):  # the experts' weights, through both all-to-alls
+            assert relative_error(g.get_value(), flat[path].get_value()) <= 1e-1, path
 
 
 # -- bad input ---------------------------------------------------------------------------------
 
 
-def test_bad_input():
-    mesh = jshard.make_mesh(data=2, expert=4)
-    with pytest.raises(ShardingError, match=r"'blocks/mlp/gate_up/kernel'.*dim 1 \('experts', size 2\).*expert=4"):
-        build_step(decoders.make("moe", SEED, experts=2), OPTIMIZER, gpt_loss, mesh, jshard.preset("dp+ep"))
-    with pytest.raises(ShardingError, match="no param of the model has an 'experts' dim.*moe-tiny"):
-        build_step(decoders.make("llama", SEED), OPTIMIZER, gpt_loss, mesh, jshard.preset("dp+ep"))
-    with pytest.raises(ValueError, match="top_k=3 must be between 1 and experts=2"):
-        decoders.make("moe", SEED, experts=2, top_k=3)
-    with pytest.raises(ValueError, match="capacity_factor=0 must be positive, or None"):
-        decoders.make("moe", SEED, capacity_factor=0)
-    with pytest.raises(ValueError, match="layers=2 must divide by moe_every=4"):
-        decoders.make("moe", SEED, moe_every=4)
+@pytest.mark.parametrize("fields, preset, sizes, error, match", [
+    (dict(experts=2), "dp+ep", dict(data=2, expert=4), ShardingError,
+     r"'blocks/mlp/gate_up/kernel'.*dim 1 \('experts', size 2\).*expert=4"),
+    (dict(experts=0), "dp+ep", dict(data=2, expert=4), ShardingError, "no param of the model has an 'experts' dim.*moe-tiny"),
+    (dict(), "dp+cp", dict(data=2, context=4), ShardingError, "mixture of experts.*Fix: a preset without cp"),
+    (dict(experts=2, top_k=3), None, None, ValueError, "top_k=3 must be between 1 and experts=2"),
+    (dict(capacity_factor=0), None, None, ValueError, "capacity_factor=0 must be positive, or None"),
+    (dict(moe_every=4), None, None, ValueError, "layers=2 must divide by moe_every=4"),
+])
+def test_bad_input(fields, preset, sizes, error, match):
+    """One clear error, before any device work: from the config, or from build_step's checks."""
+    with pytest.raises(error, match=match):
+        model = decoders.make("moe", SEED, **fields)
+        build_step(model, OPTIMIZER, gpt_loss, jshard.make_mesh(**sizes), jshard.preset(preset))
+
+
+def test_matmul_batches_over_names_leading_both_and_contracts_trailing_ones():
+    """Outside a step, as einsum: experts lead both (a batch dim), embed trails x (contracted); a
+    name that is x's only one and leads w is contracted, never a batch dim."""
+    rng = np.random.default_rng(SEED)
+    x, w = rng.standard_normal((3, 2, 5, 4)), rng.standard_normal((3, 4, 6))
+    y = nn.matmul(jnp.asarray(x), ("experts", "batch", None, "embed"), jnp.asarray(w), ("experts", "embed", "mlp"))
+    np.testing.assert_allclose(y, np.einsum("ebcd,edf->ebcf", x, w), rtol=1e-5)
+    v, m = rng.standard_normal(4), rng.standard_normal((4, 6))
+    np.testing.assert_allclose(nn.matmul(jnp.asarray(v), ("embed",), jnp.asarray(m), ("embed", "mlp")), v @ m, rtol=1e-5)

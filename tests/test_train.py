@@ -315,6 +315,7 @@ def refused(capsys, argv, message):
      "--seq-len 36: context parallelism over context = 4 cuts each sequence into 8 equal chunks"),
     (["--strategy", "cp+pp", "--mesh", "context=4,stage=2"], "Fix: all-gather them instead, preset 'pp+cp-gather'"),
     (["--strategy", "dp+ep", "--mesh", "data=2,expert=4"], "no param of the model has an 'experts' dim"),
+    (["--model", "moe-tiny", "--strategy", "dp+cp", "--mesh", "data=2,context=4"], "Fix: a preset without cp"),
     (["--model", "moe-tiny", "--strategy", "ep", "--mesh", "expert=8", "--batch-size", "4"],
      "--batch-size 4 does not split over 8 batch shards (expert)"),
 ])

@@ -140,15 +140,25 @@ def _check_one_zero_dim(params, param_layouts, opt_layouts) -> None:
             )
 
 
-def _check_experts(table, mesh: Mesh, rules: Rules) -> None:
-    """Rules that split `experts` over an axis need a model with experts (`jshard.moe`): else
-    that axis only splits the batch, a data-parallel axis under another name."""
+def check_experts(mesh: Mesh, rules: Rules, has_experts: bool) -> None:
+    """Whether `rules` can run a model with (`has_experts`) or without a mixture of experts.
+
+    Rules that split `experts` over an axis need experts: else that axis only splits the batch,
+    a data-parallel axis under another name. And a mixture of experts does not take context
+    parallelism: its rows, gathered whole, arrive in cp's load-balanced chunk order, in which
+    their choices would queue for the experts' slots, and drop, unlike on one device."""
     axes = rules.axes("experts", mesh, "param", split=True)
-    if axes and not any("experts" in (p.names or ()) for p in table.params):
+    if axes and not has_experts:
         raise ShardingError(
             f"build_step: rules {rules.name!r} split experts over {'+'.join(axes)}, but no param of the model has an "
             "'experts' dim: there are no experts to place. Fix: a model with a mixture of experts (jshard.moe.MoE, "
             f"e.g. --model moe-tiny), or a preset without ep (its devices then split the batch: use 'data')."
+        )
+    if has_experts and rules.context_axes(mesh):
+        raise ShardingError(
+            f"build_step: rules {rules.name!r} split each sequence over {'+'.join(rules.context_axes(mesh))} (context "
+            "parallelism), but the model has a mixture of experts, whose capacity queues follow token order, which "
+            "context parallelism's load-balanced chunks reorder. Fix: a preset without cp."
         )
 
 
@@ -176,7 +186,7 @@ class ShardedStep:
         self._has_stack = has_stack(model)
         self.table = table = layout_table(params, mesh, rules, precision)  # every bad input raises here
         self.precision = table.precision
-        _check_experts(table, mesh, rules)
+        check_experts(mesh, rules, any("experts" in (p.names or ()) for p in table.params))
         param_specs = table.specs(params, "param")
         self.param_layouts = table.layouts("param")
         self._param_paths = [p.path for p in table.params]

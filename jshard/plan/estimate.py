@@ -323,7 +323,9 @@ def expert_traffic(config: DecoderConfig, params, rows: int, seq: int, layers_ru
         if sp:
             _add(out, "all-gather", tensor, -layers_run * dense)
             _add(out, "reduce-scatter", tensor, -layers_run * dense)
-            _add(out, "all-reduce", tensor, sum(p.bytes for p in params if "router" in p.path))
+            # (this stage's routers: layers_run of the model's moe_layers)
+            routers = sum(p.bytes for p in params if "router" in p.path)
+            _add(out, "all-reduce", tensor, routers * layers_run // config.moe_layers)
         else:
             _add(out, "all-reduce", tensor, -2 * layers_run * dense)
     return out
