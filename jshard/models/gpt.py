@@ -59,6 +59,7 @@ class GPTConfig:
         """Width per token of the column-parallel linears' outputs (qkv, up), split under TP."""
         return 3 * self.embed + self.mlp
     family = "GPT"  # what reports call the model
+    blocks_per_layer = 1  # blocks in one layer of the scanned stack (a MoE Llama's may hold more)
 
     @property
     def matmul_weights(self) -> int:

@@ -65,6 +65,11 @@ class LlamaConfig:
         return self.layers // self.moe_every if self.experts else 0
 
     @property
+    def blocks_per_layer(self) -> int:
+        """Blocks in one layer of the scanned stack: `moe_every` with experts (`Blocks`), else 1."""
+        return self.moe_every if self.experts else 1
+
+    @property
     def head_dim(self) -> int:
         return self.embed // self.heads
 
@@ -232,7 +237,7 @@ class Llama(nnx.Module):
         self.config = config
         self.token_embed = nn.Embed(config.vocab, config.embed, names=("vocab", "embed"),
                                     embedding_init=INIT, dtype=config.dtype, rngs=rngs)
-        per_layer = config.moe_every if config.experts else 1  # blocks per layer of the stack
+        per_layer = config.blocks_per_layer
         layer = Blocks if per_layer > 1 else Block
         self.blocks = stack_layers(lambda rngs: layer(config, rngs=rngs), config.layers // per_layer, rngs, config.remat)
         self.final_norm = nn.RMSNorm(config.embed, epsilon=config.norm_epsilon, dtype=config.dtype)
@@ -272,7 +277,7 @@ class Llama(nnx.Module):
         """As the GPT's `decode`: logits of new tokens at positions position, ..., and the cache
         with their (rotated) keys and values added."""
         x = self.token_embed(tokens, ("batch", "seq"), RESIDUAL)
-        per_layer = self.config.moe_every if self.config.experts else 1
+        per_layer = self.config.blocks_per_layer
         stacked = jax.tree.map(lambda a: a.reshape(a.shape[0] // per_layer, per_layer, *a.shape[1:]), cache)
         x, stacked = scan_stack(self.blocks, x, lambda x, block, cache: block.decode(x, cache, position),
                                 stacked if per_layer > 1 else cache)

@@ -247,8 +247,7 @@ def tensor_traffic(config: DecoderConfig, params, rows: int, seq: int, layers_ru
     out: dict = {}
     c = config.input_projections
     blocks, reductions = 4 * layers_run * a + 2 * a, (2 + c) * layers_run * a + 2 * a
-    per_layer = getattr(config, "moe_every", 1) if getattr(config, "experts", 0) else 1  # blocks per stacked layer
-    inner = layers_run - layers_run // per_layer  # blocks rerun whole
+    inner = layers_run - layers_run // config.blocks_per_layer  # blocks rerun whole
     again = layers_run * a if config.remat != "none" else 0
     whole = inner * a if config.remat != "none" else 0
     ce = 3 * rows * seq * 4
