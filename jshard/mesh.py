@@ -185,3 +185,10 @@ def make_mesh(devices=None, axis_type: AxisType = AxisType.Auto, **axis_sizes: i
     return jax.make_mesh(
         tuple(sizes.values()), names, axis_types=(axis_type,) * len(names), devices=devices
     )
+
+
+def abstract_mesh(axis_type: AxisType = AxisType.Auto, **axis_sizes: int) -> jax.sharding.AbstractMesh:
+    """A mesh of named sizes with no devices (`make_mesh`'s axes, in its order; standard axes not
+    named get size 1): for plans, and steps lowered for machines this one is not."""
+    sizes = {name: 1 for name in STANDARD_AXES} | axis_sizes
+    return jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes), axis_types=(axis_type,) * len(sizes))

@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jshard.mesh import mesh_shape
-from jshard.precision import Precision, precision as precision_policy
+from jshard.precision import Precision
 from jshard.rules import ZERO_KINDS, Kind, Rules, ShardingError, axes_of, layout_of, raise_problems, resolve
 
 
@@ -42,7 +42,7 @@ def _is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def _path_str(path) -> str:
+def path_str(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
@@ -53,21 +53,26 @@ def _flatten(tree):
     return jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_variable)
 
 
+def paths_and_shapes(tree) -> list[tuple[str, tuple[int, ...]]]:
+    """(path, shape) of every Variable (or bare array) of `tree`, in leaf order, as `place` names them."""
+    return [(path_str(path), tuple(np.shape(leaf.get_value() if _is_variable(leaf) else leaf)))
+            for path, leaf in _flatten(tree)[0]]
+
+
 # Names that fit a param of each rank, for the error that asks for them.
 _EXAMPLE_NAMES = {1: "('embed',)", 2: "('embed', 'mlp')", 3: "('embed', 'heads', 'kv')",
                   4: "(None, None, 'embed', 'mlp') (a conv kernel)"}
 
 
-def place(tree, mesh: Mesh, rules: Rules, kind: Kind = "param") -> list[Placement]:
-    """Resolve every Variable (or bare array) of `tree`, in leaf order. All problems raise as one error."""
-    rules.check_mesh(mesh)
-    sizes = mesh_shape(mesh)
+def place(tree, sizes: dict[str, int], rules: Rules, kind: Kind = "param") -> list[Placement]:
+    """Resolve every Variable (or bare array) of `tree` on a mesh of `sizes` (checked against the
+    rules by the caller), in leaf order. All problems raise as one error."""
     table = rules.table(kind)
     sharding_axes = list(dict.fromkeys(a for _, axes in table for a in axes if sizes[a] > 1))
     zero_axes = [a for a in rules.zero_axes if sizes[a] > 1] if rules.zero >= ZERO_KINDS[kind] else []
     placed, problems = [], []
     for path, leaf in _flatten(tree)[0]:
-        where = f"{kind} {_path_str(path)!r}"
+        where = f"{kind} {path_str(path)!r}"
         value = leaf.get_value() if _is_variable(leaf) else leaf
         shape, dtype = tuple(np.shape(value)), value.dtype  # a NumPy dtype, or an RNG key's
         names = leaf.get_metadata().get("out_sharding") if _is_variable(leaf) else None
@@ -96,7 +101,7 @@ def place(tree, mesh: Mesh, rules: Rules, kind: Kind = "param") -> list[Placemen
         if missed and shape and names is not None:
             flags.append(f"replicated over {'+'.join(missed)}, which ZeRO stage {rules.zero} means to shard")
         nbytes = math.prod(shape) * dtype.itemsize // math.prod(sizes[a] for a in used)
-        placed.append(Placement(_path_str(path), names, shape, dtype, spec, nbytes, tuple(flags)))
+        placed.append(Placement(path_str(path), names, shape, dtype, spec, nbytes, tuple(flags)))
     raise_problems(problems)
     return placed
 
@@ -112,6 +117,13 @@ class ParamLayout:
     reduce: np.dtype  # the gradient reduction's
     master: np.dtype | None  # the optimizer's copy in the `opt` layout, beside Adam's moments; None: the param
     compute: np.dtype  # what jshard.nn's layers cast a matrix to before they gather it (`nn.param`)
+
+    @classmethod
+    def of(cls, placement: Placement, opt_placement: Placement, policy: Precision | None) -> ParamLayout:
+        """Its dtypes under `policy` (None: as the param is, no master)."""
+        held = policy.param if policy else placement.dtype
+        return cls(placement, opt_placement, held, policy.reduce if policy else held, policy and policy.master,
+                   policy.compute if policy else held)
 
     path = property(lambda self: self.placement.path)
     shape = property(lambda self: self.placement.shape)
@@ -154,44 +166,6 @@ class ParamLayout:
         return bool(self.names) and self.names[0] == "layers" and len(self.shape) > 2
 
 
-@dataclasses.dataclass(frozen=True)
-class LayoutTable:
-    """Everything a step lays out for one (model, mesh, rules), resolved once: per param its
-    `param` and `opt` layouts, and the mesh axes the batch and the stacked layers are split
-    over. The step, the compiler-placed step, the planner, `describe` and the benches read it."""
-
-    rules: Rules
-    mesh_sizes: dict[str, int]
-    params: tuple[ParamLayout, ...]  # in the leaf order of the params' State
-    precision: Precision | None  # None: params held as the model holds them, no master
-    batch_axes: tuple[str, ...]  # the batch dim's, size-1 axes included
-    stage_axes: tuple[str, ...]  # the stacked layers', of size > 1: a pipeline when not empty
-
-    def specs(self, params, kind: Kind = "param"):
-        """The params' PartitionSpecs in `kind`'s layout ('param' or 'opt'), in their tree's structure."""
-        return specs_of(params, [p.placement if kind == "param" else p.opt_placement for p in self.params])
-
-    def layouts(self, kind: Kind = "param") -> list:
-        return [p.param if kind == "param" else p.opt for p in self.params]
-
-    def report(self) -> Report:
-        return Report(self.rules, self.mesh_sizes, "param", tuple(p.placement for p in self.params))
-
-
-def layout_table(params, mesh: Mesh, rules: Rules, precision: Precision | str | None = None) -> LayoutTable:
-    """Resolve every layout of `params` (a State, or an abstract one) on `mesh` (or an
-    AbstractMesh: the planner needs no devices), and every dtype under `precision` (a
-    `jshard.precision` name or policy; None: as the params are). Every bad input raises here."""
-    policy = precision_policy(precision)
-    rows = []
-    for placed, opt in zip(place(params, mesh, rules, "param"), place(params, mesh, rules, "opt")):
-        held = policy.param if policy else placed.dtype
-        rows.append(ParamLayout(placed, opt, held, policy.reduce if policy else held, policy and policy.master,
-                                policy.compute if policy else held))
-    return LayoutTable(rules, mesh_shape(mesh), tuple(rows), policy,
-                       rules.axes("batch", mesh), rules.axes("layers", mesh, "param", split=True))
-
-
 def specs(tree, mesh: Mesh, rules: Rules, kind: Kind = "param"):
     """The PartitionSpec of every Variable of `tree`, in a tree of the same structure.
 
@@ -200,7 +174,13 @@ def specs(tree, mesh: Mesh, rules: Rules, kind: Kind = "param"):
     or 'opt' (optimizer state, whose Variables carry the names of their params). Bare
     arrays need no names when they are scalars (an optimizer's step count).
     """
-    return specs_of(tree, place(tree, mesh, rules, kind))
+    return specs_of(tree, _place_checked(tree, mesh, rules, kind))
+
+
+def _place_checked(tree, mesh: Mesh, rules: Rules, kind: Kind) -> list[Placement]:
+    """`place` for the user's entry points below, which take any mesh: checked against the rules first."""
+    rules.check_mesh(mesh)
+    return place(tree, mesh_shape(mesh), rules, kind)
 
 
 def specs_of(tree, placed: list[Placement]):
@@ -283,7 +263,7 @@ class Report:
 
 def describe(tree, mesh: Mesh, rules: Rules, kind: Kind = "param") -> Report:
     """The placement of every Variable; `print()` it, or read `.rows` and `.flagged`."""
-    rows = tuple(place(tree, mesh, rules, kind))
+    rows = tuple(_place_checked(tree, mesh, rules, kind))
     return Report(rules, mesh_shape(mesh), kind, rows)
 
 

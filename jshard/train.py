@@ -47,8 +47,8 @@ from jshard.metrics import PROFILE_STEPS, MetricsFile, device_peak, flops_per_to
 from jshard.nn import attention_implementation
 from jshard.models import SIZES, DecoderConfig, decoder, gpt_loss
 from jshard.models.stack import REMAT_POLICIES
-from jshard.parallel import ShardedStep, TrainState, build_step, check_strategy, stage_axes
-from jshard.parallel.step import check_experts
+from jshard.parallel import Plan, ShardedStep, TrainState, make_plan
+from jshard.parallel.step import step_from_plan
 from jshard.parallel.pipeline import STAGE_REMAT
 from jshard.placement import describe, format_bytes
 from jshard.precision import PRECISIONS, REDUCE_DTYPES, Precision, precision
@@ -241,18 +241,19 @@ class Setup:
     config: TrainConfig
     model: DecoderConfig
     seq_len: int
-    mesh: jax.sharding.Mesh
-    rules: jshard.Rules
-    microbatches: int | None
-    precision: Precision
-    step_kwargs: dict
-    batch_shards: int  # what one micro-step's batch splits into: batch axes × pipeline micro-batches
-    batch_axes: tuple[str, ...]
+    plan: Plan  # the step's layouts, axes and pipeline, every check of them done
     checkpoints: Checkpoints | None
     record: dict | None  # the checkpoint resumed from
     seed: int
     data: data.Data
     split: data.Split  # the training stream and the held-out windows
+
+    # What the run reads of its plan.
+    mesh = property(lambda self: self.plan.mesh)
+    rules = property(lambda self: self.plan.rules)
+    precision = property(lambda self: self.plan.precision)
+    microbatches = property(lambda self: self.plan.microbatches)
+    batch_axes = property(lambda self: self.plan.batch_axes)
 
 
 def _model_identity(model: DecoderConfig) -> dict:
@@ -283,32 +284,12 @@ def set_up(config: TrainConfig) -> Setup:
             f"--seq-len {seq_len} is longer than model {config.model!r} takes ({model.seq_len}, its position "
             f"embeddings). Fix: --seq-len {model.seq_len} or less, or a larger --model."
         )
-    pipelined = bool(stage_axes(mesh, rules))
-    microbatches = config.microbatches or (PIPELINE_MICROBATCHES if pipelined else None)
-    # The pipeline schedule, as build_step takes it (its own defaults where not given).
-    step_kwargs = {k: v for k, v in dict(schedule=config.schedule, virtual=config.virtual,
-                                         stage_remat=config.stage_remat).items() if v is not None}
-    check_strategy(mesh, rules, gpt_loss, microbatches, **step_kwargs)
-    check_experts(mesh, rules, bool(getattr(model, "experts", 0)))
-    batch_axes = rules.axes("batch", mesh)
-    sizes = mesh_shape(mesh)
-    context = math.prod(sizes[a] for a in rules.context_axes(mesh))
-    if seq_len % (2 * context):
-        raise TrainError(
-            f"--seq-len {seq_len}: context parallelism over {'×'.join(rules.context_axes(mesh))} = {context} cuts each "
-            f"sequence into {2 * context} equal chunks (two per device, load-balanced). Fix: a --seq-len that is a "
-            f"multiple of {2 * context}."
-        )
-    batch_shards = math.prod(sizes[a] for a in batch_axes) * (microbatches or 1)
-    per_step = batch_shards * config.grad_accum
-    if config.batch_size % per_step:
-        over = " × ".join([f"{batch_shards // (microbatches or 1)} batch shards ({'×'.join(batch_axes) or 'none'})"]
-                          + ([f"{microbatches} pipeline micro-batches"] if microbatches else [])
-                          + [f"grad-accum {config.grad_accum}"])
-        raise TrainError(
-            f"--batch-size {config.batch_size} does not split over {over} = {per_step}. "
-            f"Fix: make --batch-size a multiple of {per_step}."
-        )
+    # The step's plan, on the model's shapes: every check of the strategy, mesh and batch, once.
+    plan = make_plan(nnx.eval_shape(lambda: decoder(model, nnx.Rngs(0))), mesh, rules, loss_fn=gpt_loss,
+                     precision=policy, microbatches=config.microbatches, default_microbatches=PIPELINE_MICROBATCHES,
+                     schedule=config.schedule, virtual=config.virtual, stage_remat=config.stage_remat)
+    plan.check_batch(config.batch_size, seq_len, config.grad_accum, rows_flag="--batch-size", seq_flag="--seq-len",
+                     steps_flag="grad-accum")
     checkpoints, record = None, None
     if config.checkpoint_dir:
         checkpoints = Checkpoints(config.checkpoint_dir)
@@ -333,16 +314,14 @@ def set_up(config: TrainConfig) -> Setup:
         if checkpoints:
             checkpoints.close()
         raise
-    return Setup(config, model, seq_len, mesh, rules, microbatches, policy, step_kwargs, batch_shards, batch_axes,
-                 checkpoints, record, seed, tokens, split)
+    return Setup(config, model, seq_len, plan, checkpoints, record, seed, tokens, split)
 
 
 def _context_line(p: Setup) -> str:
     """How context parallelism splits each row, for the set-up's batch line ('' without it)."""
-    axes = p.rules.context_axes(p.mesh)
+    axes, n = p.plan.context_axes, p.plan.context_shards
     if not axes:
         return ""
-    n = math.prod(mesh_shape(p.mesh)[a] for a in axes)
     return (f"; each row over {'+'.join(axes)} ({n} devices × 2 chunks of {p.seq_len // (2 * n)} tokens, "
             f"load-balanced; {p.rules.context_attention} attention)")
 
@@ -531,8 +510,7 @@ def _start(p: Setup, tx, say) -> tuple[ShardedStep, TrainState, int, int]:
     say(f"jshard train: {p.model.family} {p.config.model} on {p.config.data or data.CORPUS}")
     for line in _setup_lines(p, abstract, jax.eval_shape(tx.init, nnx.state(abstract))):
         say("  " + line)
-    step = build_step(jshard.init(make_model, p.mesh, p.rules), tx, gpt_loss, p.mesh, p.rules,
-                      p.microbatches, precision=p.precision, **p.step_kwargs)
+    step = step_from_plan(p.plan, jshard.init(make_model, p.mesh, p.rules), tx, gpt_loss)
     if not p.record:
         return step, step.state, 0, 0
     start, position = p.record["step"], p.record["data_position"]
@@ -553,7 +531,7 @@ def _train(p: Setup, out) -> TrainResult:
     stream = p.split.train
     if p.checkpoints and p.data.tokenizer and is_main_process():
         p.data.tokenizer.save(p.checkpoints.directory)  # beside the checkpoints: resume and generate read it
-    batch_sharding = jax.sharding.NamedSharding(p.mesh, jax.P(p.batch_axes))
+    batch_sharding = p.plan.batch_sharding
     micro_rows, tokens = c.batch_size // c.grad_accum, c.batch_size * p.seq_len
     flops_per_step = flops_per_token(p.model, p.seq_len) * tokens
     peak = device_peak(jax.devices(), p.model.dtype, c.peak_tflops)

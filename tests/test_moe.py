@@ -113,8 +113,7 @@ def test_collective_bytes_are_the_planners(preset, sizes, remat, moe_every):
     step = build_step(decoder(config, nnx.Rngs(0)), OPTIMIZER, gpt_loss, jshard.make_mesh(**sizes), jshard.preset(preset))
     counted = collective_bytes(step, batch)
     planned = {}
-    for (kind, _), nbytes in plan.traffic(config, step.table.params, mesh_shape(step.mesh), step.rules, step.batch_axes,
-                                          16 // step.data_shards, config.seq_len).items():
+    for (kind, _), nbytes in plan.traffic(config, step.plan, 16 // step.data_shards, config.seq_len).items():
         planned[kind] = planned.get(kind, 0) + nbytes
     assert counted == planned
     rows, slots = 16 // step.data_shards, moe.capacity(config.seq_len, config.experts, config.top_k, config.capacity_factor)

@@ -59,14 +59,13 @@ def add_parser(benches) -> None:
 def textbook_bytes(step: ShardedStep, config: DecoderConfig, batch_shape) -> int:
     """Bytes per device per step that the planner's formulas give for this step (`jshard.plan.traffic`)."""
     local_rows = batch_shape[0] // step.data_shards
-    comm = plan.traffic(config, step.table.params, mesh_shape(step.mesh), step.rules, step.batch_axes,
-                        local_rows, batch_shape[1] - 1)
+    comm = plan.traffic(config, step.plan, local_rows, batch_shape[1] - 1)
     return sum(comm.values())
 
 
 def textbook_memory(step: ShardedStep, config: DecoderConfig) -> int:
     """The planner's training state per device (`jshard.plan.state_bytes`): no activations."""
-    return sum(plan.state_bytes(step.table.params, mesh_shape(step.mesh), step.rules, config.layers).values())
+    return sum(plan.state_bytes(step.plan, config.layers).values())
 
 
 def comm_bytes(lowered) -> int:
@@ -109,7 +108,7 @@ def bench_strategy(preset: str, sizes: dict[str, int], config: DecoderConfig, ba
         textbook_memory_bytes=textbook_memory(step, config), parity_rel_err=explicit_parity,
         xla_comm_bytes=None, xla_parity_rel_err=None, step_s=None, gspmd_step_s=None, speed_ratio=None,
     )
-    if step.master_dtype is None:  # the compiler-placed step holds params as the model does
+    if not (step.precision and step.precision.master):  # the compiler-placed step holds params as the model does
         xla = build_step(make_model(), tx, gpt_loss, mesh, rules, collectives="compiler")
         row.update(xla_comm_bytes=comm_bytes(xla.lower(xla.state, tokens)), xla_parity_rel_err=parity(xla, tokens, reference),
                    gspmd_step_s=median_step_seconds(xla, tokens, repeats))

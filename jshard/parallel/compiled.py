@@ -26,7 +26,6 @@ XLA's: not derived, not checked against the textbook, no ZeRO-2 per-layer reduce
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -34,26 +33,18 @@ import jax
 import optax
 from flax import nnx
 from jax.lax import with_sharding_constraint
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 
-from jshard.mesh import mesh_shape
 from jshard.parallel.model_state import ModelState
-from jshard.parallel.step import ShardedStep, TrainState, stage_axes
-from jshard.placement import Report, layout_table, specs
-from jshard.rules import Rules, ShardingError, use_rules
+from jshard.parallel.plan import Plan
+from jshard.parallel.state import TrainState, abstract_state, lower, shard_batch
+from jshard.placement import Report
+from jshard.rules import use_rules
 
 
-def check_compiled_plan(mesh: Mesh, rules: Rules) -> None:
-    """Whether the compiler-placed step can run `rules` on `mesh`: before any device work."""
-    rules.check_mesh(mesh)
-    stages = stage_axes(mesh, rules)
-    if stages:
-        raise ShardingError(
-            f"build_step(collectives='compiler'): rules {rules.name!r} split layers over "
-            f"{'+'.join(stages)}={math.prod(mesh_shape(mesh)[a] for a in stages)}, a pipeline, and the "
-            "compiler-placed step does not pipeline. Fix: use the explicit step (build_step(..., "
-            "collectives='explicit', microbatches=M)), or pick a preset without pp / give stage size 1."
-        )
+def _abstract(mesh):
+    """The AbstractMesh of a mesh, or the mesh itself when it is one."""
+    return getattr(mesh, "abstract_mesh", mesh)
 
 
 class CompiledStep:
@@ -61,36 +52,41 @@ class CompiledStep:
     through `jax.jit` with XLA inserting the collectives.
 
     `loss_fn` receives the global batch and returns its mean loss. `.state` is the initial
-    state, placed by the rules; a step donates the state it is given. The surface is
-    `ShardedStep`'s, so user code and `jshard.train` take either.
+    state, placed by the rules (`abstract`: as ShapeDtypeStructs); a step donates the state it
+    is given. The surface is `ShardedStep`'s, so user code and `jshard.train` take either.
     """
 
-    schedule = None  # no pipeline
-    microbatches = None
-
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation,
-                 loss_fn: Callable[[nnx.Module, Any], jax.Array], mesh: Mesh, rules: Rules):
-        check_compiled_plan(mesh, rules)  # before anything is placed
-        self.mesh, self.rules, self.tx, self.loss_fn = mesh, rules, tx, loss_fn
+                 loss_fn: Callable[[nnx.Module, Any], jax.Array], plan: Plan, abstract: bool = False):
+        self.plan, self.tx, self.loss_fn = plan, tx, loss_fn
         self.graphdef, params, others = nnx.split(model, nnx.Param, ...)
+        plan.check_params(params)
         self.others = ModelState(others)
-        self.table = table = layout_table(params, mesh, rules)  # every bad input raises here
-        param_specs = table.specs(params, "param")
-        self.grad_specs = grad_specs = table.specs(params, "opt")  # gradients leave in the opt layout
-        self.param_layouts, self.opt_layouts = table.layouts("param"), table.layouts("opt")
-        self.batch_axes = table.batch_axes
-        self.data_shards = math.prod(mesh_shape(mesh)[a] for a in self.batch_axes)
-        self.batch_shards = self.data_shards
-        opt_specs = specs(jax.eval_shape(tx.init, params), mesh, rules, "opt")
+        param_specs = plan.specs(params, "param")
+        self.grad_specs = grad_specs = plan.specs(params, "opt")  # gradients leave in the opt layout
+        opt_specs = plan.opt_state_specs(jax.eval_shape(tx.init, params))
         self.state_specs = TrainState(param_specs, opt_specs, self.others.specs)
-        self._shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), self.state_specs)
-        self._grad_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), grad_specs)
-        self._batch_sharding = NamedSharding(mesh, jax.P(self.batch_axes))
-        replicated = NamedSharding(mesh, jax.P())
+        sharding = lambda spec: NamedSharding(plan.mesh, spec)
+        self._shardings = jax.tree.map(sharding, self.state_specs)
+        self._grad_shardings = jax.tree.map(sharding, grad_specs)
+        replicated = sharding(jax.P())
         self._step = jax.jit(self._body, donate_argnums=0, out_shardings=(self._shardings, replicated))
         self._grads = jax.jit(self._grads_body, out_shardings=(replicated, self._grad_shardings))
         self._loss = jax.jit(self._loss_body, out_shardings=replicated)
-        self.state = self.init_state(params, others)
+        if abstract:
+            self.state = abstract_state(self._state_of, params, others, self._shardings)
+        else:
+            self.state = self.init_state(params, others)
+
+    # What the step's users read of its plan (`ShardedStep`'s surface).
+    mesh = property(lambda self: self.plan.mesh)
+    rules = property(lambda self: self.plan.rules)
+    precision = property(lambda self: self.plan.precision)
+    schedule = property(lambda self: self.plan.schedule)  # None: it does not pipeline
+    microbatches = property(lambda self: self.plan.microbatches)
+    batch_axes = property(lambda self: self.plan.batch_axes)
+    data_shards = property(lambda self: self.plan.data_shards)
+    batch_shards = property(lambda self: self.plan.batch_shards)
 
     # -- state -------------------------------------------------------------------------
 
@@ -99,6 +95,10 @@ class CompiledStep:
         params = jax.device_put(params, self._shardings.params)
         opt_state = jax.jit(self.tx.init, out_shardings=self._shardings.opt_state)(params)
         return TrainState(params, opt_state, jax.device_put(self.others.stored(others), self._shardings.model_state))
+
+    def _state_of(self, params: nnx.State, others: nnx.State) -> TrainState:
+        """`init_state`'s values with no placement: its shapes and dtypes, for an abstract state."""
+        return TrainState(params, self.tx.init(params), self.others.stored(others))
 
     def model(self, state: TrainState) -> nnx.Module:
         """The model with the params and other Variables of `state`."""
@@ -112,8 +112,9 @@ class CompiledStep:
         """The identity, as `to_model_order`."""
         return state
 
-    # The explicit step's, word for word: the same error for a batch that does not split.
-    shard_batch = ShardedStep.shard_batch
+    def shard_batch(self, batch):
+        """Put a global batch on the mesh, split along dim 0 over the batch axes."""
+        return shard_batch(self.plan, batch)
 
     def __call__(self, state: TrainState, batch) -> tuple[TrainState, jax.Array]:
         return self._step(state, batch)
@@ -126,20 +127,20 @@ class CompiledStep:
         """The mean loss of `batch`, forward only (evaluation); `state` is left as it is."""
         return self._loss(state.params, state.model_state, batch)
 
-    def lower(self, state: TrainState, batch):
-        """The lowered step, for `.compile()`, HLO and memory analysis."""
-        return self._step.lower(state, batch)
+    def lower(self, state: TrainState, batch, platform: str | None = None):
+        """The lowered step, for `.compile()`, HLO and memory analysis (`ShardedStep.lower`)."""
+        return lower(self._step, self.mesh, platform, state, batch)
 
     def describe(self, batch=None) -> Report:
         """Where each param lives (`jshard.describe`). Every layer computes with whole params
         here, so nothing is flagged as read whole; `batch` is accepted for `ShardedStep`'s form."""
-        return self.table.report()
+        return self.plan.report()
 
     # -- the traced function, on global arrays -------------------------------------------------
 
     def _placed(self, params, batch):
         """`params` and `batch` constrained to the rules' layouts, as every traced function takes them."""
-        batch = jax.tree.map(lambda x: with_sharding_constraint(x, self._batch_sharding), batch)
+        batch = jax.tree.map(lambda x: with_sharding_constraint(x, self.plan.batch_sharding), batch)
         return with_sharding_constraint(params, self._shardings.params), batch
 
     def _loss_and_grads(self, params, stored, batch):
@@ -158,7 +159,7 @@ class CompiledStep:
     def _traced(self):
         """The rules, and the mesh for `jshard.constrain`'s bare specs, while the step is traced
         (`jax.set_mesh` may not be entered inside `jax.jit`; the abstract mesh may)."""
-        with use_rules(self.rules), jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+        with use_rules(self.rules), jax.sharding.use_abstract_mesh(_abstract(self.mesh)):
             yield
 
     def _body(self, state: TrainState, batch):

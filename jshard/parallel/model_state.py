@@ -99,10 +99,12 @@ def sync_batch_norms(model: nnx.Module, batch_axes: tuple[str, ...]) -> None:
             module.axis_name = batch_axes
 
 
-def check_no_pipeline(state: ModelState, stages) -> None:
-    if state and stages:
+def check_no_pipeline(others: nnx.State, stages) -> None:
+    """A pipeline carries params only: refuse a model with other Variables (`others`, abstract or not)."""
+    paths = [_path(path) for path, _ in nnx.to_flat_state(others)]
+    if paths and stages:
         raise ShardingError(
-            f"build_step: the model holds Variables other than Params ({', '.join(state.paths)}), and the "
+            f"build_step: the model holds Variables other than Params ({', '.join(paths)}), and the "
             f"rules pipeline its layers over {stages[0]}; a pipeline carries params only. Fix: pick a preset "
             "without a stage axis, or keep batch statistics and RNG streams out of the stacked layers."
         )

@@ -36,35 +36,24 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 from flax import nnx
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from jshard import nn, vma
-from jshard.mesh import mesh_shape
-from jshard.models.stack import StagedLoss, has_stack
 from jshard.parallel import pipeline
-from jshard.parallel.schedules import Schedule, check_layers, make_schedule
-from jshard.parallel.model_state import ModelState, check_no_pipeline, sync_batch_norms
-from jshard.placement import Report, layout_table, specs
-from jshard.precision import Precision, precision as precision_policy
+from jshard.parallel.compiled import CompiledStep
+from jshard.parallel.model_state import ModelState, sync_batch_norms
+from jshard.parallel.plan import Plan, make_plan
+from jshard.parallel.state import TrainState, abstract_state, lower, shard_batch
+from jshard.placement import Report
+from jshard.precision import Precision
 from jshard.rules import Rules, ShardingError, layout_of, use_rules
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class TrainState:
-    params: nnx.State  # in the `param` layout, the precision's param dtype
-    opt_state: Any  # optax state, in the `opt` layout
-    model_state: nnx.State  # the model's other Variables, whole on every device (`model_state.py`)
-    master: nnx.State | None = None  # the fp32 copy the optimizer updates, in the `opt` layout (`mixed`)
 
 
 def _layouts(spec_tree) -> list[nn.Layout]:
@@ -83,151 +72,74 @@ def _split(layout: nn.Layout, stage_axis) -> nn.Layout | None:
     return split if any(split) else None
 
 
-def stage_axes(mesh: Mesh, rules: Rules) -> tuple[str, ...]:
-    """The mesh axes (of size > 1) that the rules split the stacked `layers` over."""
-    return rules.axes("layers", mesh, "param", split=True)
-
-
-def check_strategy(mesh: Mesh, rules: Rules, loss_fn=None, microbatches: int | None = None,
-               schedule: str | None = None, virtual: int | None = None,
-               stage_remat: str | None = None) -> Schedule | None:
-    """Whether this step can run `rules` on `mesh`: call it before placing anything.
-
-    Returns the pipeline schedule (None when the rules put no layers on a stage axis).
-    """
-    rules.check_mesh(mesh)
-    stages = stage_axes(mesh, rules)
-    if not stages:
-        if microbatches is not None or schedule is not None or virtual is not None or stage_remat is not None:
-            given = ", ".join(f"{k}={v!r}" for k, v in dict(microbatches=microbatches, schedule=schedule, virtual=virtual,
-                                                            stage_remat=stage_remat).items() if v is not None)
-            raise ShardingError(
-                f"build_step: {given} but rules {rules.name!r} put no layers on a stage axis of size > 1, so "
-                "there is no pipeline to feed. Fix: drop them, or use 'pp' with stage=N."
-            )
-        return None
-    if len(stages) > 1:
-        raise ShardingError(f"build_step: layers split over several stage axes {stages}; the pipeline uses one.")
-    if not isinstance(microbatches, int) or microbatches < 1 or not isinstance(loss_fn, (StagedLoss, type(None))):
-        raise ShardingError(
-            f"build_step: rules {rules.name!r} split layers over {stages[0]}={mesh_shape(mesh)[stages[0]]}, "
-            f"which pipelines them: it needs microbatches=M >= 1 (got {microbatches!r}) and a "
-            "jshard.models.StagedLoss that says where the stack of layers starts and ends "
-            "(jshard.models.gpt_loss and mlp_loss are). Fix: build_step(..., microbatches=4)."
-        )
-    pipeline.check_stage_remat(stage_remat or "none")
-    if rules.context_axes(mesh) and rules.context_attention == "ring":
-        # A pipeline tick runs its stage's action in a branch the other stages skip. XLA:CPU
-        # makes every device of the mesh join each collective-permute, so a ring's ppermute there
-        # deadlocks or pairs with another stage's; an all-gather groups only its stage's devices.
-        raise ShardingError(
-            f"build_step: rules {rules.name!r} pipeline the layers over {stages[0]} and pass keys and values "
-            f"round a ring over {'+'.join(rules.context_axes(mesh))}; a ring's sends cannot run inside one "
-            "stage's tick. Fix: all-gather them instead, preset "
-            f"{rules.name.replace('cp', 'cp-gather')!r} (Rules.context_attention='gather')."
-        )
-    return make_schedule(schedule or "gpipe", mesh_shape(mesh)[stages[0]], microbatches, virtual)
-
-
-def _check_one_zero_dim(params, param_layouts, opt_layouts) -> None:
-    """ZeRO-2 scatters each gradient along one dim; rules that split a param over ZeRO axes
-    on two dims would need two."""
-    for (path, _), have, want in zip(nnx.to_flat_state(params), param_layouts, opt_layouts):
-        if sum(h != w for h, w in zip(have, want)) > 1:
-            raise ShardingError(
-                f"build_step: ZeRO-2 param {'/'.join(map(str, path))!r} is split over ZeRO axes on more than "
-                f"one dim ({want}); it reduce-scatters along one. Fix: map the ZeRO axis to one logical name."
-            )
-
-
-def check_experts(mesh: Mesh, rules: Rules, has_experts: bool) -> None:
-    """Whether `rules` can run a model with (`has_experts`) or without a mixture of experts.
-
-    Rules that split `experts` over an axis need experts: else that axis only splits the batch,
-    a data-parallel axis under another name. And a mixture of experts does not take context
-    parallelism: its rows, gathered whole, arrive in cp's load-balanced chunk order, in which
-    their choices would queue for the experts' slots, and drop, unlike on one device."""
-    axes = rules.axes("experts", mesh, "param", split=True)
-    if axes and not has_experts:
-        raise ShardingError(
-            f"build_step: rules {rules.name!r} split experts over {'+'.join(axes)}, but no param of the model has an "
-            "'experts' dim: there are no experts to place. Fix: a model with a mixture of experts (jshard.moe.MoE, "
-            f"e.g. --model moe-tiny), or a preset without ep (its devices then split the batch: use 'data')."
-        )
-    if has_experts and rules.context_axes(mesh):
-        raise ShardingError(
-            f"build_step: rules {rules.name!r} split each sequence over {'+'.join(rules.context_axes(mesh))} (context "
-            "parallelism), but the model has a mixture of experts, whose capacity queues follow token order, which "
-            "context parallelism's load-balanced chunks reorder. Fix: a preset without cp."
-        )
-
-
 class ShardedStep:
     """`state, loss = step(state, batch)`: one optimizer step of `loss_fn(model, batch)`.
 
     `loss_fn` returns the mean loss over the batch it is given (inside the step: this
     device's share, split along dim 0 of every batch leaf over the batch axes).
-    `.state` is the initial state, placed by the rules; a step donates the state it is given.
+    `.state` is the initial state, placed by the rules (`abstract`: as ShapeDtypeStructs, for
+    `lower` only); a step donates the state it is given. `.plan` holds every layout and axis.
     """
 
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation,
-                 loss_fn: Callable[[nnx.Module, Any], jax.Array], mesh: Mesh, rules: Rules,
-                 microbatches: int | None = None, schedule: str | None = None, virtual: int | None = None,
-                 precision: Precision | str | None = None, stage_remat: str | None = None):
-        self.mesh, self.rules, self.tx, self.loss_fn = mesh, rules, tx, loss_fn
+                 loss_fn: Callable[[nnx.Module, Any], jax.Array], plan: Plan, abstract: bool = False):
+        self.plan, self.tx, self.loss_fn = plan, tx, loss_fn
         self.graphdef, params, others = nnx.split(model, nnx.Param, ...)
+        plan.check_params(params)
         self.others = ModelState(others)
-        rules.check_mesh(mesh)
-        check_no_pipeline(self.others, stage_axes(mesh, rules))
-        self.schedule = check_strategy(mesh, rules, loss_fn, microbatches, schedule, virtual, stage_remat)
-        self.stage_remat = stage_remat or "none"
-        self.stage_axis = next(iter(stage_axes(mesh, rules)), None)
-        self.microbatches = microbatches
-        self._has_stack = has_stack(model)
-        self.table = table = layout_table(params, mesh, rules, precision)  # every bad input raises here
-        self.precision = table.precision
-        check_experts(mesh, rules, any("experts" in (p.names or ()) for p in table.params))
-        param_specs = table.specs(params, "param")
-        self.param_layouts = table.layouts("param")
-        self._param_paths = [p.path for p in table.params]
-        if self.schedule:
-            stacked = [leaf.shape[0] for leaf, layout in zip(jax.tree.leaves(params), self.param_layouts)
-                       if layout and self.stage_axis in layout[0]]
-            check_layers(stacked[0], self.schedule.stages, self.schedule.virtual)
-        self.grad_specs = grad_specs = table.specs(params, "opt")  # gradients leave in the opt layout
-        self.opt_layouts = table.layouts("opt")
-        if rules.zero == 2:
-            _check_one_zero_dim(params, self.param_layouts, self.opt_layouts)
-        self.batch_axes = table.batch_axes
-        # Axes whose devices see other tokens with the same params: the batch axes, and context
-        # parallelism's, which split each sequence. Gradients are summed over all of them.
-        self.context_axes = rules.context_axes(mesh)
-        self.grad_axes = self.batch_axes + self.context_axes
-        self.data_shards = math.prod(mesh_shape(mesh)[a] for a in self.batch_axes)
-        self.batch_shards = self.data_shards * (microbatches or 1)  # what a global batch splits into
-        opt_specs = specs(jax.eval_shape(tx.init, params), mesh, rules, "opt")
-        self.master_dtype = self.precision.master if self.precision else None
+        self.param_layouts, self.opt_layouts = plan.layouts("param"), plan.layouts("opt")
+        self._param_paths = [p.path for p in plan.params]
+        param_specs = plan.specs(params, "param")
+        self.grad_specs = grad_specs = plan.specs(params, "opt")  # gradients leave in the opt layout
+        opt_specs = plan.opt_state_specs(jax.eval_shape(tx.init, params))
         self.state_specs = TrainState(param_specs, opt_specs, self.others.specs,
-                                      grad_specs if self.master_dtype else None)
-        self._shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), self.state_specs)
+                                      grad_specs if self._master_dtype else None)
+        self._shardings = jax.tree.map(lambda s: NamedSharding(plan.mesh, s), self.state_specs)
+        batch_spec = plan.batch_spec
         body = jax.shard_map(
-            self._body, mesh=mesh, in_specs=(self.state_specs, jax.P(self.batch_axes)),
+            self._body, mesh=plan.mesh, in_specs=(self.state_specs, batch_spec),
             out_specs=(self.state_specs, jax.P()), check_vma=True,
         )
         self._step = jax.jit(body, donate_argnums=0)
         self._grads_sharded = jax.shard_map(
-            self._grads_body, mesh=mesh,
-            in_specs=(param_specs, self.others.specs, jax.P(self.batch_axes), self.state_specs.master),
+            self._grads_body, mesh=plan.mesh,
+            in_specs=(param_specs, self.others.specs, batch_spec, self.state_specs.master),
             out_specs=(jax.P(), grad_specs), check_vma=True,
         )
         self._grads = jax.jit(self._grads_sharded)
         self._loss = jax.jit(jax.shard_map(
-            self._loss_body, mesh=mesh,
-            in_specs=(param_specs, self.others.specs, jax.P(self.batch_axes), self.state_specs.master),
+            self._loss_body, mesh=plan.mesh,
+            in_specs=(param_specs, self.others.specs, batch_spec, self.state_specs.master),
             out_specs=jax.P(), check_vma=True,
         ))
         self.whole_reads: dict[str, tuple[str, ...]] = {}  # filled as the step is traced
-        self.state = self.init_state(params, others)
+        if abstract:
+            self.state = abstract_state(self._state_of, params, others, self._shardings)
+        else:
+            self.state = self.init_state(params, others)
+
+    # What the step's users read of its plan.
+    mesh = property(lambda self: self.plan.mesh)
+    rules = property(lambda self: self.plan.rules)
+    precision = property(lambda self: self.plan.precision)
+    schedule = property(lambda self: self.plan.schedule)
+    microbatches = property(lambda self: self.plan.microbatches)
+    stage_remat = property(lambda self: self.plan.stage_remat)
+    batch_axes = property(lambda self: self.plan.batch_axes)
+    data_shards = property(lambda self: self.plan.data_shards)
+    batch_shards = property(lambda self: self.plan.batch_shards)
+
+    @property
+    def _master_dtype(self):
+        return self.plan.precision.master if self.plan.precision else None
+
+    @property
+    def _param_dtype(self):
+        return self.plan.precision.param if self.plan.precision else None
+
+    @property
+    def _reduce_dtype(self):
+        return self.plan.precision.reduce if self.plan.precision else None
 
     # -- state -------------------------------------------------------------------------
 
@@ -237,6 +149,12 @@ class ShardedStep:
         state = self.with_params(state, self._pipeline_order(params, self.state_specs.params))
         opt_state = jax.jit(self.tx.init, out_shardings=self._shardings.opt_state)(self.full_params(state))
         return dataclasses.replace(state, opt_state=opt_state)
+
+    def _state_of(self, params: nnx.State, others: nnx.State) -> TrainState:
+        """`init_state`'s values with no placement: its shapes and dtypes, for an abstract state."""
+        cast = lambda tree, dtype: tree if dtype is None else jax.tree.map(lambda p: p.astype(dtype), tree)
+        held, master = cast(params, self._param_dtype), cast(params, self._master_dtype) if self._master_dtype else None
+        return TrainState(held, self.tx.init(held if master is None else master), self.others.stored(others), master)
 
     @staticmethod
     def _held(params, dtype, shardings):
@@ -248,9 +166,8 @@ class ShardedStep:
         """`state` with `params` (in this step's layer order, any dtype and placement): the
         held params in the precision's param dtype and, under a master, the master too.
         How a checkpoint's full-precision params come back under any precision."""
-        param_dtype = self.precision.param if self.precision else None
-        master = self._held(params, self.master_dtype, self._shardings.master) if self.master_dtype else None
-        return dataclasses.replace(state, params=self._held(params, param_dtype, self._shardings.params),
+        master = self._held(params, self._master_dtype, self._shardings.master) if self._master_dtype else None
+        return dataclasses.replace(state, params=self._held(params, self._param_dtype, self._shardings.params),
                                    master=master)
 
     def full_params(self, state: TrainState) -> nnx.State:
@@ -291,21 +208,13 @@ class ShardedStep:
         p, v = self.schedule.stages, self.schedule.virtual
 
         def reorder(x, layout):
-            return pipeline.interleave(x, p, v, inverse) if layout and self.stage_axis in layout[0] else x
+            return pipeline.interleave(x, p, v, inverse) if layout and self.plan.stage_axis in layout[0] else x
 
         return self._per_leaf(reorder, tree, _layouts(spec_tree))
 
     def shard_batch(self, batch):
         """Put a global batch on the mesh, split along dim 0 over the batch axes."""
-        for leaf in jax.tree.leaves(batch):
-            if not np.ndim(leaf) or np.shape(leaf)[0] % self.batch_shards:
-                over = " × ".join(self.batch_axes + (("micro-batches",) if self.microbatches else ()))
-                raise ShardingError(
-                    f"a batch of {np.shape(leaf)[0] if np.ndim(leaf) else 'scalar'} rows (leaf shape "
-                    f"{np.shape(leaf)}) does not split into {self.batch_shards} shards over {over}. "
-                    f"Fix: make the batch size a multiple of {self.batch_shards}."
-                )
-        return jax.device_put(batch, NamedSharding(self.mesh, jax.P(self.batch_axes)))
+        return shard_batch(self.plan, batch)
 
     def __call__(self, state: TrainState, batch) -> tuple[TrainState, jax.Array]:
         return self._step(state, batch)
@@ -320,9 +229,11 @@ class ShardedStep:
         layouts (a pipeline runs its F ticks): evaluation. Neither donates nor changes `state`."""
         return self._loss(state.params, state.model_state, batch, state.master)
 
-    def lower(self, state: TrainState, batch):
-        """The lowered step, for `.compile()`, HLO and memory analysis."""
-        return self._step.lower(state, batch)
+    def lower(self, state: TrainState, batch, platform: str | None = None):
+        """The lowered step, for `.compile()`, HLO and memory analysis. `state` and `batch` may be
+        abstract (`.state` of an abstract step, `state.abstract_batch`); on an AbstractMesh the
+        program is lowered for `platform` (default: this host's backend)."""
+        return lower(self._step, self.mesh, platform, state, batch)
 
     # -- the body, on each device's blocks ------------------------------------------------
 
@@ -332,7 +243,7 @@ class ShardedStep:
 
     def _vary(self, x, layout: nn.Layout):
         """x, cast to varying over the batch (and context) axes it is not split over (no communication)."""
-        return vma.vary(x, [a for a in self.grad_axes if a not in _axes_in(layout)])
+        return vma.vary(x, [a for a in self.plan.grad_axes if a not in _axes_in(layout)])
 
     def _differentiable(self, params, master):
         """Step 1: what autodiff sees, and the layout its gradient comes out in. ZeRO-2's
@@ -350,8 +261,8 @@ class ShardedStep:
     def _local(self, block, layout: nn.Layout, path: str):
         """A param's block as the model holds it: where it is split, an `nn.LocalBlock` that
         `nn.param` computes with as it is and a plain layer's read gathers whole."""
-        split = _split(layout, self.stage_axis)
-        return nn.LocalBlock(block, split, self.batch_axes, path) if split else block
+        split = _split(layout, self.plan.stage_axis)
+        return nn.LocalBlock(block, split, self.plan.batch_axes, path) if split else block
 
     def _with_replicas(self, shards, params):
         """ZeRO-2: each param that the opt layout splits, as (shard, replica) for `nn.param`."""
@@ -362,18 +273,15 @@ class ShardedStep:
                 return self._local(shard.astype(replica.dtype), have, path)
             axes = tuple(a for a in want[split[0]] if a not in have[split[0]])
             # Varying over the stage axis too: a pipeline's branches must not psum over it.
-            own = self.grad_axes + ((self.stage_axis,) if self.stage_axis else ())
+            stage_axis = self.plan.stage_axis
+            own = self.plan.grad_axes + ((stage_axis,) if stage_axis else ())
             vary = tuple(a for a in own if a not in _axes_in(have))
-            whole = _split(have, self.stage_axis) or ((),) * replica.ndim
+            whole = _split(have, stage_axis) or ((),) * replica.ndim
             return nn.ShardWithReplica(shard, replica, split[0] - replica.ndim, axes, vary, whole,
-                                       self.batch_axes, path, self._reduce_dtype)
+                                       self.plan.batch_axes, path, self._reduce_dtype)
 
         return self._per_leaf(pair, shards, jax.tree.leaves(params), self.param_layouts, self.opt_layouts,
                               self._param_paths)
-
-    @property
-    def _reduce_dtype(self):
-        return self.precision.reduce if self.precision else None
 
     def _model_builder(self, params, mine):
         """diff, mine -> the model this device computes with: `params` as its blocks (ZeRO-2:
@@ -396,7 +304,7 @@ class ShardedStep:
         # gathered activations): average to make it one value, and its gradient once. Over
         # the context axes a loss may differ (a mean over this device's chunks, unless the loss
         # averaged over them itself, as nn.cross_entropy does): the average is the whole mean.
-        spread = tuple(sorted(vma.varying_axes(loss) - set(self.batch_axes) - {self.stage_axis}))
+        spread = tuple(sorted(vma.varying_axes(loss) - set(self.batch_axes) - {self.plan.stage_axis}))
         return lax.pmean(loss, spread) if spread else loss
 
     @contextlib.contextmanager
@@ -407,9 +315,9 @@ class ShardedStep:
         mesh axis no rule uses is."""
         with nn.recording_context_splits([]) as splits:
             yield
-        if self.context_axes and not splits:
+        if self.plan.context_axes and not splits:
             raise ShardingError(
-                f"build_step: rules {self.rules.name!r} split each sequence over {'+'.join(self.context_axes)} (context "
+                f"build_step: rules {self.rules.name!r} split each sequence over {'+'.join(self.plan.context_axes)} (context "
                 "parallelism), but the model's forward split no input over it: no jshard.nn.Embed or "
                 "jshard.nn.cross_entropy reads a (batch, seq) input. Fix: build the model's inputs and loss from "
                 "jshard.nn, or use a preset without cp."
@@ -426,7 +334,7 @@ class ShardedStep:
         if self.schedule:  # the pipeline runs its own backward, micro-batch by micro-batch
             with self._splitting_sequences():
                 loss, grads = pipeline.value_and_grad(self.schedule, self.loss_fn, model_of, diff, batch,
-                                                      self.stage_axis, one_value, self._reduce_dtype, self.stage_remat)
+                                                      self.plan.stage_axis, one_value, self._reduce_dtype, self.stage_remat)
             written = others
         else:
             def loss_of(diff, mine):
@@ -438,14 +346,14 @@ class ShardedStep:
             # (embeddings, head, final norm) are gathered once and kept: their first backward
             # use is where forward ends, and XLA merges a second gather into the first on
             # some versions and not on others, so keeping them makes the count one on all.
-            if nn.gathers_weights() and not self._has_stack:
+            if nn.gathers_weights() and not self.plan.has_stack:
                 loss_of = jax.checkpoint(loss_of, policy=nn.remat_policy)
             with self._splitting_sequences():
                 (loss, new), grads = jax.value_and_grad(loss_of, has_aux=True)(diff, mine)
             written = self.others.written(others, new)
 
         def reduce(g, have, want):
-            pending = [a for a in self.grad_axes if a not in _axes_in(have)]
+            pending = [a for a in self.plan.grad_axes if a not in _axes_in(have)]
             if self._reduce_dtype is not None:
                 g = g.astype(self._reduce_dtype)
             return nn.relayout_local(g, have, want, pending) / self.data_shards
@@ -475,7 +383,7 @@ class ShardedStep:
             model_of = self._model_builder(params, self.others.for_batch_shard(others, self.batch_axes))
             with self._splitting_sequences():
                 if self.schedule:
-                    loss = pipeline.forward_loss(self.schedule, self.loss_fn, model_of, diff, batch, self.stage_axis,
+                    loss = pipeline.forward_loss(self.schedule, self.loss_fn, model_of, diff, batch, self.plan.stage_axis,
                                                  self._one_value)
                 else:
                     loss = self._one_value(self.loss_fn(model_of(diff), batch))
@@ -493,7 +401,7 @@ class ShardedStep:
         Those are known once the step is traced: pass a batch if it has not run yet."""
         if batch is not None:
             jax.eval_shape(self._grads_sharded, self.state.params, self.state.model_state, batch, self.state.master)
-        report, rows = self.table.report(), []
+        report, rows = self.plan.report(), []
         for p in report.rows:
             gathered = [a for a in self.whole_reads.get(p.path, ()) if a not in self.batch_axes]
             if gathered:
@@ -505,9 +413,9 @@ class ShardedStep:
         return dataclasses.replace(report, rows=tuple(rows))
 
 
-def build_step(model, tx, loss_fn, mesh: Mesh, rules: Rules, microbatches: int | None = None,
+def build_step(model, tx, loss_fn, mesh: Mesh | AbstractMesh, rules: Rules, microbatches: int | None = None,
                schedule: str | None = None, virtual: int | None = None, collectives: str = "explicit",
-               precision: Precision | str | None = None, stage_remat: str | None = None):
+               precision: Precision | str | None = None, stage_remat: str | None = None, abstract: bool = False):
     """A sharded train step for `model` under `rules` on `mesh`; `.state` holds its start.
 
     `collectives` picks who places the collectives:
@@ -528,30 +436,21 @@ def build_step(model, tx, loss_fn, mesh: Mesh, rules: Rules, microbatches: int |
     sits in the optimizer's layout ('mixed'); None keeps the params as the model holds them.
     The compute dtype is the model's own (its config's `dtype`).
 
-    Both have the same surface (`.state`, `step(state, batch)`, `shard_batch`, `model`,
-    `value_and_grad`, `lower`, ...), so `jshard.train` and user code take either.
-    """
-    if collectives == "compiler":
-        given = ", ".join(f"{k}={v!r}" for k, v in dict(microbatches=microbatches, schedule=schedule, virtual=virtual,
-                                                        stage_remat=stage_remat).items() if v is not None)
-        if given:
-            raise ShardingError(
-                f"build_step(collectives='compiler'): {given}, but the compiler-placed step does not "
-                "pipeline. Fix: drop them, or use the explicit step (collectives='explicit')."
-            )
-        policy = precision_policy(precision)
-        if policy is not None and (policy.master is not None or policy.param != np.float32):
-            raise ShardingError(
-                f"build_step(collectives='compiler'): precision {policy.name!r} holds params in "
-                f"{policy.param.name}{' with an fp32 master' if policy.master else ''}, but the compiler-placed step "
-                "holds them as the model does. Fix: precision 'fp32' or 'bf16', or the explicit step."
-            )
-        from jshard.parallel.compiled import CompiledStep  # compiled.py imports this module
+    `abstract`: no array is made or placed; `.state` holds `jax.ShapeDtypeStruct`s, and
+    `.lower(step.state, batch)` gives the program on any mesh: an `AbstractMesh`, or devices
+    this machine does not have (`jax.experimental.topologies`). `model` may then come from
+    `nnx.eval_shape`.
 
-        return CompiledStep(model, tx, loss_fn, mesh, rules)
-    if collectives != "explicit":
-        raise ShardingError(
-            f"build_step: collectives={collectives!r}; choose 'explicit' (jit of shard_map, every "
-            "collective derived from the rules) or 'compiler' (plain jit, XLA's partitioner places them)."
-        )
-    return ShardedStep(model, tx, loss_fn, mesh, rules, microbatches, schedule, virtual, precision, stage_remat)
+    Every input is checked first, once (`plan.make_plan`; the step's `.plan`). Both steps have
+    the same surface (`.state`, `step(state, batch)`, `shard_batch`, `model`, `value_and_grad`,
+    `lower`, ...), so `jshard.train` and user code take either.
+    """
+    plan = make_plan(model, mesh, rules, loss_fn=loss_fn, precision=precision, microbatches=microbatches,
+                     schedule=schedule, virtual=virtual, stage_remat=stage_remat, collectives=collectives)
+    return step_from_plan(plan, model, tx, loss_fn, abstract)
+
+
+def step_from_plan(plan: Plan, model, tx, loss_fn, abstract: bool = False):
+    """`build_step`'s step from a plan already made (`make_plan`, on this model or its shapes)."""
+    step = CompiledStep if plan.collectives == "compiler" else ShardedStep
+    return step(model, tx, loss_fn, plan, abstract)

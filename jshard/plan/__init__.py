@@ -19,7 +19,7 @@ from jshard import flags
 from jshard.mesh import STANDARD_AXES, use_fake_cpu_devices
 from jshard.parallel.schedules import SCHEDULES
 from jshard.placement import format_bytes
-from jshard.plan.estimate import (GiB, HARDWARE, Hardware, PlanInput, estimate, layout_table_of, report, sends,
+from jshard.plan.estimate import (GiB, HARDWARE, Hardware, PlanInput, estimate, step_plan, report, sends,
                                   state_bytes, traffic)
 from jshard.plan.validate import (MEMORY_TOLERANCE, MOE_VALIDATION, VALIDATION, VALIDATION_MODELS, format_validation,
                                   validate_one, validation_cases, within_tolerance)
@@ -27,7 +27,7 @@ from jshard.plot import check_output_path
 from jshard.rules import ShardingError, format_mesh, preset
 
 __all__ = ["HARDWARE", "MEMORY_TOLERANCE", "MOE_VALIDATION", "VALIDATION", "VALIDATION_MODELS", "Hardware", "PlanInput",
-           "add_parser", "estimate", "format_validation", "layout_table_of", "memory_png", "memory_rows", "report", "sends",
+           "add_parser", "estimate", "format_validation", "step_plan", "memory_png", "memory_rows", "report", "sends",
            "state_bytes", "traffic", "validate_one", "validation_cases"]
 
 HARDWARE_FLAGS = (  # flag, Hardware field, unit

@@ -23,18 +23,17 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jshard import metrics
-from jshard.mesh import STANDARD_AXES as AXES
+from jshard.mesh import STANDARD_AXES as AXES, abstract_mesh
 from jshard.models import DecoderConfig, GPTConfig, decoder
 from jshard.parallel.pipeline import STAGE_REMAT, compile_program, work as pipeline_work
-from jshard.parallel.step import check_strategy
-from jshard.placement import LayoutTable, format_bytes, layout_table
+from jshard.parallel.plan import Plan, make_plan
+from jshard.placement import format_bytes
 from jshard.moe import capacity
-from jshard.nn import attention_implementation, check_context_length, query_tile
+from jshard.nn import attention_implementation, query_tile
 from jshard.precision import Precision
 from jshard.rules import Rules, ShardingError, preset
 
@@ -109,11 +108,12 @@ CE_FP32_PER_VOCAB = 6.0  # logits, softmax and their gradient per token, fp32 (3
 # --- the model's params, placed by the rules ----------------------------------------
 
 
-def layout_table_of(config: DecoderConfig, sizes: dict[str, int], rules: Rules, precision=None) -> LayoutTable:
-    """The decoder's layout table, the step's own (`placement.layout_table`), from abstract shapes
-    on an abstract mesh: no memory is allocated, no device is needed."""
+def step_plan(config: DecoderConfig, sizes: dict[str, int], rules: Rules, precision=None, **pipeline) -> Plan:
+    """The decoder's step plan, the step's own (`parallel.plan.make_plan`, with its checks), from
+    abstract shapes on an abstract mesh: no memory is allocated, no device is needed. `pipeline`:
+    microbatches, schedule, virtual, stage_remat as `build_step` takes them."""
     model = nnx.eval_shape(lambda: decoder(config, nnx.Rngs(0)))
-    return layout_table(nnx.state(model, nnx.Param), _abstract_mesh(sizes), rules, precision)
+    return make_plan(model, abstract_mesh(**sizes), rules, precision=precision, **pipeline)
 
 
 def shards(layout, sizes: dict[str, int], skip=frozenset()) -> int:
@@ -124,51 +124,40 @@ def local(nbytes: int, layout, sizes: dict[str, int]) -> int:
     return nbytes // shards(layout, sizes)
 
 
-def split_axes(rules: Rules, sizes: dict[str, int], name: str) -> tuple[str, ...]:
-    """The mesh axes (of size > 1) over which the rules split activation dim `name`: for
-    `mlp`, tensor parallelism's; for `seq`, sequence parallelism's. The planner asks the
-    rules, as a layer does, and names no mesh axis."""
-    return rules.axes(name, _abstract_mesh(sizes), split=True)
-
-
-def sequence_parallel(rules: Rules, sizes: dict[str, int]) -> bool:
-    """Whether the residual stream's seq is split beyond context parallelism's axes (over tensor)."""
-    return bool(set(split_axes(rules, sizes, "seq")) - set(rules.context_axes(_abstract_mesh(sizes))))
-
-
-def gathered_layers_bytes(params, sizes: dict[str, int], rules: Rules, layers: int) -> int:
+def gathered_layers_bytes(plan: Plan, layers: int) -> int:
     """ZeRO-3: two layers' weights gathered at once (one in use, the next arriving), each still
     split over its other axes (tensor; an expert's weights over `expert`). A layer is one of the
     stack's: `layers` blocks, or of a MoE Llama `layers // moe_every` of `moe_every` blocks each
     (the stack's own leading dim)."""
-    zero = set(rules.zero_axes)
-    stacked = [p for p in params if p.names and p.names[0] == "layers"]
+    zero, sizes = set(plan.rules.zero_axes), plan.mesh_sizes
+    stacked = [p for p in plan.params if p.names and p.names[0] == "layers"]
     if not stacked:
         return 0
     per_layer = sum(p.gathered_bytes // shards(p.param[1:], sizes, skip=zero) for p in stacked)
     return 2 * per_layer // min(layers, stacked[0].shape[0])
 
 
-def grad_bytes(p, rules: Rules, sizes: dict[str, int]) -> int:
+def grad_bytes(p, plan: Plan) -> int:
     """One param's gradient per device as backward leaves it: in the param's dtype and layout,
     or its optimizer shard under ZeRO-2/3 (ZeRO-2 scatters it in the reduction dtype onto
     the master's: `ShardedStep._differentiable`)."""
-    if rules.zero < 2:
+    zero, sizes = plan.rules.zero, plan.mesh_sizes
+    if zero < 2:
         return local(p.bytes, p.param, sizes)
-    dtype = p.master if rules.zero == 2 and p.master else p.held
+    dtype = p.master if zero == 2 and p.master else p.held
     return local(p.elements * dtype.itemsize, p.opt, sizes)
 
 
-def state_bytes(params, sizes: dict[str, int], rules: Rules, layers: int) -> dict[str, int]:
+def state_bytes(plan: Plan, layers: int) -> dict[str, int]:
     """Training state per device: params and grads as held, the fp32 master (mixed precision)
     and Adam's two moments in the optimizer's layout, ZeRO-3's gathered layers."""
-    zero_on = any(sizes[a] > 1 for a in rules.zero_axes)
+    params, sizes = plan.params, plan.mesh_sizes
     return dict(
         params=sum(local(p.bytes, p.param, sizes) for p in params),
-        grads=sum(grad_bytes(p, rules, sizes) for p in params),
+        grads=sum(grad_bytes(p, plan) for p in params),
         master=sum(local(p.elements * p.master.itemsize, p.opt, sizes) for p in params if p.master),
         optimizer=2 * sum(local(p.elements * p.optimizer_dtype.itemsize, p.opt, sizes) for p in params),
-        gathered=gathered_layers_bytes(params, sizes, rules, layers) if rules.zero == 3 and zero_on else 0,
+        gathered=gathered_layers_bytes(plan, layers) if plan.rules.zero == 3 and plan.zero_axes else 0,
     )
 
 
@@ -184,8 +173,7 @@ def _add(table: dict, kind: str, axes, nbytes: float) -> None:
         table[key] = table.get(key, 0) + nbytes
 
 
-def param_traffic(params, sizes: dict[str, int], rules: Rules, batch_axes, stage_axis=None,
-                  remat: bool = False, tied_head: bool = True) -> dict:
+def param_traffic(plan: Plan, remat: bool = False, tied_head: bool = True) -> dict:
     """{(kind, axes): bytes} of the gradient and weight collectives, per device per step.
 
     ZeRO-3 gathers each param forward and reduce-scatters its gradient; the layer stack's
@@ -199,15 +187,16 @@ def param_traffic(params, sizes: dict[str, int], rules: Rules, batch_axes, stage
     layers cast before they gather); reductions the reduction dtype, but ZeRO-3's
     reduce-scatter is its gather's transpose, in the gather's dtype.
     """
-    zero = {a for a in rules.zero_axes if sizes[a] > 1}
-    plain = tuple(a for a in batch_axes if sizes[a] > 1 and a not in zero)
+    sizes, stage_axis, zero = plan.mesh_sizes, plan.stage_axis, set(plan.zero_axes)
+    # Gradients are summed over the batch and context axes (the step's grad axes).
+    plain = tuple(a for a in plan.grad_axes if sizes[a] > 1 and a not in zero)
     out: dict = {}
-    for p in params:
+    for p in plan.params:
         in_param = {a for axes in p.param for a in axes} & zero
         # (a batch axis that splits the param, as `expert` an expert's weights: its gradient
         # is whole there already, each device having computed with every row sent to it)
         reduced = tuple(a for a in plain if not any(a in axes for axes in p.param))
-        tied = p.path.startswith("token_embed") and tied_head and rules.zero >= 2
+        tied = p.path.startswith("token_embed") and tied_head and plan.rules.zero >= 2
         if in_param:
             size = p.gathered_bytes // shards(p.param, sizes, skip=in_param)
             again = p.stacked_kernel or (remat and p.names[:1] == ("layers",))
@@ -330,27 +319,24 @@ def expert_traffic(config: DecoderConfig, params, rows: int, seq: int, layers_ru
     return out
 
 
-def traffic(config: DecoderConfig, params, sizes: dict[str, int], rules: Rules, batch_axes, rows: int, seq: int,
-            stage_axis: str | None = None) -> dict:
+def traffic(config: DecoderConfig, plan: Plan, rows: int, seq: int) -> dict:
     """{(kind, axes): bytes} per device per step, but the pipeline's sends: params (gradients
     summed over the batch and context axes), TP / SP over `rows` local sequences of this
     device's seq / context tokens through this stage's layers, context parallelism's
     attention, and the loss's all-reduces."""
-    context = rules.context_axes(_abstract_mesh(sizes))
-    comm = param_traffic(params, sizes, rules, tuple(batch_axes) + context, stage_axis,
-                         remat=config.remat != "none", tied_head=config.tied_head)
+    params, sizes, stage_axis, context = plan.params, plan.mesh_sizes, plan.stage_axis, plan.context_axes
+    batch_axes = plan.batch_axes
+    comm = param_traffic(plan, remat=config.remat != "none", tied_head=config.tied_head)
     layers_run = config.layers // (sizes[stage_axis] if stage_axis else 1)
-    sp = sequence_parallel(rules, sizes)
-    tensor = split_axes(rules, sizes, "mlp")
+    sp, tensor = plan.sequence_parallel, plan.tensor_axes
     local_seq = seq // shards((context,), sizes)
     for key, nbytes in tensor_traffic(config, params, rows, local_seq, layers_run, sp, tensor).items():
         _add(comm, *key, nbytes)
     for key, nbytes in context_traffic(config, rows, seq, layers_run, context, sizes, shards((tensor,), sizes),
-                                       rules.context_attention).items():
+                                       plan.rules.context_attention).items():
         _add(comm, *key, nbytes)
-    experts_axes = split_axes(rules, sizes, "experts")
     for key, nbytes in expert_traffic(config, params, rows, seq, layers_run, tuple(a for a in batch_axes if sizes[a] > 1),
-                                      experts_axes, tensor, sp).items():
+                                      plan.expert_axes, tensor, sp).items():
         _add(comm, *key, nbytes)
     # The mean loss: over the context axes (the loss's own mean), the batch axes, then the stages.
     for axes in context, (a for a in batch_axes if sizes[a] > 1), (stage_axis,) if stage_axis else ():
@@ -381,10 +367,6 @@ class PlanInput:
     hardware: Hardware = HARDWARE["h100"]
     precision: Precision | str | None = None  # `jshard.precision`; None: the model's params as they are
     stage_remat: str | None = None  # a pipeline stage keeps its residuals (None, "none") or recomputes ("full")
-
-
-def _abstract_mesh(sizes: dict[str, int]):
-    return jax.sharding.AbstractMesh(tuple(sizes[a] for a in AXES), AXES)
 
 
 def _link(axes: str, sizes: dict[str, int], hw: Hardware) -> tuple[float, str]:
@@ -505,28 +487,15 @@ def estimate(plan: PlanInput) -> dict:
     """Everything `jshard plan` prints, as one JSON-able dict (see the module docstring)."""
     config, hw = plan.config, plan.hardware
     sizes = {a: 1 for a in AXES} | dict(plan.sizes)  # standard axes not given: size 1
-    rules = preset(plan.strategy)
-    schedule = check_strategy(_abstract_mesh(sizes), rules, None, plan.microbatches, plan.schedule, plan.virtual,
-                              plan.stage_remat)
-    stage_remat = plan.stage_remat or "none"
-    table = layout_table_of(config, sizes, rules, plan.precision)
-    params, batch_axes = table.params, table.batch_axes
-    data_shards = math.prod(sizes[a] for a in batch_axes)
-    tensor_axes = split_axes(rules, sizes, "mlp")
+    step = step_plan(config, sizes, preset(plan.strategy), plan.precision, microbatches=plan.microbatches,
+                     schedule=plan.schedule, virtual=plan.virtual, stage_remat=plan.stage_remat)
+    step.check_batch(seq_len=config.seq_len, seq_flag="--seq-len")
+    rules, schedule, stage_remat, params = step.rules, step.schedule, step.stage_remat, step.params
+    batch_axes, data_shards, context, cp = step.batch_axes, step.data_shards, step.context_axes, step.context_shards
+    tensor_axes, sp = step.tensor_axes, step.sequence_parallel
     tensor = shards((tensor_axes,), sizes)
-    sp = sequence_parallel(rules, sizes)
-    context = rules.context_axes(_abstract_mesh(sizes))
-    cp = shards((context,), sizes)
     m = plan.microbatches or 1
     # The tokens of one sequence on a device (context parallelism splits it).
-    check_context_length(config.seq_len, cp)
-    if is_moe(config) and cp > 1:
-        raise ShardingError(
-            f"a mixture of experts ({config.experts} experts) under context parallelism ({'+'.join(context)}={cp}) "
-            "is not modelled: the MoE layer routes whole rows (`moe.MOE_IN`), so the devices of a context group "
-            "gather their sequence and each runs the same experts on all of it, and its memory and collectives under "
-            "cp have not been checked against the compiler. Fix: drop cp from --strategy and split the rows over "
-            "data, fsdp or expert instead (--remat full keeps long rows small), or plan a dense model.")
     rows, local_seq = plan.micro_batch_size, config.seq_len // cp
     stages = schedule.stages if schedule else 1
     n_devices = math.prod(sizes.values())
@@ -541,7 +510,7 @@ def estimate(plan: PlanInput) -> dict:
         attention, flash = f"{rules.context_attention} (context parallel)", rules.context_attention == "ring"
 
     # memory
-    memory = state_bytes(params, sizes, rules, config.layers)
+    memory = state_bytes(step, config.layers)
     if schedule:
         # The executor accumulates gradients in the scan's carry: input and output buffers.
         memory["grads"] *= 2
@@ -549,7 +518,6 @@ def estimate(plan: PlanInput) -> dict:
     per_token_layer = activation_bytes_per_token_layer(config, tensor, sp, flash)
     logits = CE_FP32_PER_VOCAB * config.vocab / tensor * 4
     if schedule:
-        program = compile_program(schedule, stage_remat)
         a_mb = rows * local_seq * config.embed * jnp.dtype(config.dtype).itemsize
         chunk_layers = layers_local // schedule.virtual
         # Each chunk's weights are sliced out of the local stack for the branch that runs it
@@ -577,8 +545,8 @@ def estimate(plan: PlanInput) -> dict:
     total_memory = sum(memory.values())
 
     # communication
-    stage_axis = table.stage_axes[0] if schedule else None
-    comm = traffic(config, params, sizes, rules, batch_axes, rows * m, config.seq_len, stage_axis)
+    stage_axis = step.stage_axis
+    comm = traffic(config, step, rows * m, config.seq_len)
     if schedule:
         a_mb = rows * local_seq * config.embed * jnp.dtype(config.dtype).itemsize
         forward, backward = sends(schedule)
@@ -615,7 +583,7 @@ def estimate(plan: PlanInput) -> dict:
     def t_of(pred):
         return sum(t for (kind, axes), t in times.items() if pred(kind, axes))
 
-    zero = {a for a in rules.zero_axes if sizes[a] > 1}
+    zero = set(step.zero_axes)
     t_tp = t_of(lambda k, a: a == "+".join(tensor_axes))
     t_zero = t_of(lambda k, a: set(a.split("+")) <= zero and k in ("all-gather", "reduce-scatter"))
     plain = ({a for a in batch_axes if sizes[a] > 1} | set(context)) - zero  # the gradient all-reduce's axes
@@ -651,7 +619,7 @@ def estimate(plan: PlanInput) -> dict:
             warnings.append(f"{name} overlap ratio {r:.2f} > 1: its communication cannot hide behind compute")
     if schedule and m < stages:
         warnings.append(f"m < p: {m} micro-batches for {stages} stages leave most of the pipeline idle")
-    experts_axes = split_axes(rules, sizes, "experts")
+    experts_axes = step.expert_axes
     if experts_axes and _link("+".join(experts_axes), sizes, hw)[1] == "inter":
         warnings.append(f"EP axis spans nodes: {'+'.join(experts_axes)}={shards((experts_axes,), sizes)}"
                         + (f" (× tensor={tensor} inside it)" if tensor > 1 else "")
@@ -675,7 +643,7 @@ def estimate(plan: PlanInput) -> dict:
         tokens_per_step=tokens, in_flight_microbatches=in_flight,
         memory_bytes_per_device=dict(total=int(total_memory), **{k: int(v) for k, v in memory.items()}),
         model_state_bytes=int(sum(memory[k] for k in MODEL_STATE)),
-        precision=_precision_line(table, rules),
+        precision=_precision_line(step),
         moe=_moe_summary(config, params, sizes, experts_axes) if is_moe(config) else None,
         flops_per_step=dict(model=flops_model, run=flops_run),
         fits=total_memory <= hw.hbm_bytes,
@@ -718,13 +686,13 @@ def context_overlap(config: DecoderConfig, cp: int, flops: float, bandwidth: flo
     return cp / config.seq_len * kv_heads / config.heads * itemsize * flops / bandwidth
 
 
-def _precision_line(table: LayoutTable, rules: Rules) -> str:
-    policy = table.precision
+def _precision_line(step: Plan) -> str:
+    policy = step.precision
     if policy is None:
-        return f"params {table.params[0].held.name}, no master"
+        return f"params {step.params[0].held.name}, no master"
     line = policy.describe()
     gathered = min(policy.param, policy.compute, key=lambda d: d.itemsize)  # the layers cast, then gather
-    if rules.zero == 3 and gathered != policy.reduce:  # its reduce-scatter is its gather's transpose
+    if step.rules.zero == 3 and gathered != policy.reduce:  # its reduce-scatter is its gather's transpose
         line += f" (ZeRO-3 gathers weights in {gathered.name} and so reduce-scatters their gradients in it)"
     return line
 

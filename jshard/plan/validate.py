@@ -8,7 +8,6 @@ docs/planning.md shows the table.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -114,8 +113,8 @@ def validate_one(strategy: str, microbatches, schedule, remat: str, mesh: str = 
     counted = hlo.bytes_by_kind(compiled.as_text(), lowered.as_text())  # in the program's dtypes
     predicted = dict(est["comm_bytes_per_step"])
     if step.schedule:
-        context = math.prod(mesh_shape(mesh)[a] for a in rules.context_axes(mesh))
-        predicted["collective-permute"] = compiled_pipeline_permute_bytes(step.schedule, config, rows, context)
+        predicted["collective-permute"] = compiled_pipeline_permute_bytes(step.schedule, config, rows,
+                                                                          step.plan.context_shards)
     predicted_memory = est["memory_bytes_per_device"]["total"]
     compared = "total"
     if jax.default_backend() == "cpu" and policy.compute != jnp.float32:

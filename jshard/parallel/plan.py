@@ -1,0 +1,286 @@
+"""The plan of a step: everything `build_step` derives from its inputs, resolved once, with no
+device, and every check of those inputs in one place (each error raised once, before any work).
+
+    plan = make_plan(model, mesh, rules, precision="mixed", microbatches=8, schedule="1f1b")
+
+`model` may be abstract (`nnx.eval_shape`) and `mesh` an `AbstractMesh`. The plan holds
+
+    params        per param (`placement.ParamLayout`): its `param` and `opt` layouts, and its
+                  dtypes under the precision policy (held, compute, reduce, master)
+    axes          batch, context (cp), grad (batch + context: gradients are summed over them),
+                  stage (pp), expert (ep), ZeRO and tensor (tp) axes: the mesh axes of size > 1
+                  the rules put each on
+    pipeline      the schedule's tick table and its program, micro-batches, `stage_remat`
+
+and `check_batch` (rows and sequence length against the batch, micro-batch and context splits).
+The explicit step (`step.py`), the compiler-placed step (`compiled.py`), `jshard train` and
+`generate`, `describe`, the planner (`jshard.plan`, on an AbstractMesh) and the benches read
+it; none derives an axis again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
+
+from jshard.mesh import mesh_shape
+from jshard.models.stack import StagedLoss, has_stack
+from jshard.parallel import pipeline
+from jshard.parallel.model_state import check_no_pipeline
+from jshard.parallel.schedules import Schedule, check_layers, make_schedule
+from jshard.placement import ParamLayout, Report, paths_and_shapes, place, specs_of
+from jshard.precision import Precision, precision as precision_policy
+from jshard.rules import Kind, Rules, ShardingError
+
+COLLECTIVES = ("explicit", "compiler")  # who places a step's collectives: jshard (shard_map) or XLA (jit)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One step's layouts, dtypes, axes and pipeline, resolved once (`make_plan`)."""
+
+    rules: Rules
+    mesh: Mesh | AbstractMesh
+    collectives: str  # "explicit" (jax.jit of jax.shard_map) or "compiler" (jax.jit alone)
+    params: tuple[ParamLayout, ...]  # in the leaf order of the params' State
+    precision: Precision | None  # None: params held as the model holds them, no master
+    schedule: Schedule | None  # None: no pipeline
+    microbatches: int | None
+    stage_remat: str  # what a pipeline stage keeps from F to its backward: "none" or "full"
+    has_stack: bool  # the model runs its layers through `scan_layers` (it remats them itself)
+    batch_axes: tuple[str, ...]  # the batch dim's, size-1 axes included (a batch spec's)
+    context_axes: tuple[str, ...]  # attention's seq: context parallelism's (size > 1)
+    stage_axis: str | None  # the stacked layers' (size > 1): a pipeline's
+    expert_axes: tuple[str, ...]  # the experts' (size > 1)
+    tensor_axes: tuple[str, ...]  # the MLP width's (size > 1): tensor parallelism's
+    sequence_axes: tuple[str, ...]  # the residual stream's seq (size > 1): sequence and context parallelism's
+
+    # -- derived from the fields, read by the steps and the planner --------------------------
+
+    @functools.cached_property
+    def mesh_sizes(self) -> dict[str, int]:
+        return mesh_shape(self.mesh)
+
+    @property
+    def grad_axes(self) -> tuple[str, ...]:
+        """Axes whose devices see other tokens with the same params, over which gradients are
+        summed: the batch axes, and context parallelism's, which split each sequence."""
+        return self.batch_axes + self.context_axes
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the residual stream's seq is split beyond context parallelism's axes (over tensor)."""
+        return bool(set(self.sequence_axes) - set(self.context_axes))
+
+    @functools.cached_property
+    def zero_axes(self) -> tuple[str, ...]:
+        """The ZeRO axes (size > 1): those that split both the batch and some param's weight."""
+        return tuple(a for a in self.rules.zero_axes if self.mesh_sizes[a] > 1)
+
+    @functools.cached_property
+    def data_shards(self) -> int:
+        """The devices that split a batch's rows."""
+        return math.prod(self.mesh_sizes[a] for a in self.batch_axes)
+
+    @property
+    def batch_shards(self) -> int:
+        """What one global batch splits into: its data shards, times a pipeline's micro-batches."""
+        return self.data_shards * (self.microbatches or 1)
+
+    @functools.cached_property
+    def context_shards(self) -> int:
+        return math.prod(self.mesh_sizes[a] for a in self.context_axes)
+
+    @functools.cached_property
+    def program(self) -> pipeline.Program | None:
+        """The schedule as the pipeline executor runs it (None: no pipeline)."""
+        return pipeline.compile_program(self.schedule, self.stage_remat) if self.schedule else None
+
+    @property
+    def batch_spec(self) -> jax.P:
+        return jax.P(self.batch_axes)
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        """A global batch's placement: split along dim 0 over the batch axes."""
+        return NamedSharding(self.mesh, self.batch_spec)
+
+    def specs(self, params, kind: Kind = "param"):
+        """The params' PartitionSpecs in `kind`'s layout ('param' or 'opt'), in their tree's structure."""
+        return specs_of(params, [p.placement if kind == "param" else p.opt_placement for p in self.params])
+
+    def layouts(self, kind: Kind = "param") -> list:
+        return [p.param if kind == "param" else p.opt for p in self.params]
+
+    def check_params(self, params: nnx.State) -> None:
+        """Whether `params` are the ones planned (a plan made on other shapes would misplace them)."""
+        have = paths_and_shapes(params)
+        want = [(p.path, p.shape) for p in self.params]
+        if have != want:
+            diff = next((h, w) for h, w in zip(have + [None] * len(want), want + [None] * len(have)) if h != w)
+            raise ShardingError(f"build_step: the model's params are not the plan's (first difference: the model has "
+                                f"{diff[0]}, the plan {diff[1]}). Fix: make the plan from this model or its shapes.")
+
+    def opt_state_specs(self, opt_state):
+        """An optimizer state's specs (its Variables carry their params' names): the `opt` layout."""
+        return specs_of(opt_state, place(opt_state, self.mesh_sizes, self.rules, "opt"))
+
+    def report(self) -> Report:
+        return Report(self.rules, self.mesh_sizes, "param", tuple(p.placement for p in self.params))
+
+    # -- the batch ---------------------------------------------------------------------------
+
+    def check_batch(self, rows: int | None = None, seq_len: int | None = None, steps: int = 1, *,
+                    rows_flag: str = "batch size", seq_flag: str = "sequence length",
+                    steps_flag: str | None = None) -> None:
+        """Whether a global batch of `rows` rows, taken in `steps` accumulated micro-steps, splits over
+        the batch axes and a pipeline's micro-batches, and a sequence of `seq_len` tokens into
+        context parallelism's chunks (two per device, load-balanced). The flags name the inputs
+        in the error (a command's flags: '--batch-size'; `steps_flag` shows the steps even at 1)."""
+        n = self.context_shards
+        if seq_len is not None and n > 1 and seq_len % (2 * n):
+            raise ShardingError(
+                f"{seq_flag} {seq_len}: context parallelism over {'×'.join(self.context_axes)} = {n} cuts each "
+                f"sequence into {2 * n} equal chunks (two per device, load-balanced). Fix: a {seq_flag} that is a "
+                f"multiple of {2 * n}.")
+        per_step = self.batch_shards * steps
+        if rows is not None and rows % per_step:
+            over = " × ".join([f"{self.data_shards} batch shards ({'×'.join(self.batch_axes) or 'none'})"]
+                              + ([f"{self.microbatches} pipeline micro-batches"] if self.microbatches else [])
+                              + ([f"{steps_flag} {steps}"] if steps_flag else
+                                 [f"{steps} accumulated steps"] if steps > 1 else []))
+            raise ShardingError(f"{rows_flag} {rows} does not split over {over} = {per_step}. "
+                                f"Fix: make {rows_flag} a multiple of {per_step}.")
+
+
+def make_plan(model, mesh: Mesh | AbstractMesh, rules: Rules, *, loss_fn=None, precision: Precision | str | None = None,
+              microbatches: int | None = None, schedule: str | None = None, virtual: int | None = None,
+              stage_remat: str | None = None, collectives: str = "explicit",
+              default_microbatches: int | None = None) -> Plan:
+    """Resolve and check a step of `model` (an NNX module, abstract or not) under `rules` on
+    `mesh` (or an AbstractMesh): the one place `build_step`'s inputs are checked.
+
+    `loss_fn` None: not known here (the planner, `describe`); a pipeline needs a StagedLoss.
+    `default_microbatches`: a pipeline's micro-batches where `microbatches` is not given (a
+    command's default); without it a pipeline needs `microbatches`.
+    """
+    if collectives not in COLLECTIVES:
+        raise ShardingError(
+            f"build_step: collectives={collectives!r}; choose 'explicit' (jit of shard_map, every "
+            "collective derived from the rules) or 'compiler' (plain jit, XLA's partitioner places them).")
+    policy = precision_policy(precision)
+    rules.check_mesh(mesh)
+    sizes = mesh_shape(mesh)
+
+    def split(name: str, kind: Kind = "param") -> tuple[str, ...]:
+        return rules.axes(name, mesh, kind, split=True)
+
+    stages = split("layers")
+    if stages and microbatches is None:
+        microbatches = default_microbatches
+    given = dict(microbatches=microbatches, schedule=schedule, virtual=virtual, stage_remat=stage_remat)
+    given = ", ".join(f"{k}={v!r}" for k, v in given.items() if v is not None)
+    if collectives == "compiler":
+        _check_compiler_step(rules, stages, sizes, given, policy)
+    _, params, others = nnx.split(model, nnx.Param, ...)
+    check_no_pipeline(others, stages)
+    plan_schedule = _schedule(rules, mesh, stages, given, loss_fn, microbatches, schedule, virtual, stage_remat)
+    rows = tuple(ParamLayout.of(placed, opt, policy) for placed, opt in
+                 zip(place(params, sizes, rules, "param"), place(params, sizes, rules, "opt")))
+    plan = Plan(rules, mesh, collectives, rows, policy, plan_schedule, microbatches, stage_remat or "none",
+                has_stack(model), rules.axes("batch", mesh), rules.context_axes(mesh), stages[0] if stages else None,
+                split("experts"), split("mlp", "activation"), split("seq", "activation"))
+    _check_experts(plan)
+    if plan.schedule:
+        stacked = [p.shape[0] for p in rows if p.param and plan.stage_axis in p.param[0]]
+        check_layers(stacked[0], plan.schedule.stages, plan.schedule.virtual)
+    if rules.zero == 2 and collectives == "explicit":
+        _check_one_zero_dim(rows)
+    return plan
+
+
+def _check_compiler_step(rules: Rules, stages, sizes, given: str, policy: Precision | None) -> None:
+    """What the compiler-placed step cannot do: pipeline, or hold params other than as the model does."""
+    if given:
+        raise ShardingError(
+            f"build_step(collectives='compiler'): {given}, but the compiler-placed step does not "
+            "pipeline. Fix: drop them, or use the explicit step (collectives='explicit').")
+    if stages:
+        raise ShardingError(
+            f"build_step(collectives='compiler'): rules {rules.name!r} split layers over "
+            f"{'+'.join(stages)}={math.prod(sizes[a] for a in stages)}, a pipeline, and the "
+            "compiler-placed step does not pipeline. Fix: use the explicit step (build_step(..., "
+            "collectives='explicit', microbatches=M)), or pick a preset without pp / give stage size 1.")
+    if policy is not None and (policy.master is not None or policy.param != np.float32):
+        raise ShardingError(
+            f"build_step(collectives='compiler'): precision {policy.name!r} holds params in "
+            f"{policy.param.name}{' with an fp32 master' if policy.master else ''}, but the compiler-placed step "
+            "holds them as the model does. Fix: precision 'fp32' or 'bf16', or the explicit step.")
+
+
+def _schedule(rules: Rules, mesh, stages, given: str, loss_fn, microbatches, schedule, virtual,
+              stage_remat) -> Schedule | None:
+    """The pipeline schedule (None when the rules put no layers on a stage axis of size > 1)."""
+    if not stages:
+        if given:
+            raise ShardingError(
+                f"build_step: {given} but rules {rules.name!r} put no layers on a stage axis of size > 1, so "
+                "there is no pipeline to feed. Fix: drop them, or use 'pp' with stage=N.")
+        return None
+    if len(stages) > 1:
+        raise ShardingError(f"build_step: layers split over several stage axes {stages}; the pipeline uses one.")
+    size = mesh_shape(mesh)[stages[0]]
+    if not isinstance(microbatches, int) or microbatches < 1 or not isinstance(loss_fn, (StagedLoss, type(None))):
+        raise ShardingError(
+            f"build_step: rules {rules.name!r} split layers over {stages[0]}={size}, "
+            f"which pipelines them: it needs microbatches=M >= 1 (got {microbatches!r}) and a "
+            "jshard.models.StagedLoss that says where the stack of layers starts and ends "
+            "(jshard.models.gpt_loss and mlp_loss are). Fix: build_step(..., microbatches=4).")
+    pipeline.check_stage_remat(stage_remat or "none")
+    context = rules.context_axes(mesh)
+    if context and rules.context_attention == "ring":
+        # A pipeline tick runs its stage's action in a branch the other stages skip. XLA:CPU
+        # makes every device of the mesh join each collective-permute, so a ring's ppermute there
+        # deadlocks or pairs with another stage's; an all-gather groups only its stage's devices.
+        raise ShardingError(
+            f"build_step: rules {rules.name!r} pipeline the layers over {stages[0]} and pass keys and values "
+            f"round a ring over {'+'.join(context)}; a ring's sends cannot run inside one "
+            "stage's tick. Fix: all-gather them instead, preset "
+            f"{rules.name.replace('cp', 'cp-gather')!r} (Rules.context_attention='gather').")
+    return make_schedule(schedule or "gpipe", size, microbatches, virtual)
+
+
+def _check_experts(plan: Plan) -> None:
+    """Rules that split `experts` over an axis need experts: else that axis only splits the batch,
+    a data-parallel axis under another name. And a mixture of experts does not take context
+    parallelism: its rows, gathered whole, arrive in cp's load-balanced chunk order, in which
+    their choices would queue for the experts' slots, and drop, unlike on one device."""
+    has_experts = any("experts" in (p.placement.names or ()) for p in plan.params)
+    name = plan.rules.name
+    if plan.expert_axes and not has_experts:
+        raise ShardingError(
+            f"build_step: rules {name!r} split experts over {'+'.join(plan.expert_axes)}, but no param of the model has "
+            "an 'experts' dim: there are no experts to place. Fix: a model with a mixture of experts (jshard.moe.MoE, "
+            "e.g. --model moe-tiny), or a preset without ep (its devices then split the batch: use 'data').")
+    if has_experts and plan.context_axes:
+        raise ShardingError(
+            f"build_step: rules {name!r} split each sequence over {'+'.join(plan.context_axes)} (context "
+            "parallelism), but the model has a mixture of experts, whose capacity queues follow token order, which "
+            "context parallelism's load-balanced chunks reorder. Fix: a preset without cp.")
+
+
+def _check_one_zero_dim(params: tuple[ParamLayout, ...]) -> None:
+    """ZeRO-2 scatters each gradient along one dim; rules that split a param over ZeRO axes
+    on two dims would need two."""
+    for p in params:
+        if sum(h != w for h, w in zip(p.param, p.opt)) > 1:
+            raise ShardingError(
+                f"build_step: ZeRO-2 param {p.path!r} is split over ZeRO axes on more than "
+                f"one dim ({p.opt}); it reduce-scatters along one. Fix: map the ZeRO axis to one logical name.")
+

@@ -1,0 +1,60 @@
+"""What a step carries from one call to the next, and how a global batch reaches it.
+
+Both steps (`step.py`, `compiled.py`) hold a `TrainState` and place a batch by their `Plan`:
+split along dim 0 over the batch axes. Built abstractly, a step's state and batch are
+`jax.ShapeDtypeStruct`s with their shardings, and it lowers on any mesh (`lower`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AbstractMesh
+
+from jshard.parallel.plan import Plan
+from jshard.rules import ShardingError
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    params: nnx.State  # in the `param` layout, the precision's param dtype
+    opt_state: Any  # optax state, in the `opt` layout
+    model_state: nnx.State  # the model's other Variables, whole on every device (`model_state.py`)
+    master: nnx.State | None = None  # the fp32 copy the optimizer updates, in the `opt` layout (`mixed`)
+
+
+def shard_batch(plan: Plan, batch):
+    """Put a global batch on the mesh, split along dim 0 over the batch axes."""
+    for leaf in jax.tree.leaves(batch):
+        if not np.ndim(leaf):
+            raise ShardingError(f"a batch leaf is a scalar; the step splits every leaf along dim 0 over "
+                                f"{'×'.join(plan.batch_axes) or 'no axis'}. Fix: give each leaf a batch dim.")
+        plan.check_batch(np.shape(leaf)[0])
+    return jax.device_put(batch, plan.batch_sharding)
+
+
+def abstract_batch(plan: Plan, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+    """A global batch leaf of `shape` as the step takes it, with no array: for `lower` on any mesh."""
+    plan.check_batch(shape[0])
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=plan.batch_sharding)
+
+
+def abstract_state(state_of, params, others, shardings) -> TrainState:
+    """A step's state as `jax.ShapeDtypeStruct`s placed by `shardings`: what `state_of(params,
+    others)` would give, with no array made (a model from `nnx.eval_shape`, a mesh of devices
+    this machine does not have)."""
+    shapes = jax.eval_shape(state_of, params, others)
+    return jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                        shapes, shardings)
+
+
+def lower(jitted, mesh, platform: str | None, *args):
+    """`jitted` lowered for `args`; on an AbstractMesh for `platform` (default: this host's backend)."""
+    if isinstance(mesh, AbstractMesh):
+        return jitted.trace(*args).lower(lowering_platforms=(platform or jax.default_backend(),))
+    return jitted.lower(*args)
