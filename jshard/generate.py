@@ -41,6 +41,7 @@ from jshard.checkpoint import CheckpointError, Checkpoints
 from jshard.distributed import initialize, is_main_process
 from jshard.mesh import mesh_shape, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags
 from jshard.models import DecoderConfig, GPTConfig, LlamaConfig, decoder
+from jshard.parallel.plan import make_plan
 from jshard.rules import format_mesh
 
 FAMILIES = {"GPT": GPTConfig, "Llama": LlamaConfig}  # a record's "family" -> its config
@@ -359,15 +360,13 @@ def set_up(c: GenerateConfig) -> Setup:
     max_tokens = c.max_tokens or max(1, min(MAX_TOKENS, model.seq_len - len(prompt)))
     check_fits(len(prompt), max_tokens, model.seq_len)
     mesh = jshard.make_mesh(**flags.mesh_sizes(c.mesh, rules, jax.device_count()))
-    rules.check_mesh(mesh)
-    shards = math.prod(mesh_shape(mesh)[a] for a in rules.axes("batch", mesh))
-    if c.num_samples % shards:
-        raise GenerateError(
-            f"--num-samples {c.num_samples} does not split over the {shards} batch shards of {rules.name} on "
-            f"{format_mesh(mesh_shape(mesh))} ({'×'.join(rules.axes('batch', mesh))}). Fix: make --num-samples a "
-            f"multiple of {shards}, or split the model instead of the samples (--strategy tp).")
     abstract = nnx.eval_shape(lambda: decoder(model, nnx.Rngs(0)))
-    jshard.shardings(abstract, mesh, rules)  # every param's layout: a dim that does not divide raises here
+    plan = make_plan(abstract, mesh, rules)  # the mesh, and every param's layout: a dim that does not divide raises
+    if c.num_samples % plan.data_shards:
+        raise GenerateError(
+            f"--num-samples {c.num_samples} does not split over the {plan.data_shards} batch shards of {rules.name} "
+            f"on {format_mesh(mesh_shape(mesh))} ({'×'.join(plan.batch_axes)}). Fix: make --num-samples a "
+            f"multiple of {plan.data_shards}, or split the model instead of the samples (--strategy tp).")
     cache = jax.eval_shape(lambda: abstract.init_cache(c.num_samples, len(prompt) + max_tokens))  # nothing allocated
     rules.spec(("layers", *cache.names), cache.k.shape, mesh, "activation", where="the KV cache")
     sampling = Sampling(max_tokens, float(c.temperature), c.top_k, c.seed)
