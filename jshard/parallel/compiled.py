@@ -36,11 +36,12 @@ from flax import nnx
 from jax.lax import with_sharding_constraint
 from jax.sharding import Mesh, NamedSharding
 
+from jshard import nn
 from jshard.mesh import mesh_shape
 from jshard.parallel.model_state import ModelState
 from jshard.parallel.step import ShardedStep, TrainState, stage_axes
 from jshard.placement import Report, layout_table, specs
-from jshard.rules import Rules, ShardingError, use_rules
+from jshard.rules import Rules, ShardingError
 
 
 def check_compiled_plan(mesh: Mesh, rules: Rules) -> None:
@@ -156,9 +157,10 @@ class CompiledStep:
 
     @contextlib.contextmanager
     def _traced(self):
-        """The rules, and the mesh for `jshard.constrain`'s bare specs, while the step is traced
-        (`jax.set_mesh` may not be entered inside `jax.jit`; the abstract mesh may)."""
-        with use_rules(self.rules), jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+        """The step context (`nn.step_context`: the rules), and the mesh for `jshard.constrain`'s bare
+        specs, while the step is traced (`jax.set_mesh` may not be entered inside `jax.jit`; the
+        abstract mesh may)."""
+        with nn.step_context(self.rules), jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
             yield
 
     def _body(self, state: TrainState, batch):
