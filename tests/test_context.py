@@ -145,7 +145,7 @@ def test_ring_under_bf16_compute_is_near_fp32_on_one_device():
 def test_ring_runs_a_block_tile_by_tile(monkeypatch):
     """With 2-query tiles every block runs as a loop over tiles (its dk, dv summed over them):
     the gradients are still one device's."""
-    monkeypatch.setattr(nn, "QUERY_TILE", 2)
+    monkeypatch.setattr(nn.context, "QUERY_TILE", 2)
     batch = np.random.default_rng(2).integers(0, 64, (4, 17))
     _, expected = nnx.value_and_grad(gpt_loss)(decoders.make("llama", 0), batch)
     step = build_step(decoders.make("llama", 0), OPTIMIZER, gpt_loss, jshard.make_mesh(data=4, context=2),

@@ -35,11 +35,11 @@ from flax import nnx
 from jax.lax import with_sharding_constraint
 from jax.sharding import NamedSharding
 
+from jshard import nn
 from jshard.parallel.model_state import ModelState
 from jshard.parallel.plan import Plan
 from jshard.parallel.state import TrainState, abstract_state, lower, shard_batch
 from jshard.placement import Report
-from jshard.rules import use_rules
 
 
 def _abstract(mesh):
@@ -157,9 +157,10 @@ class CompiledStep:
 
     @contextlib.contextmanager
     def _traced(self):
-        """The rules, and the mesh for `jshard.constrain`'s bare specs, while the step is traced
-        (`jax.set_mesh` may not be entered inside `jax.jit`; the abstract mesh may)."""
-        with use_rules(self.rules), jax.sharding.use_abstract_mesh(_abstract(self.mesh)):
+        """The step context (`nn.step_context`: the rules), and the mesh for `jshard.constrain`'s bare
+        specs, while the step is traced (`jax.set_mesh` may not be entered inside `jax.jit`; the
+        abstract mesh may)."""
+        with nn.step_context(self.rules), jax.sharding.use_abstract_mesh(_abstract(self.mesh)):
             yield
 
     def _body(self, state: TrainState, batch):

@@ -53,7 +53,7 @@ from jshard.parallel.plan import Plan, make_plan
 from jshard.parallel.state import TrainState, abstract_state, lower, shard_batch
 from jshard.placement import Report
 from jshard.precision import Precision
-from jshard.rules import Rules, ShardingError, layout_of, use_rules
+from jshard.rules import Rules, ShardingError, layout_of
 
 
 def _layouts(spec_tree) -> list[nn.Layout]:
@@ -313,8 +313,8 @@ class ShardedStep:
         sequences over the context axes (`nn.split_input`: jshard.nn's Embed and cross_entropy).
         A model that never does computes the same on each device of those axes: refused, as a
         mesh axis no rule uses is."""
-        with nn.recording_context_splits([]) as splits:
-            yield
+        splits = nn.current_step().context_splits  # the inputs split while the body traces (`nn.step_context`)
+        yield
         if self.plan.context_axes and not splits:
             raise ShardingError(
                 f"build_step: rules {self.rules.name!r} split each sequence over {'+'.join(self.plan.context_axes)} (context "
@@ -362,7 +362,7 @@ class ShardedStep:
         return lax.pmean(loss, self.batch_axes), grads, written
 
     def _body(self, state: TrainState, batch):
-        with use_rules(self.rules), nn.recording_whole_reads(self.whole_reads):
+        with nn.step_context(self.rules, self.whole_reads):
             loss, grads, model_state = self._loss_and_grads(state.params, state.model_state, batch, state.master)
             if state.master is not None:
                 shards = state.master
@@ -378,7 +378,7 @@ class ShardedStep:
 
     def _loss_body(self, params, others, batch, master=None):
         """Evaluation: step 2's forward alone, on the same blocks; no gradient, no state written."""
-        with use_rules(self.rules), nn.recording_whole_reads(self.whole_reads):
+        with nn.step_context(self.rules, self.whole_reads):
             diff, _ = self._differentiable(params, master)
             model_of = self._model_builder(params, self.others.for_batch_shard(others, self.batch_axes))
             with self._splitting_sequences():
@@ -390,7 +390,7 @@ class ShardedStep:
             return lax.pmean(loss, self.batch_axes)
 
     def _grads_body(self, params, others, batch, master=None):
-        with use_rules(self.rules), nn.recording_whole_reads(self.whole_reads):
+        with nn.step_context(self.rules, self.whole_reads):
             return self._loss_and_grads(params, others, batch, master)[:2]
 
     # -- what the step does with each param ------------------------------------------------

@@ -1,0 +1,92 @@
+"""Attention's kernel: which one runs (`attention_implementation`), causal attention over a
+whole or context-split sequence (`attention`), and decoding over a KV cache (`KVCache`,
+`cached_attention`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jshard.nn.context import context_attention, context_axes
+from jshard.rules import constrain
+
+
+ATTENTION = ("auto", "xla", "cudnn")
+
+
+def attention_implementation(choice: str, dtype, head_dim: int, platform: str | None = None) -> str:
+    """Which kernel `attention` runs: "xla" (XLA's: keeps the seq × seq scores for backward)
+    or "cudnn" (cuDNN's fused flash kernel: no scores kept). cuDNN needs a GPU, bf16 or fp16,
+    and a head dim <= 128 and a multiple of 8; "auto" takes it where those hold (JAX's own
+    default is XLA everywhere). `platform`: the default backend's unless given (the planner
+    gives its hardware profile's)."""
+    platform = platform or jax.default_backend()
+    fits = platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim <= 128 and head_dim % 8 == 0
+    if choice not in ATTENTION:
+        raise ValueError(f"attention {choice!r}: choose one of {', '.join(ATTENTION)}")
+    if choice == "cudnn" and not fits:
+        raise ValueError(
+            f"attention 'cudnn' needs a GPU, bf16 or fp16 and a head dim <= 128 and a multiple of 8; here: "
+            f"{platform}, {jnp.dtype(dtype).name}, head dim {head_dim}. Fix: attention 'auto' or 'xla'.")
+    return "cudnn" if choice == "auto" and fits else "xla" if choice == "auto" else choice
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, choice: str = "auto") -> jax.Array:
+    """Causal attention of (batch, seq, heads, head_dim) queries over (batch, seq, kv_heads,
+    head_dim) keys and values (kv_heads dividing heads: grouped-query), by `choice`'s kernel.
+
+    Inside a step whose rules split attention's `seq` (context parallelism), each device holds
+    its load-balanced chunks of the sequence and attends over every device's keys and values:
+    `context_attention`."""
+    if context_axes():
+        return context_attention(q, k, v)
+    implementation = attention_implementation(choice, q.dtype, q.shape[-1])
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+
+
+# -- decoding with a KV cache -------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """The keys and values of the positions a decoder has seen, so that each new token costs
+    one token's work: (batch, length, kv heads, head_dim) each for one attention layer, with
+    a leading `layers` dim for a stack of them (scanned with the layers). Laid out by the
+    rules as `names` say (one layer's names: batch, seq, the heads' name, kv), so a tensor-
+    parallel model keeps each device's heads' keys and values on that device. Positions not
+    yet written hold zeros; `cached_attention` masks them."""
+
+    k: jax.Array
+    v: jax.Array
+    names: tuple = dataclasses.field(metadata=dict(static=True))
+
+    @classmethod
+    def zeros(cls, layers: int, batch: int, length: int, heads: int, head_dim: int, names, dtype) -> KVCache:
+        def empty():
+            return constrain(jnp.zeros((layers, batch, length, heads, head_dim), dtype), ("layers", *names))
+
+        return cls(empty(), empty(), tuple(names))
+
+    def write(self, k: jax.Array, v: jax.Array, position: jax.Array) -> KVCache:
+        """With the keys and values (batch, new, heads, head_dim) of new tokens stored at
+        positions position, position + 1, ... (one layer's cache)."""
+
+        def put(cache, new):
+            cache = lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), position, axis=1)
+            return constrain(cache, self.names)
+
+        return KVCache(put(self.k, k), put(self.v, v), self.names)
+
+
+def cached_attention(q: jax.Array, cache: KVCache, position: jax.Array) -> jax.Array:
+    """Causal attention of new queries (batch, new, heads, head_dim) at positions position, ...
+    over a cache that holds their own keys and values and those of every earlier position;
+    each query sees the positions up to its own (grouped-query as `attention`). XLA's kernel:
+    the mask over the cache's fixed length keeps one compiled program for every position."""
+    seen = (position + jnp.arange(q.shape[1]))[:, None] >= jnp.arange(cache.k.shape[1])
+    return jax.nn.dot_product_attention(q, cache.k, cache.v, mask=seen[None, None], implementation="xla")

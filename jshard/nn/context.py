@@ -1,0 +1,313 @@
+"""Context parallelism: each sequence split over the mesh axes the rules give attention's `seq`.
+
+Rules that put attention's `seq` on mesh axes (the `cp` preset: `context`) split every
+sequence over them. Causal attention gives later tokens more work, so the split is load-
+balanced, as Megatron's CP: over n devices the sequence is cut into 2n chunks and device i
+holds chunks i and 2n-1-i, one early and one late. Inside a step a sequence is held in that
+order throughout; it is applied where the step's inputs (token ids, labels) are split
+(`split_input`, recorded in the step context's `context_splits`) and read back where
+positions matter (`positions`), and nothing between (the residual stream, the MLP, the
+loss) cares about the order of the tokens. Attention over the split sequence is
+`context_attention`: a ring (`ring_attention`) or all-gathered keys and values.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jshard import vma
+from jshard.nn.layouts import Layout, layout, relayout_local
+from jshard.nn.step import current_step, in_step
+from jshard.rules import ShardingError, active_rules
+
+
+def context_axes() -> tuple[str, ...]:
+    """Inside a step: the mesh axes (of size > 1) the rules split attention's `seq` over, context
+    parallelism's (`Rules.context_axes`). () elsewhere, and where only the residual stream's seq
+    is split (sequence parallelism gathers it before attention)."""
+    if not in_step():
+        return ()
+    return active_rules().context_axes(jax.sharding.get_abstract_mesh())
+
+
+def check_context_length(length: int, n: int) -> None:
+    """Context parallelism over n devices cuts each sequence into 2n equal chunks."""
+    if n > 1 and length % (2 * n):
+        raise ShardingError(f"context parallelism over {n} devices cuts a sequence into {2 * n} equal chunks; "
+                            f"{length} tokens do not divide by {2 * n}. Fix: a seq-len that is a multiple of {2 * n}.")
+
+
+def balanced_order(length: int, n: int) -> jax.Array:
+    """The positions of a `length`-token sequence in the load-balanced order over n devices:
+    device i's block (the i-th of n) holds chunks i and 2n-1-i of 2n."""
+    check_context_length(length, n)
+    chunks = jnp.arange(length).reshape(2 * n, length // (2 * n))
+    return jnp.stack([chunks[:n], chunks[::-1][:n]], axis=1).reshape(length)
+
+
+def input_layout(names) -> Layout:
+    """A step input (token ids, labels) once split: over the batch axes, and its seq over the context axes."""
+    context = set(context_axes())
+    return tuple(axes if name == "batch" else tuple(a for a in axes if a in context)
+                 for name, axes in zip(names, layout(names)))
+
+
+def split_input(x: jax.Array, names) -> jax.Array:
+    """A step input, which arrives split over the batch axes only, as this device's share under
+    context parallelism: each seq dim's load-balanced chunks (`input_layout`). The identity
+    outside a step and without context parallelism."""
+    if not in_step():
+        return x
+    for dim, axes in enumerate(input_layout(names)):
+        if axes and names[dim] != "batch":
+            splits = current_step().context_splits
+            if splits is not None:
+                splits.append(tuple(names))
+            n = lax.axis_size(axes)
+            mine = balanced_order(x.shape[dim], n).reshape(n, -1)[lax.axis_index(axes)]
+            x = jnp.take(vma.vary(x, axes), mine, axis=dim)
+    return x
+
+
+def laid_out_input(x: jax.Array, names, dst: Layout) -> jax.Array:
+    """A step input (split over the batch axes only) as layout `dst`: its context chunks taken
+    (`split_input`), then moved like any block (sequence parallelism's slice, say)."""
+    return relayout_local(split_input(x, names), input_layout(names), dst)
+
+
+def positions(x: jax.Array, names, dim: int = 1) -> jax.Array:
+    """The sequence positions of dim `dim` of activation `x` (named `names`) on this device: in
+    a step, of its share of the sequence (context parallelism's chunks, sequence parallelism's
+    slice), else 0, 1, ...; int32."""
+    if not in_step():
+        return jnp.arange(x.shape[dim])
+    have = layout(names)[dim]
+    whole = x.shape[dim] * math.prod(lax.axis_size(a) for a in have)
+    return laid_out_input(jnp.arange(whole), ("seq",), (have,))  # positions as a step input would be
+
+
+def context_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention under context parallelism, as the active rules choose (`Rules.context_attention`):
+    "ring" passes each device's keys and values round the context axes (`ring_attention`);
+    "gather" all-gathers them (Llama 3's choice: one collective, the whole K/V held at once)."""
+    axes = context_axes()
+    if active_rules().context_attention == "gather":
+        return gathered_kv_attention(q, k, v, axes)
+    return ring_attention(q, k, v, axes)
+
+
+def _scores(q, k, mask):
+    """fp32 scores (batch, kv_heads, group, q_len, k_len) of grouped queries over keys; -inf
+    where the (q_len, k_len) `mask` is False (None: nowhere)."""
+    b, sq, h, d = q.shape
+    g = h // k.shape[2]
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", q.reshape(b, sq, h // g, g, d), k,
+                   preferred_element_type=jnp.float32) / math.sqrt(d)
+    return s if mask is None else vma.where(mask, s, -jnp.inf)
+
+
+def _ungroup(x):
+    """(batch, kv_heads, group, q, ...) -> (batch, q, heads, ...)."""
+    b, hk, g, sq = x.shape[:4]
+    return jnp.moveaxis(x.reshape(b, hk * g, sq, *x.shape[4:]), 2, 1)
+
+
+def gathered_kv_attention(q, k, v, axes):
+    """Queries of this device's chunks over every device's keys and values, all-gathered (their
+    transpose in backward: a reduce-scatter of dK, dV), masked by the positions both hold."""
+    k, v = (lax.all_gather(t, axes, axis=1, tiled=True) for t in (k, v))
+    n = lax.axis_size(axes)
+    whole = balanced_order(k.shape[1], n)
+    mine = whole.reshape(n, -1)[lax.axis_index(axes)]
+    s = _scores(q, k, mine[:, None] >= whole[None, :])
+    p = jax.nn.softmax(s, axis=-1)
+    out = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return _ungroup(out).astype(q.dtype)
+
+
+# Ring attention. Device i holds queries Q_i and keys / values (K_i, V_i) of chunks (i, 2n-1-i).
+# In ring step t it attends with the block of device j = i - t (mod n), then passes the block on
+# (`ppermute` to i + 1). Over the chunk order, causality is a pattern of halves: j = i is
+# causal within the block; j < i, both query chunks see key chunk j whole and chunk 2n-1-j not
+# at all; j > i, only query chunk 2n-1-i sees anything, the block whole. So each step after the
+# first costs every device half a block's work, the same on all: no device idles. Each block's
+# softmax is merged into the running one by its log-sum-exp (the online softmax); backward is a
+# second ring in which the keys and values travel with their gradients and arrive home with
+# every device's contribution.
+
+
+def _grouped(x, kv_heads):
+    """(batch, q, heads, d) -> (batch, q, kv_heads, group, d)."""
+    b, sq, h, d = x.shape
+    return x.reshape(b, sq, kv_heads, h // kv_heads, d)
+
+
+# Queries per tile within a block: a block's attention runs tile by tile (a loop), so its working
+# set is one tile's scores over the block's keys, not all its queries' (a flash kernel's idea,
+# at the granularity of XLA ops).
+QUERY_TILE = 512
+
+
+def query_tile(length: int) -> int:
+    """Queries per tile for a block of `length`: the largest divisor of it up to QUERY_TILE."""
+    return max(d for d in range(1, min(length, QUERY_TILE) + 1) if length % d == 0)
+
+
+def _split_rows(x, dim: int, tile: int):
+    """x with dim `dim` cut into tiles, the tiles leading: (..., n·tile, ...) -> (n, ..., tile, ...)."""
+    x = jnp.moveaxis(x, dim, 0)
+    return jnp.moveaxis(x.reshape(x.shape[0] // tile, tile, *x.shape[1:]), 1, dim + 1)
+
+
+def _join_rows(x, dim: int):
+    """The inverse of `_split_rows`."""
+    x = jnp.moveaxis(x, dim + 1, 1)
+    return jnp.moveaxis(x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]), 0, dim)
+
+
+def _block_forward(q, k, v, mask):
+    """One block: output (batch, q, heads, d) in fp32, and log-sum-exp (batch, kv_heads, group, q),
+    of queries over keys where `mask` (q, k) allows (None: everywhere), a tile of queries at a time."""
+    tile = query_tile(q.shape[1])
+
+    def one_tile(tiles):
+        q, mask = tiles
+        s = _scores(q, k, mask)
+        lse = jax.nn.logsumexp(s, axis=-1)
+        p = jnp.exp(s - lse[..., None])
+        return _ungroup(jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)), lse
+
+    masks = None if mask is None else _split_rows(mask, 0, tile)
+    out, lse = lax.map(one_tile, (_split_rows(q, 1, tile), masks))
+    return _join_rows(out, 1), _join_rows(lse, 3)
+
+
+def _block_backward(q, k, v, d_out, lse, delta, mask):
+    """One block's dq (batch, q, heads, d), dk, dv (batch, k, kv_heads, d), fp32, from the
+    output's gradient, the rows' log-sum-exp over every block and delta = rowsum(dO · O), a tile
+    of queries at a time (dk and dv summed over the tiles)."""
+    hk, tile = k.shape[2], query_tile(q.shape[1])
+    k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
+
+    def one_tile(dkv, tiles):
+        q, d_out, lse, delta, mask = tiles
+        p = jnp.exp(_scores(q, k, mask) - lse[..., None])  # the softmax's share of this block
+        do = _grouped(d_out, hk).astype(jnp.float32)
+        dp = jnp.einsum("bqhgd,bkhd->bhgqk", do, v32)
+        ds = p * (dp - delta[..., None]) / math.sqrt(q.shape[-1])
+        dq = jnp.einsum("bhgqk,bkhd->bqhgd", ds, k32).reshape(q.shape)
+        dk = jnp.einsum("bhgqk,bqhgd->bkhd", ds, _grouped(q, hk).astype(jnp.float32))
+        return (dkv[0] + dk, dkv[1] + jnp.einsum("bhgqk,bqhgd->bkhd", p, do)), dq
+
+    tiles = (_split_rows(q, 1, tile), _split_rows(d_out, 1, tile), _split_rows(lse, 3, tile),
+             _split_rows(delta, 3, tile), None if mask is None else _split_rows(mask, 0, tile))
+    varying = frozenset().union(*map(vma.varying_axes, (q, k, v, d_out)))
+    zero = vma.vary(jnp.zeros(k.shape, jnp.float32), varying)
+    (dk, dv), dq = lax.scan(one_tile, (zero, zero), tiles)
+    return _join_rows(dq, 1), dk, dv
+
+
+def _own_block_mask(c: int) -> jax.Array:
+    """Causality within a device's own block of chunks (i, 2n-1-i), c tokens each: each chunk
+    causal over itself; the late chunk sees the early one whole, the early one nothing of the late."""
+    tril = jnp.tril(jnp.ones((c, c), bool))
+    return jnp.block([[tril, jnp.zeros((c, c), bool)], [jnp.ones((c, c), bool), tril]])
+
+
+def _from_earlier(axes, t):
+    """Whether ring step t's block comes from a device j < i (else j > i; t = 0: j = i)."""
+    i = lax.axis_index(axes)
+    return (i - t) % lax.axis_size(axes) < i
+
+
+def _half(x, dim, second: bool, empty: float):
+    """x (the length of one chunk along `dim`) placed in the first or second half of a
+    twice-as-long value whose other half is `empty`."""
+    fill = vma.zeros_like(x) + empty
+    return jnp.concatenate([fill, x] if second else [x, fill], axis=dim)
+
+
+def _ring_forward_step(q, k, v, t, axes):
+    c = q.shape[1] // 2
+    if t == 0:
+        return _block_forward(q, k, v, _own_block_mask(c))
+
+    def earlier(q, k, v):  # both query chunks over key chunk j
+        return _block_forward(q, k[:, :c], v[:, :c], None)
+
+    def later(q, k, v):  # query chunk 2n-1-i over both of j's
+        out, lse = _block_forward(q[:, c:], k, v, None)
+        return _half(out, 1, True, 0.0), _half(lse, 3, True, -jnp.inf)
+
+    return lax.cond(_from_earlier(axes, t), earlier, later, q, k, v)
+
+
+def _ring_backward_step(q, k, v, d_out, lse, delta, t, axes):
+    c = q.shape[1] // 2
+    if t == 0:
+        return _block_backward(q, k, v, d_out, lse, delta, _own_block_mask(c))
+
+    def earlier(q, k, v, d_out, lse, delta):
+        dq, dk, dv = _block_backward(q, k[:, :c], v[:, :c], d_out, lse, delta, None)
+        return dq, _half(dk, 1, False, 0.0), _half(dv, 1, False, 0.0)
+
+    def later(q, k, v, d_out, lse, delta):
+        dq, dk, dv = _block_backward(q[:, c:], k, v, d_out[:, c:], lse[..., c:], delta[..., c:], None)
+        return _half(dq, 1, True, 0.0), dk, dv
+
+    return lax.cond(_from_earlier(axes, t), earlier, later, q, k, v, d_out, lse, delta)
+
+
+def _pass_on(x, axes):
+    """x sent one step round the ring of `axes`: device i's to device i + 1."""
+    n = lax.axis_size(axes)
+    return lax.ppermute(x, axes, [(i, (i + 1) % n) for i in range(n)])
+
+
+def _ring_attention_fwd(q, k, v, axes):
+    n = lax.axis_size(axes)
+    kv, out, lse = (k, v), None, None
+    for t in range(n):
+        following = _pass_on(kv, axes) if t < n - 1 else None  # the next block travels while this one computes
+        block_out, block_lse = _ring_forward_step(q, *kv, t, axes)
+        if out is None:
+            out, lse = block_out, block_lse
+        else:  # the online softmax: both weighted by their share of the merged normaliser
+            merged = jnp.logaddexp(lse, block_lse)
+            scale_old, scale_new = (_ungroup(jnp.exp(x - merged)[..., None]) for x in (lse, block_lse))
+            out, lse = out * scale_old + block_out * scale_new, merged
+        kv = following
+    out = out.astype(q.dtype)
+    return out, (q, k, v, out, lse)
+
+
+def _ring_attention_bwd(axes, residuals, d_out):
+    q, k, v, out, lse = residuals
+    n = lax.axis_size(axes)
+    hk = k.shape[2]
+    grouped = [_grouped(x, hk).astype(jnp.float32) for x in (d_out, out)]
+    delta = jnp.einsum("bqhgd,bqhgd->bhgq", *grouped)  # rowsum(dO · O): the softmax's backward term
+    kv, dq, dkv = (k, v), None, None
+    for t in range(n):
+        following = _pass_on(kv, axes) if t < n - 1 else None
+        block_dq, dk, dv = _ring_backward_step(q, *kv, d_out, lse, delta, t, axes)
+        dq = block_dq if dq is None else dq + block_dq
+        dkv = (dk, dv) if dkv is None else (dkv[0] + dk, dkv[1] + dv)
+        dkv = _pass_on(dkv, axes)  # with its block: after n steps, home with every device's share
+        kv = following
+    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """Causal attention of this device's load-balanced chunks of queries over every device's
+    keys and values, passed round the ring of mesh `axes` (see above); inside a step."""
+    return _ring_attention_fwd(q, k, v, axes)[0]
+
+
+ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)

@@ -1,0 +1,148 @@
+"""The layers: `matmul` over named dims, and `Linear`, `Embed`, `LayerNorm`, `RMSNorm` on it.
+
+A layer knows the names of its input, weight and output, never a mesh axis; inside a step
+`matmul` derives its collectives from the layouts the rules give those names (gather a
+sequence-parallel input, reduce a row-parallel partial sum), `Embed` is vocab-parallel
+where the rules split the vocab. Outside a step these are plain Flax layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from jshard import vma
+from jshard.nn.context import input_layout, split_input
+from jshard.nn.layouts import layout, relayout_local
+from jshard.nn.params import gathered_layout, param
+from jshard.nn.step import in_step
+from jshard.rules import constrain, named
+
+
+def matmul(x: jax.Array, x_names, w: jax.Array, w_names) -> jax.Array:
+    """Contract x's trailing dims with the dims of `w` that have the same names.
+
+    The result has x's leading names, then w's other names, in order. Inside a step, the
+    input is first laid out as the result wants its leading dims and as `w` has the
+    contracted dims (gathering sequence-parallel activations before a column-parallel
+    weight); a contracted dim split over an axis leaves a partial sum, reduced onto the
+    result's layout (a psum, or a reduce-scatter along seq under sequence parallelism).
+    Names leading both x and w are batch dims of the product, laid out as the weight has them
+    (a stack of experts' weights, each meeting its expert's rows).
+    """
+    x_names, w_names = tuple(x_names), tuple(w_names)
+    shared = [name for name in x_names if name is not None and name in w_names]
+    # x's trailing names that w has are contracted; shared names leading both x and w are batch
+    # dims of the product (a stack of experts' weights, one per expert's rows).
+    trailing = 0
+    while trailing < len(x_names) and x_names[-1 - trailing] is not None and x_names[-1 - trailing] in w_names:
+        trailing += 1
+    contracted = list(x_names[len(x_names) - trailing:])
+    batched = 0
+    while batched < len(shared) - trailing and x_names[batched] == w_names[batched]:
+        batched += 1
+    lead = x_names[batched: len(x_names) - trailing]
+    if len(shared) != batched + trailing:
+        raise ValueError(f"matmul: the names shared by x {x_names} and w {w_names} must lead both (batch dims) "
+                         "or trail x (contracted)")
+    w_contracted = [w_names.index(name) for name in contracted]
+    w_free = [i for i in range(batched, len(w_names)) if i not in w_contracted]
+    y_names = x_names[:batched] + lead + tuple(w_names[i] for i in w_free)
+    dims = ((tuple(range(len(x_names) - len(contracted), len(x_names))), tuple(w_contracted)),
+            (tuple(range(batched)), tuple(range(batched))))
+    if not in_step():  # (inside a plain shard_map, x may vary where w does not)
+        return constrain(lax.dot_general(*vma.match(x, w), dims), y_names)
+    w_layout = gathered_layout(w_names)
+    # Leading dims as the result wants them, less the axes the weight holds: those reach
+    # the result only when a partial sum is reduce-scattered (row-parallel, sequence parallel).
+    w_axes = {a for axes in w_layout for a in axes}
+    y_lead = tuple(tuple(a for a in axes if a not in w_axes) for axes in layout(y_names)[batched: batched + len(lead)])
+    x_want = w_layout[:batched] + y_lead + tuple(w_layout[i] for i in w_contracted)
+    x = relayout_local(x, layout(x_names), x_want)
+    partial = [a for i in w_contracted for a in w_layout[i]]
+    y_have = w_layout[:batched] + y_lead + tuple(w_layout[i] for i in w_free)
+    x, w = vma.match(x, w)  # a weight alike on every device of a batch axis meets this device's rows
+    return relayout_local(lax.dot_general(x, w, dims), y_have, layout(y_names), partial)
+
+
+def _as_tuple(x) -> tuple:
+    return (x,) if isinstance(x, (int, str)) or x is None else tuple(x)
+
+
+class Linear(nnx.Module):
+    """y = x · W over named dims: W is `in_names + out_names`, no bias."""
+
+    def __init__(self, in_features, out_features, *, in_names, out_names, rngs: nnx.Rngs,
+                 kernel_init=nnx.initializers.lecun_normal(), dtype=jnp.float32, param_dtype=jnp.float32):
+        self.names = _as_tuple(in_names) + _as_tuple(out_names)
+        self.dtype = dtype
+        shape = _as_tuple(in_features) + _as_tuple(out_features)
+        self.kernel = nnx.Param(kernel_init(rngs.params(), shape, param_dtype), **named(*self.names))
+
+    def __call__(self, x: jax.Array, x_names: Sequence[str | None]) -> jax.Array:
+        """`x` has dims `x_names`; its trailing ones are this layer's input names."""
+        return matmul(x.astype(self.dtype), x_names, param(self.kernel, self.dtype), self.names)
+
+
+class Embed(nnx.Module):
+    """Rows of a (vocab, embed)-named table; vocab-parallel where the rules split the vocab."""
+
+    def __init__(self, num_embeddings: int, features: int, *, names=("vocab", "embed"), rngs: nnx.Rngs,
+                 embedding_init=nnx.initializers.normal(0.02), dtype=jnp.float32, param_dtype=jnp.float32):
+        self.names, self.dtype = tuple(names), dtype
+        self.embedding = nnx.Param(
+            embedding_init(rngs.params(), (num_embeddings, features), param_dtype), **named(*self.names)
+        )
+
+    def __call__(self, ids: jax.Array, ids_names: Sequence[str | None], out_names: Sequence[str | None]) -> jax.Array:
+        """Rows for int `ids`; inside a step `ids` arrive split over the batch axes only."""
+        table = param(self.embedding, self.dtype)
+        if not in_step():
+            return constrain(jnp.take(table, ids, axis=0), out_names)
+        ids = split_input(ids, ids_names)
+        vocab_axes, embed_axes = gathered_layout(self.names)
+        rows = table.shape[0]  # this device holds rows [first, first + rows)
+        local = ids - (lax.axis_index(vocab_axes) * rows if vocab_axes else 0)
+        inside = (local >= 0) & (local < rows)
+        table, local = vma.match(table, local)
+        out = vma.where(inside[..., None], jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0), 0)
+        return relayout_local(out, input_layout(ids_names) + (embed_axes,), layout(out_names), vocab_axes)
+
+    def attend(self, x: jax.Array, x_names: Sequence[str | None]) -> jax.Array:
+        """Logits x · tableᵀ, a head tied to this table: (..., embed) -> (..., vocab)."""
+        return matmul(x.astype(self.dtype), x_names, param(self.embedding, self.dtype), self.names)
+
+
+class LayerNorm(nnx.Module):
+    """Layer norm over the last dim (named `name`), with scale and bias."""
+
+    def __init__(self, features: int, *, name: str = "embed", epsilon: float = 1e-6, dtype=jnp.float32,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        self.epsilon, self.dtype = epsilon, dtype
+        self.scale = nnx.Param(jnp.ones((features,), param_dtype), **named(name))
+        self.bias = nnx.Param(jnp.zeros((features,), param_dtype), **named(name))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x.astype(jnp.float32)
+        mean = x.mean(-1, keepdims=True)
+        variance = jnp.square(x - mean).mean(-1, keepdims=True)
+        y = (x - mean) * lax.rsqrt(variance + self.epsilon)
+        return (y * param(self.scale) + param(self.bias)).astype(self.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm over the last dim (named `name`), with a scale and no bias (Llama's)."""
+
+    def __init__(self, features: int, *, name: str = "embed", epsilon: float = 1e-6, dtype=jnp.float32,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        self.epsilon, self.dtype = epsilon, dtype
+        self.scale = nnx.Param(jnp.ones((features,), param_dtype), **named(name))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x.astype(jnp.float32)
+        y = x * lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + self.epsilon)
+        return (y * param(self.scale)).astype(self.dtype)

@@ -1,0 +1,96 @@
+"""Losses: the model's own (`cross_entropy`, vocab-parallel where the rules split the vocab)
+and those a layer adds in backward (`with_loss_gradient`, weighed by the step context's
+loss scale: `scaled_losses`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jshard import vma
+from jshard.nn.context import laid_out_input
+from jshard.nn.layouts import layout
+from jshard.nn.step import current_step, in_step, replaced
+from jshard.rules import active_rules
+
+
+# -- losses a layer adds ------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def scaled_losses(scale: float):
+    """Within this block, losses added in backward (`with_loss_gradient`) are scaled by `scale`:
+    a pipeline seeds each micro-batch's loss with 1/M in backward, so it scales theirs too."""
+    with replaced(loss_scale=current_step().loss_scale * scale):
+        yield
+
+
+def with_loss_gradient(y: jax.Array, loss: jax.Array, weight: float) -> jax.Array:
+    """y, unchanged; in backward `loss` gets the cotangent `weight`: as if weight · loss were
+    added to the loss being differentiated, though the loss reported does not show it (an
+    auxiliary loss, such as a router's load balancing; Megatron's MoEAuxLossAutoScaler).
+
+    Inside a step `loss` is this device's share, as a step's loss is: the mean over the batch
+    shards is the whole. Where devices computed it alike (over tensor or context) it is averaged
+    first, so that its gradient counts once."""
+    if in_step():
+        rules = active_rules()
+        keep = {a for name, axes in rules.activations + rules.params if name in ("batch", "layers") for a in axes}
+        spread = tuple(sorted(vma.varying_axes(loss) - keep))
+        loss = lax.pmean(loss, spread) if spread else loss
+    return _with_loss_gradient(y, loss, weight * current_step().loss_scale)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _with_loss_gradient(y, loss, weight):
+    return y
+
+
+def _with_loss_fwd(y, loss, weight):
+    return y, loss
+
+
+def _with_loss_bwd(weight, loss, g):
+    return g, vma.zeros_like(loss) + jnp.asarray(weight, loss.dtype)
+
+
+_with_loss_gradient.defvjp(_with_loss_fwd, _with_loss_bwd)
+
+
+# -- loss -------------------------------------------------------------------------------------
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Mean next-token cross-entropy; vocab-parallel where the rules split the last dim.
+
+    Inside a step, `labels` arrive split over the batch axes only and the mean is over
+    this device's share of the batch (the step averages over the batch axes).
+    """
+    logits = logits.astype(jnp.float32)
+    if not in_step():
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], axis=-1))
+    logits_layout = layout(names)
+    vocab_axes = logits_layout[-1]
+    # Labels have the logits' layout on their dims (sequence-parallel logits split seq).
+    labels = laid_out_input(labels, names[:-1], logits_layout[:-1])
+    peak = lax.stop_gradient(logits.max(-1))
+    if vocab_axes:
+        peak = lax.pmax(peak, vocab_axes)
+    total = jnp.exp(logits - peak[..., None]).sum(-1)
+    rows = logits.shape[-1]
+    local = labels - (lax.axis_index(vocab_axes) * rows if vocab_axes else 0)
+    inside = (local >= 0) & (local < rows)
+    picked = vma.where(inside, jnp.take_along_axis(logits, jnp.clip(local, 0, rows - 1)[..., None], -1)[..., 0], 0.0)
+    if vocab_axes:
+        total, picked = lax.psum(total, vocab_axes), lax.psum(picked, vocab_axes)
+    losses = jnp.log(total) + peak - picked
+    # Sequence-parallel logits: this device holds a slice of the sequence; average over all.
+    split = [a for d, axes in enumerate(logits_layout[:-1]) if names[d] != "batch" for a in axes]
+    mean = losses.mean()
+    return lax.pmean(mean, split) if split else mean

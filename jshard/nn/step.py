@@ -1,0 +1,72 @@
+"""The step's context: what a jshard step's trace carries for the layers, in one contextvar.
+
+A step enters it once, around everything it traces (`step_context(rules, whole_reads)`):
+the explicit step's bodies (`parallel/step.py`) and the compiler-placed step's
+(`parallel/compiled.py`). The layers read and write it: a plain read of a split param is
+recorded in `whole_reads` (`params.py`, for `ShardedStep.describe`), a step input split over
+the context axes in `context_splits` (`context.py`, which the step checks after tracing its
+loss), and `loss_scale` weighs the losses a layer adds in backward (`losses.py`; a
+pipeline's micro-batch scales it by `scaled_losses`). Outside a step the context is the
+default one: nothing recorded, scale 1.
+
+The rules are not a field. They keep their own contextvar in `jshard.rules`
+(`use_rules`), which `step_context` enters with the rest, so a step has one `with`: rules
+are a lower layer than `nn`, and `jshard.constrain` / `activate` / `use_rules` are public
+and read them outside any step (a model under plain `jax.jit`, `jshard.init`), where a
+step's records mean nothing. One home for them, and the step context holds only what is
+the step's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+
+from jshard.rules import Rules, active_rules, manual_axes, use_rules
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """What the layers record and read while a step traces, besides the rules."""
+
+    whole_reads: dict[str, tuple[str, ...]] | None = None  # path -> axes: split params a plain read gathered whole
+    context_splits: list[tuple] | None = None  # the names of each step input split over context axes
+    loss_scale: float = 1.0  # the weight of losses added in backward (`scaled_losses`)
+
+
+_current: contextvars.ContextVar[StepContext] = contextvars.ContextVar("jshard_step", default=StepContext())
+
+
+def current_step() -> StepContext:
+    """The step context in force (outside a step: the default, which records nothing)."""
+    return _current.get()
+
+
+@contextlib.contextmanager
+def replaced(**changes) -> Iterator[StepContext]:
+    """Within this block, the step context with `changes` (its records stay the same objects)."""
+    token = _current.set(dataclasses.replace(_current.get(), **changes))
+    try:
+        yield _current.get()
+    finally:
+        _current.reset(token)
+
+
+@contextlib.contextmanager
+def step_context(rules: Rules, whole_reads: dict[str, tuple[str, ...]] | None = None) -> Iterator[StepContext]:
+    """While a step's function traces: `rules` active (`jshard.rules.use_rules`) and a fresh
+    step context, recording whole reads into `whole_reads` (None: not recorded) and context
+    splits into a new list; loss scale 1."""
+    token = _current.set(StepContext(whole_reads, []))
+    try:
+        with use_rules(rules):
+            yield _current.get()
+    finally:
+        _current.reset(token)
+
+
+def in_step() -> bool:
+    """Inside a jshard step's shard_map: rules active and the mesh's axes split by hand."""
+    return active_rules() is not None and bool(manual_axes())
