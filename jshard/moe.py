@@ -127,7 +127,7 @@ class MoE(nnx.Module):
 
     def __init__(self, embed: int, mlp: int, experts: int, top_k: int, capacity_factor: float | None,
                  balance_weight: float, *, rngs: nnx.Rngs, kernel_init=nnx.initializers.normal(0.02),
-                 dtype=jnp.float32):
+                 dtype=None):
         check(experts, top_k, capacity_factor)
         self.experts, self.top_k, self.capacity_factor, self.balance_weight = experts, top_k, capacity_factor, balance_weight
         self.router = nn.Linear(embed, experts, in_names="embed", out_names=None, kernel_init=kernel_init,

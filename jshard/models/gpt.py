@@ -42,7 +42,7 @@ class GPTConfig:
     mlp: int = 512
     layers: int = 4
     tied_head: bool = True
-    dtype: jnp.dtype = jnp.float32  # compute dtype; the params' is the step's precision policy's
+    dtype: jnp.dtype | None = None  # compute dtype; None: the step's precision policy's (`nn.compute_dtype`)
     remat: str = "none"  # activation checkpointing of each block: none, full or selective (see stack.py)
     attention: str = "auto"  # the kernel: auto, xla or cudnn (`nn.attention_implementation`)
 
@@ -179,7 +179,7 @@ class GPT(nnx.Module):
         """An empty KV cache for `batch` sequences of up to `length` tokens (default: seq_len).
         Each token attends over the whole cache, masked: a cache no longer than the text reads less."""
         c = self.config
-        return nn.KVCache.zeros(c.layers, batch, length or c.seq_len, c.heads, c.head_dim, PER_HEAD, c.dtype)
+        return nn.KVCache.zeros(c.layers, batch, length or c.seq_len, c.heads, c.head_dim, PER_HEAD, nn.compute_dtype(c.dtype))
 
     def decode(self, tokens: jax.Array, cache: nn.KVCache, position) -> tuple[jax.Array, nn.KVCache]:
         """Logits (batch, new, vocab) of int tokens (batch, new) at positions position, ...,

@@ -47,7 +47,7 @@ class LlamaConfig:
     layers: int = 4
     rope_theta: float = 10000.0
     tied_head: bool = False
-    dtype: jnp.dtype = jnp.float32  # compute dtype; the params' is the step's precision policy's
+    dtype: jnp.dtype | None = None  # compute dtype; None: the step's precision policy's (`nn.compute_dtype`)
     remat: str = "none"  # see stack.py
     attention: str = "auto"  # the kernel: auto, xla or cudnn (`nn.attention_implementation`)
     norm_epsilon: float = 1e-5
@@ -271,7 +271,7 @@ class Llama(nnx.Module):
     def init_cache(self, batch: int, length: int | None = None) -> nn.KVCache:
         """As the GPT's: an empty KV cache for `batch` sequences of up to `length` tokens, of the KV heads only."""
         c = self.config
-        return nn.KVCache.zeros(c.layers, batch, length or c.seq_len, c.kv_heads, c.head_dim, CACHED, c.dtype)
+        return nn.KVCache.zeros(c.layers, batch, length or c.seq_len, c.kv_heads, c.head_dim, CACHED, nn.compute_dtype(c.dtype))
 
     def decode(self, tokens: jax.Array, cache: nn.KVCache, position) -> tuple[jax.Array, nn.KVCache]:
         """As the GPT's `decode`: logits of new tokens at positions position, ..., and the cache

@@ -20,7 +20,7 @@ from jshard.rules import constrain
 class MLPConfig:
     dim: int = 1024
     layers: int = 4
-    dtype: jnp.dtype = jnp.float32  # compute dtype; the params' is the step's precision policy's
+    dtype: jnp.dtype | None = None  # compute dtype; None: the step's precision policy's (`nn.compute_dtype`)
 
 
 class Layer(nnx.Module):
@@ -43,12 +43,12 @@ class DeepMLP(nnx.Module):
         self.layers = stack_layers(lambda rngs: Layer(config, rngs=rngs), config.layers, rngs)
 
     def __call__(self, x):
-        return scan_layers(self.layers, constrain(x.astype(self.config.dtype), ("batch", "embed")))
+        return scan_layers(self.layers, constrain(x.astype(nn.compute_dtype(self.config.dtype)), ("batch", "embed")))
 
 
 # The lectures' loss: the mean squared magnitude of the output, in float32; staged for pipelines.
 mlp_loss = StagedLoss(
-    first=lambda model, x: constrain(x.astype(model.config.dtype), ("batch", "embed")),
+    first=lambda model, x: constrain(x.astype(nn.compute_dtype(model.config.dtype)), ("batch", "embed")),
     layers=lambda model: model.layers,
     last=lambda model, y, x: jnp.mean(jnp.square(y.astype(jnp.float32))),
 )

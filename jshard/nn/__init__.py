@@ -64,13 +64,13 @@ from jshard.nn.params import (
     param,
     remat_policy,
 )
-from jshard.nn.step import StepContext, current_step, in_step, step_context
+from jshard.nn.step import StepContext, compute_dtype, current_step, in_step, step_context
 from jshard.rules import manual_axes  # as `nn.manual_axes`, which callers read from here
 
 __all__ = [
     "ATTENTION", "Embed", "KVCache", "LayerNorm", "Layout", "Linear", "LocalBlock", "QUERY_TILE", "RMSNorm",
     "ShardWithReplica", "StepContext", "attention", "attention_implementation", "balanced_order",
-    "cached_attention", "check_context_length", "context_attention", "context_axes", "cross_entropy",
+    "cached_attention", "check_context_length", "compute_dtype", "context_attention", "context_axes", "cross_entropy",
     "current_step", "gathered_kv_attention", "gathered_layout", "gathers_weights", "holds_replicas",
     "in_step", "input_layout", "laid_out_input", "layout", "manual_axes", "matmul", "param", "positions",
     "query_tile", "relayout", "relayout_local", "remat_policy", "ring_attention", "scaled_losses",

@@ -19,7 +19,7 @@ from jshard import vma
 from jshard.nn.context import input_layout, split_input
 from jshard.nn.layouts import layout, relayout_local
 from jshard.nn.params import gathered_layout, param
-from jshard.nn.step import in_step
+from jshard.nn.step import compute_dtype, in_step
 from jshard.rules import constrain, named
 
 
@@ -77,7 +77,7 @@ class Linear(nnx.Module):
     """y = x · W over named dims: W is `in_names + out_names`, no bias."""
 
     def __init__(self, in_features, out_features, *, in_names, out_names, rngs: nnx.Rngs,
-                 kernel_init=nnx.initializers.lecun_normal(), dtype=jnp.float32, param_dtype=jnp.float32):
+                 kernel_init=nnx.initializers.lecun_normal(), dtype=None, param_dtype=jnp.float32):
         self.names = _as_tuple(in_names) + _as_tuple(out_names)
         self.dtype = dtype
         shape = _as_tuple(in_features) + _as_tuple(out_features)
@@ -85,14 +85,15 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array, x_names: Sequence[str | None]) -> jax.Array:
         """`x` has dims `x_names`; its trailing ones are this layer's input names."""
-        return matmul(x.astype(self.dtype), x_names, param(self.kernel, self.dtype), self.names)
+        dtype = compute_dtype(self.dtype)
+        return matmul(x.astype(dtype), x_names, param(self.kernel, dtype), self.names)
 
 
 class Embed(nnx.Module):
     """Rows of a (vocab, embed)-named table; vocab-parallel where the rules split the vocab."""
 
     def __init__(self, num_embeddings: int, features: int, *, names=("vocab", "embed"), rngs: nnx.Rngs,
-                 embedding_init=nnx.initializers.normal(0.02), dtype=jnp.float32, param_dtype=jnp.float32):
+                 embedding_init=nnx.initializers.normal(0.02), dtype=None, param_dtype=jnp.float32):
         self.names, self.dtype = tuple(names), dtype
         self.embedding = nnx.Param(
             embedding_init(rngs.params(), (num_embeddings, features), param_dtype), **named(*self.names)
@@ -100,7 +101,7 @@ class Embed(nnx.Module):
 
     def __call__(self, ids: jax.Array, ids_names: Sequence[str | None], out_names: Sequence[str | None]) -> jax.Array:
         """Rows for int `ids`; inside a step `ids` arrive split over the batch axes only."""
-        table = param(self.embedding, self.dtype)
+        table = param(self.embedding, compute_dtype(self.dtype))
         if not in_step():
             return constrain(jnp.take(table, ids, axis=0), out_names)
         ids = split_input(ids, ids_names)
@@ -114,13 +115,14 @@ class Embed(nnx.Module):
 
     def attend(self, x: jax.Array, x_names: Sequence[str | None]) -> jax.Array:
         """Logits x · tableᵀ, a head tied to this table: (..., embed) -> (..., vocab)."""
-        return matmul(x.astype(self.dtype), x_names, param(self.embedding, self.dtype), self.names)
+        dtype = compute_dtype(self.dtype)
+        return matmul(x.astype(dtype), x_names, param(self.embedding, dtype), self.names)
 
 
 class LayerNorm(nnx.Module):
     """Layer norm over the last dim (named `name`), with scale and bias."""
 
-    def __init__(self, features: int, *, name: str = "embed", epsilon: float = 1e-6, dtype=jnp.float32,
+    def __init__(self, features: int, *, name: str = "embed", epsilon: float = 1e-6, dtype=None,
                  param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         self.epsilon, self.dtype = epsilon, dtype
         self.scale = nnx.Param(jnp.ones((features,), param_dtype), **named(name))
@@ -131,13 +133,13 @@ class LayerNorm(nnx.Module):
         mean = x.mean(-1, keepdims=True)
         variance = jnp.square(x - mean).mean(-1, keepdims=True)
         y = (x - mean) * lax.rsqrt(variance + self.epsilon)
-        return (y * param(self.scale) + param(self.bias)).astype(self.dtype)
+        return (y * param(self.scale) + param(self.bias)).astype(compute_dtype(self.dtype))
 
 
 class RMSNorm(nnx.Module):
     """Root-mean-square norm over the last dim (named `name`), with a scale and no bias (Llama's)."""
 
-    def __init__(self, features: int, *, name: str = "embed", epsilon: float = 1e-6, dtype=jnp.float32,
+    def __init__(self, features: int, *, name: str = "embed", epsilon: float = 1e-6, dtype=None,
                  param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         self.epsilon, self.dtype = epsilon, dtype
         self.scale = nnx.Param(jnp.ones((features,), param_dtype), **named(name))
@@ -145,4 +147,4 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x.astype(jnp.float32)
         y = x * lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + self.epsilon)
-        return (y * param(self.scale)).astype(self.dtype)
+        return (y * param(self.scale)).astype(compute_dtype(self.dtype))

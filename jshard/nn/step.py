@@ -6,8 +6,9 @@ the explicit step's bodies (`parallel/step.py`) and the compiler-placed step's
 recorded in `whole_reads` (`params.py`, for `ShardedStep.describe`), a step input split over
 the context axes in `context_splits` (`context.py`, which the step checks after tracing its
 loss), and `loss_scale` weighs the losses a layer adds in backward (`losses.py`; a
-pipeline's micro-batch scales it by `scaled_losses`). Outside a step the context is the
-default one: nothing recorded, scale 1.
+pipeline's micro-batch scales it by `scaled_losses`); `compute` is the step's compute dtype,
+which layers without one of their own compute in (`compute_dtype`). Outside a step the context
+is the default one: nothing recorded, scale 1, float32.
 
 The rules are not a field. They keep their own contextvar in `jshard.rules`
 (`use_rules`), which `step_context` enters with the rest, so a step has one `with`: rules
@@ -24,6 +25,9 @@ import contextvars
 import dataclasses
 from collections.abc import Iterator
 
+import jax.numpy as jnp
+import numpy as np
+
 from jshard.rules import Rules, active_rules, manual_axes, use_rules
 
 
@@ -34,6 +38,7 @@ class StepContext:
     whole_reads: dict[str, tuple[str, ...]] | None = None  # path -> axes: split params a plain read gathered whole
     context_splits: list[tuple] | None = None  # the names of each step input split over context axes
     loss_scale: float = 1.0  # the weight of losses added in backward (`scaled_losses`)
+    compute: np.dtype | None = None  # the step's compute dtype (its precision policy's); None: none given
 
 
 _current: contextvars.ContextVar[StepContext] = contextvars.ContextVar("jshard_step", default=StepContext())
@@ -55,16 +60,25 @@ def replaced(**changes) -> Iterator[StepContext]:
 
 
 @contextlib.contextmanager
-def step_context(rules: Rules, whole_reads: dict[str, tuple[str, ...]] | None = None) -> Iterator[StepContext]:
+def step_context(rules: Rules, whole_reads: dict[str, tuple[str, ...]] | None = None,
+                 compute=None) -> Iterator[StepContext]:
     """While a step's function traces: `rules` active (`jshard.rules.use_rules`) and a fresh
     step context, recording whole reads into `whole_reads` (None: not recorded) and context
-    splits into a new list; loss scale 1."""
-    token = _current.set(StepContext(whole_reads, []))
+    splits into a new list; loss scale 1; layers without a dtype of their own compute in
+    `compute` (the step's precision policy's; None: float32)."""
+    token = _current.set(StepContext(whole_reads, [], compute=compute and np.dtype(compute)))
     try:
         with use_rules(rules):
             yield _current.get()
     finally:
         _current.reset(token)
+
+
+def compute_dtype(dtype=None, step=None) -> np.dtype:
+    """A layer's compute dtype: its own (`dtype`) where it has one, else the step's (`step`, or the
+    one in force: its precision policy's, `step_context`), else float32. So a model whose config
+    leaves `dtype` unset computes in whatever precision the step that runs it was built with."""
+    return np.dtype(dtype or step or _current.get().compute or jnp.float32)
 
 
 def in_step() -> bool:

@@ -74,6 +74,12 @@ class Plan:
         return self.batch_axes + self.context_axes
 
     @property
+    def compute(self) -> np.dtype | None:
+        """The dtype the step's layers compute in, where they set none (`nn.compute_dtype`): the
+        precision policy's; None without one (float32)."""
+        return self.precision.compute if self.precision else None
+
+    @property
     def sequence_parallel(self) -> bool:
         """Whether the residual stream's seq is split beyond context parallelism's axes (over tensor)."""
         return bool(set(self.sequence_axes) - set(self.context_axes))

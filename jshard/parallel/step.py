@@ -362,7 +362,7 @@ class ShardedStep:
         return lax.pmean(loss, self.batch_axes), grads, written
 
     def _body(self, state: TrainState, batch):
-        with nn.step_context(self.rules, self.whole_reads):
+        with nn.step_context(self.rules, self.whole_reads, self.plan.compute):
             loss, grads, model_state = self._loss_and_grads(state.params, state.model_state, batch, state.master)
             if state.master is not None:
                 shards = state.master
@@ -378,7 +378,7 @@ class ShardedStep:
 
     def _loss_body(self, params, others, batch, master=None):
         """Evaluation: step 2's forward alone, on the same blocks; no gradient, no state written."""
-        with nn.step_context(self.rules, self.whole_reads):
+        with nn.step_context(self.rules, self.whole_reads, self.plan.compute):
             diff, _ = self._differentiable(params, master)
             model_of = self._model_builder(params, self.others.for_batch_shard(others, self.batch_axes))
             with self._splitting_sequences():
@@ -390,7 +390,7 @@ class ShardedStep:
             return lax.pmean(loss, self.batch_axes)
 
     def _grads_body(self, params, others, batch, master=None):
-        with nn.step_context(self.rules, self.whole_reads):
+        with nn.step_context(self.rules, self.whole_reads, self.plan.compute):
             return self._loss_and_grads(params, others, batch, master)[:2]
 
     # -- what the step does with each param ------------------------------------------------
@@ -433,8 +433,9 @@ def build_step(model, tx, loss_fn, mesh: Mesh | AbstractMesh, rules: Rules, micr
 
     `precision` (`jshard.precision`: 'fp32', 'bf16', 'mixed' or a `Precision`) sets the
     dtype the step holds params in, reduces gradients in, and whether an fp32 master copy
-    sits in the optimizer's layout ('mixed'); None keeps the params as the model holds them.
-    The compute dtype is the model's own (its config's `dtype`).
+    sits in the optimizer's layout ('mixed'); None keeps the params as the model holds them. Its
+    compute dtype is what the layers compute in where they set none (`jshard.nn.compute_dtype`: a
+    jshard model whose config leaves `dtype` unset, the default); None: float32.
 
     `abstract`: no array is made or placed; `.state` holds `jax.ShapeDtypeStruct`s, and
     `.lower(step.state, batch)` gives the program on any mesh: an `AbstractMesh`, or devices

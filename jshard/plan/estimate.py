@@ -33,7 +33,7 @@ from jshard.parallel.pipeline import STAGE_REMAT, compile_program, work as pipel
 from jshard.parallel.plan import Plan, make_plan
 from jshard.placement import format_bytes
 from jshard.moe import capacity
-from jshard.nn import attention_implementation, query_tile
+from jshard.nn import attention_implementation, compute_dtype, query_tile
 from jshard.precision import Precision
 from jshard.rules import Rules, ShardingError, preset
 
@@ -319,11 +319,18 @@ def expert_traffic(config: DecoderConfig, params, rows: int, seq: int, layers_ru
     return out
 
 
+def computed(config: DecoderConfig, plan: Plan) -> DecoderConfig:
+    """`config` with the dtype its layers compute in under `plan`'s step (`nn.compute_dtype`):
+    its own, else the step's precision's. The formulas below read `config.dtype` as that."""
+    return dataclasses.replace(config, dtype=compute_dtype(config.dtype, plan.compute))
+
+
 def traffic(config: DecoderConfig, plan: Plan, rows: int, seq: int) -> dict:
     """{(kind, axes): bytes} per device per step, but the pipeline's sends: params (gradients
     summed over the batch and context axes), TP / SP over `rows` local sequences of this
     device's seq / context tokens through this stage's layers, context parallelism's
     attention, and the loss's all-reduces."""
+    config = computed(config, plan)
     params, sizes, stage_axis, context = plan.params, plan.mesh_sizes, plan.stage_axis, plan.context_axes
     batch_axes = plan.batch_axes
     comm = param_traffic(plan, remat=config.remat != "none", tied_head=config.tied_head)
@@ -490,6 +497,7 @@ def estimate(plan: PlanInput) -> dict:
     step = step_plan(config, sizes, preset(plan.strategy), plan.precision, microbatches=plan.microbatches,
                      schedule=plan.schedule, virtual=plan.virtual, stage_remat=plan.stage_remat)
     step.check_batch(seq_len=config.seq_len, seq_flag="--seq-len")
+    config = computed(config, step)
     rules, schedule, stage_remat, params = step.rules, step.schedule, step.stage_remat, step.params
     batch_axes, data_shards, context, cp = step.batch_axes, step.data_shards, step.context_axes, step.context_shards
     tensor_axes, sp = step.tensor_axes, step.sequence_parallel
