@@ -28,7 +28,7 @@ import jshard
 from jshard.collectives import run, send_recv
 from jshard.models import mlp_loss
 from jshard.parallel.schedules import SCHEDULES, make_schedule
-from jshard.parallel.show import render
+from jshard.cli.show import render
 
 jshard.mesh.use_fake_cpu_devices_unless_accelerated(8)
 

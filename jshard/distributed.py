@@ -20,7 +20,6 @@ process's exit code; Ctrl-C stops them all.
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import socket
@@ -312,25 +311,3 @@ def _stop(children: list[subprocess.Popen], grace_s: float) -> None:
                 child.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-
-
-# -- command line ------------------------------------------------------------------------
-
-
-def add_parser(commands) -> None:
-    parser = commands.add_parser(
-        "launch", help="run a command as N processes of one multi-process JAX run on this machine",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="jshard launch -n N [--devices-per-process K] -- COMMAND...",
-    )
-    parser.add_argument("-n", "--processes", type=int, required=True, help="number of processes")
-    parser.add_argument("--devices-per-process", type=int, default=None, metavar="K",
-                        help="fake CPU devices per process (default: 8 // N, at least 1)")
-    parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="COMMAND",
-                        help="the command each process runs, after `--`; `jshard ...` runs with this Python")
-    parser.set_defaults(run=run)
-
-
-def run(args) -> int:
-    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-    return launch(command, args.processes, args.devices_per_process)

@@ -21,7 +21,6 @@ of its own heads.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
@@ -36,13 +35,13 @@ from jax import lax
 from jax.sharding import NamedSharding
 
 import jshard
-from jshard import flags, tokenizer as tokenizers
+from jshard import tokenizer as tokenizers
 from jshard.checkpoint import CheckpointError, Checkpoints
+from jshard.config import write_json
 from jshard.distributed import initialize, is_main_process
-from jshard.mesh import mesh_shape, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags
+from jshard.mesh import format_mesh, mesh_shape, mesh_sizes, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags
 from jshard.models import DecoderConfig, GPTConfig, LlamaConfig, decoder
 from jshard.parallel.plan import make_plan
-from jshard.rules import format_mesh
 
 FAMILIES = {"GPT": GPTConfig, "Llama": LlamaConfig}  # a record's "family" -> its config
 MAX_TOKENS = 200  # when --max-tokens is not given, or fewer where the model's seq_len ends first
@@ -359,7 +358,7 @@ def set_up(c: GenerateConfig) -> Setup:
     prompt = _prompt(c, tokenizer, model.vocab)
     max_tokens = c.max_tokens or max(1, min(MAX_TOKENS, model.seq_len - len(prompt)))
     check_fits(len(prompt), max_tokens, model.seq_len)
-    mesh = jshard.make_mesh(**flags.mesh_sizes(c.mesh, rules, jax.device_count()))
+    mesh = jshard.make_mesh(**mesh_sizes(c.mesh, rules, jax.device_count()))
     abstract = nnx.eval_shape(lambda: decoder(model, nnx.Rngs(0)))
     plan = make_plan(abstract, mesh, rules)  # the mesh, and every param's layout: a dim that does not divide raises
     if c.num_samples % plan.data_shards:
@@ -429,40 +428,5 @@ def run_generation(c: GenerateConfig, out=None) -> GenerateResult:
                   per_token_ms=per_token and per_token * 1e3, tokens_per_s=generated.tokens_per_s,
                   compile_s=generated.compile_s)
     if is_main_process():
-        flags.write_json(c.json, report)
+        write_json(c.json, report)
     return GenerateResult(texts, generated, report)
-
-
-# -- command line ----------------------------------------------------------------------------
-
-
-def add_parser(commands) -> None:
-    parser = commands.add_parser("generate", help="sample text from a checkpoint, with a KV cache",
-                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    defaults = GenerateConfig("", "")
-    add = parser.add_argument
-    add("--checkpoint-dir", required=True, metavar="DIR", help="a `jshard train --checkpoint-dir` directory")
-    add("--prompt", required=True, help="the text to continue")
-    add("--max-tokens", type=int, metavar="N",
-        help=f"new tokens per sample (default: {MAX_TOKENS}, or what the model's seq_len leaves after the prompt)")
-    add("--temperature", type=float, default=defaults.temperature, metavar="T",
-        help=f"softmax temperature; 0 = always the most likely token (default: {defaults.temperature})")
-    add("--top-k", type=int, metavar="K", help="sample among the k most likely tokens (default: all)")
-    add("--seed", type=int, default=defaults.seed, metavar="N",
-        help=f"the sampling's random key (default: {defaults.seed})")
-    add("--num-samples", type=int, default=defaults.num_samples, metavar="N",
-        help=f"samples from the one prompt, a batch split over the batch axes (default: {defaults.num_samples})")
-    add("--step", type=int, metavar="N", help="the checkpoint's step (default: the latest)")
-    add("--no-cache", dest="cache", action="store_false",
-        help="no KV cache: every token runs the model over the whole window (to measure the cache's gain)")
-    flags.add_strategy(parser, defaults.strategy)
-    flags.add_mesh(parser)
-    flags.add_fake_devices(parser, defaults.fake_devices)
-    flags.add_json(parser, "the samples, their token ids and the timings")
-    parser.set_defaults(run=run)
-
-
-def run(args) -> int:
-    fields = {f.name for f in dataclasses.fields(GenerateConfig)}
-    run_generation(GenerateConfig(**{k: v for k, v in vars(args).items() if k in fields}))
-    return 0

@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from collections.abc import Mapping
 
 import jax
 from jax.sharding import AxisType, Mesh
@@ -129,6 +130,29 @@ def parse_axis_sizes(text: str) -> dict[str, int]:
         except ValueError:
             raise MeshError(f"mesh {text!r}: {item!r} is not name=size (e.g. data=2,fsdp=2,tensor=2)") from None
     return sizes
+
+
+def format_mesh(sizes: Mapping[str, int]) -> str:
+    """{'data': 2, 'stage': 1, 'tensor': 4} -> 'data=2,tensor=4', as --mesh takes it (axes of
+    size 1 left out, as --mesh may leave them)."""
+    return ",".join(f"{axis}={size}" for axis, size in sizes.items() if size != 1)
+
+
+def default_mesh(rules, devices: int) -> dict[str, int]:
+    """The mesh every command uses when given no --mesh: each axis the rules (a `jshard.Rules`)
+    name, innermost first, gets 2 devices while 2 divides what is left; the outermost takes the rest.
+    dp+fsdp+tp on 8 devices: data=2, fsdp=2, tensor=2; zero3: fsdp=8; any preset on 1: all 1."""
+    axes = rules.mesh_axes or ("data",)
+    sizes, rest = {}, devices
+    for axis in reversed(axes[1:]):
+        sizes[axis] = 2 if rest % 2 == 0 else 1
+        rest //= sizes[axis]
+    return {axes[0]: rest, **dict(reversed(sizes.items()))}
+
+
+def mesh_sizes(text: str | None, rules, devices: int) -> dict[str, int]:
+    """--mesh as {axis: size}, or when not given the strategy's default mesh over `devices`."""
+    return parse_axis_sizes(text) if text else default_mesh(rules, devices)
 
 
 def mesh_shape(mesh: Mesh) -> dict[str, int]:

@@ -318,63 +318,6 @@ def preset(name: str, strict: bool = False) -> Rules:
                  strict=strict, context_attention="gather" if "cp-gather" in parts else "ring")
 
 
-# Where tests, `jshard bench strategies` and `jshard plan --validate` run each strategy:
-# one mesh per preset on 8 devices, the combinations on one 2x2x2 mesh.
-EXAMPLE_MESHES = {
-    "dp": dict(data=8),
-    "zero1": dict(fsdp=8),
-    "zero2": dict(fsdp=8),
-    "zero3": dict(fsdp=8),
-    "dp+tp": dict(data=2, tensor=4),
-    "dp+tp+sp": dict(data=2, tensor=4),
-    "dp+fsdp": dict(data=2, fsdp=4),
-    "fsdp+tp": dict(fsdp=4, tensor=2),
-    "dp+fsdp+tp": dict(data=2, fsdp=2, tensor=2),
-    "dp+fsdp+tp+sp": dict(data=2, fsdp=2, tensor=2),
-    "dp+pp": dict(data=2, stage=4),
-    "fsdp+tp+pp": dict(fsdp=2, tensor=2, stage=2),
-    "cp": dict(context=8),
-    "dp+cp": dict(data=2, context=4),
-    "dp+cp+tp": dict(data=2, context=2, tensor=2),
-    "ep": dict(expert=8),
-    "dp+ep": dict(data=2, expert=4),
-    "fsdp+ep": dict(fsdp=2, expert=4),
-    "dp+ep+tp": dict(data=2, expert=2, tensor=2),
-}
-
-
-def example_mesh(strategy: str, devices: int = 8) -> dict[str, int]:
-    """`EXAMPLE_MESHES[strategy]` on `devices`: its outermost axis takes what the others leave.
-    A strategy is found under any spelling of its preset ('dp+tp+cp' as 'dp+cp+tp')."""
-    canonical = {preset(name).name: sizes for name, sizes in EXAMPLE_MESHES.items()}
-    sizes = EXAMPLE_MESHES.get(strategy) or canonical.get(preset(strategy).name)
-    if sizes is None:
-        raise ShardingError(f"no example mesh for {strategy!r}; those with one: {', '.join(EXAMPLE_MESHES)}")
-    outer, inner = next(iter(sizes)), math.prod(list(sizes.values())[1:])
-    if devices % inner:
-        raise ShardingError(f"the example mesh of {strategy!r} ({format_mesh(sizes)}) needs a multiple of "
-                            f"{inner} devices, not {devices}")
-    return {**sizes, outer: devices // inner}
-
-
-def default_mesh(rules: Rules, devices: int) -> dict[str, int]:
-    """The mesh every command uses when given no --mesh: each axis the rules name, innermost
-    first, gets 2 devices while 2 divides what is left; the outermost takes the rest.
-    dp+fsdp+tp on 8 devices: data=2, fsdp=2, tensor=2; zero3: fsdp=8; any preset on 1: all 1."""
-    axes = rules.mesh_axes or ("data",)
-    sizes, rest = {}, devices
-    for axis in reversed(axes[1:]):
-        sizes[axis] = 2 if rest % 2 == 0 else 1
-        rest //= sizes[axis]
-    return {axes[0]: rest, **dict(reversed(sizes.items()))}
-
-
-def format_mesh(sizes: Mapping[str, int]) -> str:
-    """{'data': 2, 'stage': 1, 'tensor': 4} -> 'data=2,tensor=4', as --mesh takes it (axes of
-    size 1 left out, as --mesh may leave them)."""
-    return ",".join(f"{axis}={size}" for axis, size in sizes.items() if size != 1)
-
-
 # -- activations -----------------------------------------------------------------------
 
 _active: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("jshard_rules", default=None)

@@ -21,11 +21,9 @@ step is `jshard.parallel.build_step`'s.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import functools
-import json
 import math
 import os
 import statistics
@@ -38,11 +36,12 @@ from flax import nnx
 from tqdm import tqdm
 
 import jshard
-from jshard import data, flags, optim, plot
+from jshard import data, optim, plot
 from jshard import tokenizer as tokenizers
 from jshard.checkpoint import CheckpointError, Checkpoints
+from jshard.config import MODEL_FIELDS, model_config
 from jshard.distributed import axes_across_processes, initialize, is_main_process
-from jshard.mesh import mesh_shape, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags
+from jshard.mesh import mesh_shape, mesh_sizes, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags
 from jshard.metrics import PROFILE_STEPS, MetricsFile, device_peak, flops_per_token
 from jshard.nn import attention_implementation
 from jshard.models import SIZES, DecoderConfig, decoder, gpt_loss
@@ -51,7 +50,7 @@ from jshard.parallel import Plan, ShardedStep, TrainState, make_plan
 from jshard.parallel.step import step_from_plan
 from jshard.parallel.pipeline import STAGE_REMAT
 from jshard.placement import describe, format_bytes
-from jshard.precision import PRECISIONS, REDUCE_DTYPES, Precision, precision
+from jshard.precision import PRECISIONS, REDUCE_DTYPES, precision
 
 PIPELINE_MICROBATCHES = 4  # when the strategy pipelines and --microbatches is not given
 
@@ -80,7 +79,7 @@ class TrainConfig:
     experts: int | None = None  # a Llama's mixture of experts (jshard.moe)
     moe_every: int | None = None
     attention: str | None = None  # None: the model's (auto: cuDNN flash on a GPU in bf16, else XLA)
-    mesh: str | None = None  # None: the strategy's default mesh over the devices (rules.default_mesh)
+    mesh: str | None = None  # None: the strategy's default mesh over the devices (mesh.default_mesh)
     strategy: str = "dp+fsdp+tp"
     schedule: str | None = None  # pipeline schedule; None: build_step's default (GPipe)
     virtual: int | None = None  # virtual stages per device, interleaved schedule
@@ -114,87 +113,12 @@ class TrainResult:
     eval_losses: dict[int, float] = dataclasses.field(default_factory=dict)  # step -> held-out loss
 
 
-# -- command line ------------------------------------------------------------------------
-
-
-def add_parser(commands) -> None:
-    parser = commands.add_parser(
-        "train", help="train a GPT on the shipped corpus (the main job)", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    defaults = TrainConfig()
-
-    def add(flag, help, **kw):
-        name = flag[2:].replace("-", "_")
-        shown = getattr(defaults, name, None)
-        parser.add_argument(flag, default=None, help=f"{help} (default: {shown})" if shown is not None else help, **kw)
-
-    add("--config", "JSON file of TrainConfig fields; flags given override it", metavar="FILE")
-    add("--data", "a text file, a folder of *.txt files, or token ids in a .bin (uint16, nanoGPT's) or .npy, read "
-                  "through a memory map (default: the shipped corpus)", metavar="PATH")
-    add("--tokenizer", f"of text: {' or '.join(tokenizers.KINDS)} (a byte-level BPE trained on the data, of --vocab "
-                       f"tokens, default {tokenizers.BPE_VOCAB}; saved beside the checkpoints)",
-        choices=tokenizers.KINDS)
-    flags.add_model(parser, None, defaults.model, seq_len_help="tokens per row (default: 64, or the model's longest "
-                                                               "if shorter)")
-    flags.add_strategy(parser, None, defaults.strategy)
-    flags.add_mesh(parser)
-    flags.add_pipeline(parser, shown=f"{PIPELINE_MICROBATCHES} when pipelining")
-    add("--steps", "optimizer steps in all (a resumed run continues to this)", type=int)
-    add("--batch-size", "rows per optimizer step (global batch)", type=int)
-    add("--lr", "peak learning rate", type=float)
-    add("--warmup", "linear warm-up steps before the cosine decay (default: steps // 10)", type=int)
-    flags.add_precision(parser, None, defaults.precision)
-    add("--grad-accum", "micro-steps per optimizer step (gradient accumulation)", type=int)
-    flags.add_remat(parser, None, defaults.remat)
-    add("--checkpoint-dir", "directory of orbax checkpoints", metavar="DIR")
-    add("--checkpoint-every", "save every N steps (default: at the end only)", type=int, metavar="N")
-    parser.add_argument("--resume", action="store_true", default=None,
-                        help="continue from the latest checkpoint in --checkpoint-dir")
-    add("--eval-every", "the held-out loss every N steps and at the end (default: no evaluation)", type=int,
-        metavar="N")
-    add("--eval-batches", f"held-out batches per evaluation (default: all the split holds, up to {EVAL_BATCHES})",
-        type=int, metavar="K")
-    add("--eval-split", "fraction of the data held out for evaluation, never trained on", type=float)
-    add("--metrics", "write one JSON object per step to FILE", metavar="FILE")
-    add("--plot", "draw loss, eval loss, tokens/s and MFU over steps to FILE.png at the end", metavar="FILE.png")
-    add("--profile", f"write a jax.profiler trace of {PROFILE_STEPS} steps to DIR", metavar="DIR")
-    add("--seed", "model init and data order (default: 0, or the checkpoint's on --resume)", type=int)
-    flags.add_fake_devices(parser, None, defaults.fake_devices)
-    add("--peak-tflops", "device peak for MFU, per device (default: known GPUs; measured on CPU)", type=float)
-    add("--log-every", "print a line every N steps (default: steps // 10)", type=int, metavar="N")
-    parser.set_defaults(run=run)
-
-
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """TrainConfig defaults <- the --config file <- flags given on the command line."""
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    values = {}
-    if args.config:
-        try:
-            with open(args.config) as f:
-                values = json.load(f)
-        except (OSError, ValueError) as e:
-            raise TrainError(f"--config {args.config}: cannot read it as JSON ({e})") from e
-        unknown = sorted(set(values) - fields) if isinstance(values, dict) else ["(not a JSON object)"]
-        if unknown:
-            raise TrainError(f"--config {args.config}: unknown field(s) {', '.join(unknown)}. "
-                             f"Known: {', '.join(sorted(fields))}")
-    values.update({k: v for k, v in vars(args).items() if k in fields and v is not None})
-    return TrainConfig(**values)
-
-
-def run(args) -> int:
-    train(config_from_args(args))
-    return 0
-
-
 # -- checks, before any device work ------------------------------------------------------
 
 
 REQUIRED_INTS = ("steps", "batch_size", "grad_accum", "fake_devices")
 OPTIONAL_INTS = ("seq_len", "microbatches", "virtual", "checkpoint_every", "log_every", "eval_every",
-                 "eval_batches") + flags.MODEL_FIELDS
+                 "eval_batches") + MODEL_FIELDS
 EVAL_BATCHES = 8  # at most, where --eval-batches is not given
 CHOICES = {"model": SIZES, "precision": PRECISIONS, "remat": REMAT_POLICIES}
 OPTIONAL_CHOICES = {"grad_reduce": REDUCE_DTYPES, "stage_remat": STAGE_REMAT, "tokenizer": tokenizers.KINDS}
@@ -268,14 +192,14 @@ def set_up(config: TrainConfig) -> Setup:
     initialize()  # a multi-process run (jshard launch, srun, mpirun): join it; one process: nothing
     use_fake_cpu_devices_unless_accelerated(config.fake_devices)
     rules = jshard.preset(config.strategy)
-    mesh = jshard.make_mesh(**flags.mesh_sizes(config.mesh, rules, jax.device_count()))
-    overrides = {f: getattr(config, f) for f in flags.MODEL_FIELDS + ("attention",) if getattr(config, f) is not None}
+    mesh = jshard.make_mesh(**mesh_sizes(config.mesh, rules, jax.device_count()))
+    overrides = {f: getattr(config, f) for f in MODEL_FIELDS + ("attention",) if getattr(config, f) is not None}
     if _tokenizer_kind(config) == "bpe":  # the model's vocab is the BPE's size: the one it was trained with
         overrides.setdefault("vocab", _resumed_vocab(config) or tokenizers.BPE_VOCAB)
     policy = precision(config.precision, config.grad_reduce)
-    model = flags.model_config(config.model, overrides, dtype=policy.compute, remat=config.remat)
+    model = model_config(config.model, overrides, remat=config.remat)  # computes in the step's precision
     try:
-        attention_implementation(model.attention, model.dtype, model.head_dim)
+        attention_implementation(model.attention, policy.compute, model.head_dim)
     except ValueError as e:
         raise TrainError(f"--attention {model.attention}: {e}") from None
     seq_len = config.seq_len or min(64, model.seq_len)
@@ -534,7 +458,7 @@ def _train(p: Setup, out) -> TrainResult:
     batch_sharding = p.plan.batch_sharding
     micro_rows, tokens = c.batch_size // c.grad_accum, c.batch_size * p.seq_len
     flops_per_step = flops_per_token(p.model, p.seq_len) * tokens
-    peak = device_peak(jax.devices(), p.model.dtype, c.peak_tflops)
+    peak = device_peak(jax.devices(), p.precision.compute, c.peak_tflops)
     log_every = c.log_every or max(1, c.steps // 10)
     traced = _traced(c, start)
     losses, times, saved_at, evaluated, records, held_out = [], [], None, {}, [], None

@@ -1,5 +1,5 @@
-"""The flags every sub-command shares (`jshard.flags`) and the meshes commands choose when
-given none (`rules.default_mesh`, `rules.example_mesh`)."""
+"""The flags every sub-command shares (`jshard.cli.flags`) and the meshes commands choose when
+given none (`mesh.default_mesh`, `plan.validate.example_mesh`)."""
 
 import argparse
 import json
@@ -10,8 +10,10 @@ import pytest
 from jshard import plan
 from jshard.bench.strategies import strategies
 from jshard.cli import build_parser, main
-from jshard.mesh import mesh_shape
-from jshard.rules import EXAMPLE_MESHES, ShardingError, default_mesh, example_mesh, preset
+from jshard.cli.plan import plan_input
+from jshard.mesh import default_mesh, mesh_shape
+from jshard.plan.validate import EXAMPLE_MESHES, example_mesh
+from jshard.rules import ShardingError, preset
 from jshard.train import TrainConfig, set_up
 
 
@@ -124,7 +126,7 @@ def test_plan_json_is_written_the_shared_way(tmp_path):
 def test_plan_remat_selective_lies_between_none_and_full():
     def activations(remat):
         args = build_parser().parse_args(["plan", "--model", "gpt-125m", "--remat", remat])
-        return plan.estimate(plan.plan_input(args))["memory_bytes_per_device"]["activations"]
+        return plan.estimate(plan_input(args))["memory_bytes_per_device"]["activations"]
 
     assert activations("full") < activations("selective") < activations("none")
 

@@ -13,6 +13,7 @@ from flax import nnx
 import jshard
 from jshard import plan as plan_module
 from jshard.cli import build_parser, main
+from jshard.cli.plan import plan_input
 from jshard.models import LLAMA_SIZES, Llama, LlamaConfig, gpt_loss
 from jshard.models.llama import rotary
 from jshard.nn import attention_implementation
@@ -117,7 +118,7 @@ def test_the_plan_follows_the_kernel():
     def plan_of(*flags):
         args = build_parser().parse_args(["plan", "--model", "llama-3.1-8b", "--strategy", "fsdp", "--mesh", "fsdp=8",
                                           *flags])
-        return plan_module.estimate(plan_module.plan_input(args))
+        return plan_module.estimate(plan_input(args))
 
     flash, xla = plan_of("--precision", "bf16"), plan_of("--precision", "bf16", "--attention", "xla")
     assert (flash["attention"], xla["attention"]) == ("cudnn", "xla")

@@ -18,7 +18,6 @@ from flax import nnx
 
 import jshard
 from jshard import moe, nn, plan
-from jshard.mesh import mesh_shape
 from jshard.models import SIZES, decoder, gpt_loss
 from jshard.parallel import build_step
 from jshard.rules import ShardingError

@@ -12,8 +12,9 @@ import pytest
 from jshard import plan
 from jshard.cli import build_parser, main
 from jshard.parallel.schedules import make_schedule
-from jshard.parallel import show
-from jshard.parallel.show import draw_png
+from jshard.cli import show
+from jshard.cli.plan import plan_input
+from jshard.cli.show import draw_png
 from jshard.plot import DPI, PlotError, metrics_png, read_metrics
 
 PNG_HEADER = b"\x89PNG\r\n\x1a\n"
@@ -192,7 +193,7 @@ PLANS = {  # a pipeline (a bar per --stage-remat, this plan the second), ZeRO-3 
 
 def planned(argv: list[str]) -> dict:
     """The planner's estimate for `jshard plan ARGV`, through its own API."""
-    return plan.estimate(plan.plan_input(build_parser().parse_args(["plan", *argv])))
+    return plan.estimate(plan_input(build_parser().parse_args(["plan", *argv])))
 
 
 def with_stage_remat(argv: list[str], mode: str) -> list[str]:

@@ -18,7 +18,7 @@ from jshard.parallel.schedules import (
     check_layers,
     make_schedule,
 )
-from jshard.parallel.show import render
+from jshard.cli.show import render
 
 SIZES = [(p, m) for p in (2, 4) for m in (p, 2 * p, 4 * p)]
 VIRTUAL = 2

@@ -18,7 +18,7 @@ import jshard
 from jshard import hlo
 from jshard.models import GPT, DeepMLP, GPTConfig, MLPConfig, gpt_loss, mlp_loss
 from jshard.parallel import build_step
-from jshard.rules import format_mesh
+from jshard.mesh import format_mesh
 import decoders
 from meshes import EXPERT_STRATEGIES, STRATEGIES
 from reference import train_on_one_device

@@ -5,8 +5,6 @@
 
 from __future__ import annotations
 
-import argparse
-import inspect
 import math
 import re
 import statistics
@@ -19,8 +17,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 import jshard
-from jshard import collectives, flags
-from jshard.mesh import use_fake_cpu_devices_unless_accelerated
+from jshard import collectives
+from jshard.mesh import mesh_sizes
 
 # Unidirectional NVLink bandwidth per GPU in GB/s, what busbw is compared to: A100 SXM has
 # 12 NVLink-3 links, H100/H200 SXM 18 NVLink-4 links, B200 18 NVLink-5 links, at 25, 25
@@ -55,51 +53,6 @@ COLLECTIVES = {
 }
 
 
-def add_parser(benches) -> None:
-    parser = benches.add_parser(
-        "collectives",
-        help="algbw / busbw of each collective over a mesh axis (nccl-tests conventions)",
-        description=inspect.cleandoc(run_collectives.__doc__),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add = parser.add_argument
-    flags.add_mesh(parser, shown="every device on one axis")
-    add("--axis", help="mesh axis to run over, or several joined by commas (one group); default: the axes --mesh names")
-    add("--ops", type=_ops, default=tuple(COLLECTIVES), help=f"comma-separated, from {','.join(COLLECTIVES)} (default all)")
-    add("--sizes", type=_sizes,
-        help="comma-separated sizes S in bytes, suffixes K, M, G (powers of 1024); replaces the sweep")
-    add("--min-bytes", type=_size, default="1K", help="sweep start (default 1K)")
-    add("--max-bytes", type=_size, default="16M", help="sweep end, included (default 16M)")
-    add("--factor", type=int, default=4, help="sweep step: each size is this times the last (default 4)")
-    add("--dtype", default="float32", choices=("float32", "bfloat16"))
-    add("--warmup", type=flags.positive_int, default=2, help="untimed calls before timing; the first compiles (default 2)")
-    add("--repeats", type=flags.positive_int, default=10, help="timed calls; the median is reported (default 10)")
-    flags.add_json(parser, "the rows, with the set-up,")
-    flags.add_fake_devices(parser)
-    parser.set_defaults(run=run_collectives)
-
-
-def _size(text: str) -> int:
-    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?\s*", text, re.IGNORECASE)
-    if not match or int(match[1]) == 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size in bytes such as 4096, 64K, 1M or 1G")
-    return int(match[1]) * 1024 ** " KMG".index(match[2].upper() or " ")
-
-
-def _sizes(text: str) -> tuple[int, ...]:
-    return tuple(_size(part) for part in text.split(",") if part.strip())
-
-
-def _ops(text: str) -> tuple[str, ...]:
-    ops = tuple(part.strip() for part in text.split(",") if part.strip())
-    unknown = [op for op in ops if op not in COLLECTIVES]
-    if unknown or not ops:
-        raise argparse.ArgumentTypeError(
-            f"unknown op(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(COLLECTIVES)}"
-        )
-    return ops
-
-
 def sweep(min_bytes: int, max_bytes: int, factor: int) -> tuple[int, ...]:
     """min_bytes, min_bytes·factor, ... up to max_bytes, as nccl-tests' -b/-e/-f."""
     if factor < 2 or min_bytes > max_bytes:
@@ -110,7 +63,8 @@ def sweep(min_bytes: int, max_bytes: int, factor: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def run_collectives(args) -> int:
+def run_collectives(mesh: str | None, axis: str | None, ops, sizes, dtype: str = "float32", warmup: int = 2,
+                    repeats: int = 10) -> dict:
     """`jshard bench collectives` times every collective of `jshard.collectives` over one mesh
     axis for a sweep of sizes and reports bandwidth the way NVIDIA's nccl-tests do, so the
     numbers can be set beside theirs:
@@ -130,15 +84,13 @@ def run_collectives(args) -> int:
     (A100, H100, H200, B200 SXM), adds busbw as a fraction of that peak. Small sizes measure
     the latency of launching one compiled call more than bandwidth, as in nccl-tests.
     """
-    use_fake_cpu_devices_unless_accelerated(args.fake_devices)
-
-    sizes = args.sizes or sweep(args.min_bytes, args.max_bytes, args.factor)
-    axis_sizes = flags.mesh_sizes(args.mesh, jshard.preset("dp"), jax.device_count())  # dp: one axis
-    axes = tuple(a.strip() for a in args.axis.split(",")) if args.axis else tuple(axis_sizes)
+    axis_sizes = mesh_sizes(mesh, jshard.preset("dp"), jax.device_count())  # dp: one axis
+    axes = tuple(a.strip() for a in axis.split(",")) if axis else tuple(axis_sizes)
+    mesh_text = mesh
     try:
         mesh = jshard.make_mesh(devices=_devices_for(axis_sizes, jax.devices()), **axis_sizes)
     except jshard.MeshError as e:
-        raise SystemExit(f"--mesh {args.mesh}: {e} From this command: --fake-devices N on CPU.") from None
+        raise SystemExit(f"--mesh {mesh_text}: {e} From this command: --fake-devices N on CPU.") from None
     shape = jshard.mesh_shape(mesh)
     unknown = [a for a in axes if a not in shape]
     if unknown:
@@ -152,23 +104,21 @@ def run_collectives(args) -> int:
 
     device = mesh.devices.flat[0]
     peak = _link_peak(device, jax.process_count())
-    print(_describe_setup(args, mesh, axes, n, device, peak))
+    print(_describe_setup(mesh, axes, n, device, peak, dtype, warmup, repeats))
     rows = []
-    for op in args.ops:
+    for op in ops:
         for size in sizes:
-            row = _bench_one(op, size, mesh, axes, n, args)
+            row = _bench_one(op, size, mesh, axes, n, dtype, warmup, repeats)
             if peak:
                 row["busbw_over_peak"] = row["busbw_GBps"] / peak
             rows.append(row)
             print(_format_row(row, peak))
-    if args.json:  # the set-up only for the file
-        setup = {
-            "platform": device.platform, "device_kind": device.device_kind, "devices": mesh.size,
-            "mesh": shape, "axis": list(axes), "n": n, "dtype": args.dtype, "warmup": args.warmup,
-            "repeats": args.repeats, "link_peak_GBps": peak,
-        }
-        flags.write_json(args.json, {"setup": setup, "rows": rows})
-    return 0
+    setup = {  # the set-up, for the --json file
+        "platform": device.platform, "device_kind": device.device_kind, "devices": mesh.size,
+        "mesh": shape, "axis": list(axes), "n": n, "dtype": dtype, "warmup": warmup,
+        "repeats": repeats, "link_peak_GBps": peak,
+    }
+    return {"setup": setup, "rows": rows}
 
 
 def _devices_for(axis_sizes: dict[str, int], devices: list) -> list:
@@ -185,11 +135,11 @@ def _link_peak(device, process_count: int) -> float | None:
     return next((peak for part, peak in NVLINK_PEAK_GBPS.items() if part in kind), None)
 
 
-def _describe_setup(args, mesh, axes, n, device, peak) -> str:
+def _describe_setup(mesh, axes, n, device, peak, dtype: str, warmup: int, repeats: int) -> str:
     mesh_text = ",".join(f"{name}={size}" for name, size in jshard.mesh_shape(mesh).items() if size > 1)
     lines = [
         f"# jshard bench collectives: {mesh.size} × {device.device_kind} ({device.platform}), mesh {mesh_text}, "
-        f"axis {','.join(axes)} (N={n}), {args.dtype}, median of {args.repeats} after {args.warmup} warm-up"
+        f"axis {','.join(axes)} (N={n}), {dtype}, median of {repeats} after {warmup} warm-up"
     ]
     if device.platform == "cpu":
         lines.append("# fake CPU devices: these times are memory copies between threads of one process, not links")
@@ -211,10 +161,10 @@ def _format_row(row: dict, peak) -> str:
     return text + (f"{row['busbw_over_peak']:>12.2f}" if peak else "")
 
 
-def _bench_one(op: str, size: int, mesh, axes, n: int, args) -> dict:
+def _bench_one(op: str, size: int, mesh, axes, n: int, dtype: str, warmup: int, repeats: int) -> dict:
     """Time one collective on S ≈ `size` bytes: S is rounded down to whole elements per rank."""
     bench = COLLECTIVES[op]
-    dtype = jnp.dtype(args.dtype)
+    dtype = jnp.dtype(dtype)
     count = max(size // (n * dtype.itemsize), 1) * n  # elements in S, a multiple of N
     per_rank = count // n if bench.input_is_chunk else count
 
@@ -224,10 +174,10 @@ def _bench_one(op: str, size: int, mesh, axes, n: int, args) -> dict:
         jax.shard_map(lambda block: bench.call(block, axes), mesh=mesh, in_specs=every_device,
                       out_specs=every_device, check_vma=True)
     )
-    for _ in range(args.warmup):
+    for _ in range(warmup):
         step(x).block_until_ready()
     times = []
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         start = time.perf_counter()
         step(x).block_until_ready()
         times.append(time.perf_counter() - start)

@@ -26,35 +26,22 @@ import optax
 from flax import nnx
 
 import jshard
-from jshard import flags, hlo
-from jshard.mesh import mesh_shape, use_fake_cpu_devices_unless_accelerated
+from jshard import hlo
+from jshard.mesh import default_mesh, format_mesh, mesh_shape, mesh_sizes
 from jshard.metrics import median_step_seconds
-from jshard.models import decoder, gpt_loss
+from jshard.models import DecoderConfig, decoder, gpt_loss
 from jshard.parallel import build_step
 from jshard.parallel.pipeline import compile_program, matmul_flops, work
-from jshard.parallel.schedules import SCHEDULES
-from jshard.rules import default_mesh, format_mesh
 
 
-
-def add_parser(benches) -> None:
-    parser = benches.add_parser("pipeline", help="pipeline schedules: step time, memory and bubble side by side")
-    add = parser.add_argument
-    flags.add_mesh(parser, shown="dp+pp's default mesh: stage=2, data the rest")
-    add("--schedules", default=",".join(SCHEDULES), help="comma-separated, from: " + ", ".join(SCHEDULES))
-    flags.add_pipeline(parser, microbatches=8, schedule="none")
-    parser.set_defaults(stage_remat="none")
-    flags.add_bench(parser, "small with 8 layers and seq-len 64", batch_size=32)
-    parser.set_defaults(run=run)
-
-
-def run(args) -> int:
-    use_fake_cpu_devices_unless_accelerated(args.fake_devices)
-    config = flags.built_model(args, "small", {"layers": 8, "seq_len": 64})  # 8 layers: 4 stages of 2 chunks
-    batch = np.random.default_rng(0).integers(0, config.vocab, (args.batch_size, config.seq_len + 1))
+def run_schedules(config: DecoderConfig, mesh: str | None, schedules, microbatches: int, virtual: int | None = None,
+                  stage_remat: str = "none", batch_size: int = 32, repeats: int = 5) -> list[dict]:
+    """Every row of `jshard bench pipeline`: one per schedule name in `schedules`, on `mesh`
+    (--mesh; None: dp+pp's default mesh over the devices), printed as it comes."""
+    batch = np.random.default_rng(0).integers(0, config.vocab, (batch_size, config.seq_len + 1))
     expected = float(gpt_loss(decoder(config, nnx.Rngs(0)), batch))
     pipelined = jshard.preset("dp+pp")
-    mesh = jshard.make_mesh(**flags.mesh_sizes(args.mesh, pipelined, jax.device_count()))
+    mesh = jshard.make_mesh(**mesh_sizes(mesh, pipelined, jax.device_count()))
     tx = optax.adamw(1e-3)
 
     def make_model():
@@ -66,12 +53,12 @@ def run(args) -> int:
     flat_tokens = flat.shard_batch(batch)
     flat_compiled = flat.lower(flat.state, flat_tokens).compile()
     flat_flops = hlo.matmul_flops(flat_compiled.as_text())
-    flat_s = median_step_seconds(flat, flat_tokens, args.repeats, flat_compiled)
+    flat_s = median_step_seconds(flat, flat_tokens, repeats, flat_compiled)
     device = jax.devices()[0]
     print(f"# jshard bench pipeline: {jax.device_count()} × {device.device_kind} ({device.platform}), "
-          f"mesh {format_mesh(mesh_shape(mesh))}, m={args.microbatches}, {config.family} layers={config.layers} "
-          f"embed={config.embed} seq={config.seq_len} batch={args.batch_size}, AdamW, fp32, stage remat "
-          f"{args.stage_remat}, median of {args.repeats}")
+          f"mesh {format_mesh(mesh_shape(mesh))}, m={microbatches}, {config.family} layers={config.layers} "
+          f"embed={config.embed} seq={config.seq_len} batch={batch_size}, AdamW, fp32, stage remat "
+          f"{stage_remat}, median of {repeats}")
     print(f"# unpipelined (dp over all {jax.device_count()} devices): {flat_s * 1e3:.1f} ms, {flat_flops / 1e9:.3f} "
           f"GFLOP of matmuls per device; textbook pipelined = (1 + bubble) x the work (flops) of it")
     if device.platform == "cpu":
@@ -79,26 +66,25 @@ def run(args) -> int:
     print(f"{'schedule':<13}{'ticks':>6}{'bubble':>8}{'slots':>7}{'flops':>7}{'temp B':>11}{'/gpipe':>8}"
           f"{'step ms':>9}{'/gpipe':>8}{'vs_flat':>8}{'textbook':>9}{'parity':>9}")
     rows = []
-    for name in filter(None, args.schedules.split(",")):
-        step = build_step(make_model(), tx, gpt_loss, mesh, pipelined, args.microbatches, name.strip(),
-                          args.virtual if name.strip() == "interleaved" else None,  # v is interleaved's alone
-                          stage_remat=args.stage_remat)
+    for name in schedules:
+        step = build_step(make_model(), tx, gpt_loss, mesh, pipelined, microbatches, name.strip(),
+                          virtual if name.strip() == "interleaved" else None,  # v is interleaved's alone
+                          stage_remat=stage_remat)
         tokens = step.shard_batch(batch)
-        program, schedule = compile_program(step.schedule, args.stage_remat), step.schedule
+        program, schedule = compile_program(step.schedule, stage_remat), step.schedule
         compiled = step.lower(step.state, tokens).compile()
         temp = compiled.memory_analysis().temp_size_in_bytes
-        flops = float(np.mean(matmul_flops(schedule, compiled.as_text(), args.stage_remat))) / flat_flops
+        flops = float(np.mean(matmul_flops(schedule, compiled.as_text(), stage_remat))) / flat_flops
         loss, _ = step.value_and_grad(step.state, tokens)
-        row = dict(schedule=schedule.name, stage_remat=args.stage_remat, ticks=schedule.ticks,
+        row = dict(schedule=schedule.name, stage_remat=stage_remat, ticks=schedule.ticks,
                    bubble=schedule.bubble_fraction, slots=program.act_slots + program.grad_slots,
-                   flops_vs_flat=flops, textbook_flops=work(schedule, args.stage_remat), temp_bytes=temp,
-                   step_s=median_step_seconds(step, tokens, args.repeats, compiled), flat_step_s=flat_s,
-                   textbook_vs_flat=(1 + schedule.bubble_fraction) * work(schedule, args.stage_remat),
+                   flops_vs_flat=flops, textbook_flops=work(schedule, stage_remat), temp_bytes=temp,
+                   step_s=median_step_seconds(step, tokens, repeats, compiled), flat_step_s=flat_s,
+                   textbook_vs_flat=(1 + schedule.bubble_fraction) * work(schedule, stage_remat),
                    parity_rel_err=abs(float(loss) - expected) / abs(expected))
         rows.append(row)
         first = rows[0]
         print(f"{row['schedule']:<13}{row['ticks']:>6}{row['bubble']:>8.3f}{row['slots']:>7}{flops:>7.3f}{temp:>11}"
               f"{temp / first['temp_bytes']:>8.2f}{row['step_s'] * 1e3:>9.1f}{row['step_s'] / first['step_s']:>8.2f}"
               f"{row['step_s'] / flat_s:>8.2f}{row['textbook_vs_flat']:>9.2f}{row['parity_rel_err']:>9.1e}", flush=True)
-    flags.write_json(args.json, rows)
-    return 0
+    return rows

@@ -7,6 +7,8 @@ jshard model's weights and the two compute the same function.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -104,10 +106,11 @@ def plain_loss(model: PlainDecoder, tokens) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
-def plain_from(model) -> PlainDecoder:
-    """A PlainDecoder holding a copy of jshard `model`'s weights. jshard's blocks nest their
-    linears one level deeper (`attn.qkv`, `mlp.up`); the plain block holds them directly."""
-    plain = PlainDecoder(model.config, rngs=nnx.Rngs(0))
+def plain_from(model, compute) -> PlainDecoder:
+    """A PlainDecoder holding a copy of jshard `model`'s weights, computing in `compute` (plain
+    Flax layers have no step to take it from). jshard's blocks nest their linears one level
+    deeper (`attn.qkv`, `mlp.up`); the plain block holds them directly."""
+    plain = PlainDecoder(dataclasses.replace(model.config, dtype=compute), rngs=nnx.Rngs(0))
     # Copies: jshard's step donates the model's arrays.
     weights = jax.tree.map(jnp.copy, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     blocks = weights["blocks"]

@@ -28,7 +28,6 @@ XLA_FLAGS is set, and the defaults are a ~1B-parameter GPT at seq-len 2048 in bf
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import time
 
@@ -40,15 +39,13 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import jshard
-from jshard import flags
-from jshard.flags import FlagError
-from jshard.mesh import GPU_XLA_FLAGS, mesh_shape, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags
+from jshard.mesh import format_mesh, mesh_shape
 from jshard.metrics import (CPU_MATMUL, PROFILE_STEPS, best_seconds, device_peak, flops_per_token,
                             measured_matmul_flops)
 from jshard.bench.plain import PlainDecoder, plain_from, plain_loss
-from jshard.models import decoder, gpt_loss
+from jshard.models import DecoderConfig, decoder, gpt_loss
 from jshard.parallel import build_step
-from jshard.rules import format_mesh
+from jshard.precision import Precision
 
 # Per platform: model, batch size, precision when not given.
 DEFAULTS = {"cpu": ("tiny", 16, "fp32"), "gpu": ("gpt-1b", 8, "bf16")}
@@ -57,21 +54,6 @@ COPY_BYTES = {"cpu": 64 * 2**20, "gpu": 2**30}
 CEILING_REPEATS = 10
 JSON_KEYS = ("device", "model_params", "tokens_per_s", "tflops", "mfu_datasheet", "mfu_measured_peak",
              "plain_step_s", "step_s", "overhead_ratio", "matmul_tflops", "copy_gbps")
-
-
-def add_parser(benches) -> None:
-    parser = benches.add_parser("step", help="jshard's train step vs a plain Flax step, MFU vs the device's peaks")
-    add = parser.add_argument
-    flags.add_model(parser, None, "tiny on CPU, gpt-1b on GPU", seq_len_help="tokens per row (default: the model's seq_len)")
-    add("--batch-size", type=flags.positive_int, help="rows per step (default: 16 on CPU, 8 on GPU)")
-    flags.add_precision(parser, None, "fp32 on CPU, bf16 on GPU")
-    flags.add_strategy(parser, "dp")
-    flags.add_mesh(parser, shown="the strategy's mesh on one device, so the ratio is pure overhead")
-    add("--repeats", type=flags.positive_int, default=10,
-        help="timed steps of each, after a warm-up step, alternating; medians reported (default: 10)")
-    flags.add_json(parser)
-    add("--profile", metavar="DIR", help=f"after timing, write a jax.profiler trace of {PROFILE_STEPS} steps of each to DIR")
-    parser.set_defaults(run=run)
 
 
 def plain_step(model: PlainDecoder, tx, devices):
@@ -141,50 +123,35 @@ def copy_gbps(devices, nbytes: int) -> float:
     return moved / best_seconds(lambda: copy().block_until_ready(), CEILING_REPEATS) / 1e9
 
 
-def _platform_defaults(args, platform: str):
-    model, batch, precision = DEFAULTS["cpu" if platform == "cpu" else "gpu"]
-    policy = flags.precision_of(args, precision)
-    config = flags.model_config(args.model or model, flags.model_overrides(args), dtype=policy.compute)
-    seq = args.seq_len or config.seq_len
-    batch = args.batch_size or batch
-    if seq > config.seq_len:
-        raise FlagError(f"--seq-len {seq}: model {args.model or model} takes 1..{config.seq_len} tokens per row")
-    return args.model or model, config, seq, batch, policy
-
-
-def mesh_of(args) -> dict[str, int]:
-    return flags.mesh_sizes(args.mesh, jshard.preset(args.strategy), 1)
-
-
-def measure(args) -> dict:
-    """Every figure of one run: the JSON keys, plus what the report prints."""
-    sizes = mesh_of(args)
+def measure(sizes: dict[str, int], strategy: str, name: str, config: DecoderConfig, seq: int, batch: int,
+            precision: Precision, repeats: int = 10, profile: str | None = None) -> dict:
+    """Every figure of one run of model `config` (called `name`) on mesh `sizes` under `strategy`:
+    the JSON keys, plus what the report prints."""
     wanted = math.prod(sizes.values())
     devices = jax.devices() if -1 in sizes.values() else jax.devices()[:wanted]
     platform, kind = devices[0].platform, devices[0].device_kind
-    name, config, seq, batch, precision = _platform_defaults(args, platform)
     mesh = jshard.make_mesh(devices=devices, **sizes)
     devices = list(mesh.devices.flat)
 
-    matmul = measured_matmul_flops(devices[0], config.dtype, CPU_MATMUL if platform == "cpu" else GPU_MATMUL,
+    matmul = measured_matmul_flops(devices[0], precision.compute, CPU_MATMUL if platform == "cpu" else GPU_MATMUL,
                                     CEILING_REPEATS)
     copy = copy_gbps(devices, COPY_BYTES["cpu" if platform == "cpu" else "gpu"])
     # Fake CPU devices share the host's cores: the host's matmul is the peak of them all.
     measured_peak = matmul * (1 if platform == "cpu" else len(devices))
-    datasheet = None if platform == "cpu" else device_peak(devices, config.dtype)
+    datasheet = None if platform == "cpu" else device_peak(devices, precision.compute)
 
     tokens = np.random.default_rng(0).integers(0, config.vocab, (batch, seq + 1))
     tx = optax.adamw(1e-4)
     model = decoder(config, nnx.Rngs(0))
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    plain = plain_from(model)  # before build_step takes the model's arrays
+    plain = plain_from(model, precision.compute)  # before build_step takes the model's arrays
 
-    step = build_step(model, tx, gpt_loss, mesh, jshard.preset(args.strategy), precision=precision)
+    step = build_step(model, tx, gpt_loss, mesh, jshard.preset(strategy), precision=precision)
     plain_fn, plain_state, rows = plain_step(plain, tx, devices)
     del model, plain  # the steps hold their own state now
     (step_s, loss), (plain_s, plain_first_loss) = _timed_pair(
         [(step, step.state, step.shard_batch(tokens)), (plain_fn, plain_state, jax.device_put(tokens, rows))],
-        args.repeats, args.profile)
+        repeats, profile)
 
     flops = flops_per_token(config, seq) * batch * seq / step_s
     return dict(
@@ -197,7 +164,7 @@ def measure(args) -> dict:
         datasheet_source=datasheet.source if datasheet else None, loss=loss, plain_loss=plain_first_loss,
         plain_tokens_per_s=batch * seq / plain_s, plain_tflops=flops * step_s / plain_s / 1e12,
         plain_mfu_measured_peak=flops * step_s / plain_s / measured_peak, n_devices=len(devices),
-        mesh=format_mesh(mesh_shape(mesh)) or "one device",
+        mesh=format_mesh(mesh_shape(mesh)) or "one device", strategy=strategy, repeats=repeats, profile=profile,
     )
 
 
@@ -205,7 +172,7 @@ def _mfu(value) -> str:
     return "n/a" if value is None else f"{value:.2%}"
 
 
-def report(r: dict, args, flags: str) -> str:
+def report(r: dict, flags: str) -> str:
     c = r["config"]
     copy_what = "device 0 -> device 1" if r["n_devices"] > 1 else "on one device, read + write"
     matmul_n = CPU_MATMUL if r["platform"] == "cpu" else GPU_MATMUL
@@ -214,9 +181,9 @@ def report(r: dict, args, flags: str) -> str:
         f"  model       {c.family} {r['model']}: {c.layers} layers, embed {c.embed}, {c.heads} heads, "
         f"mlp {c.mlp}, "
         f"vocab {c.vocab}, {r['model_params'] / 1e6:.3f} M params",
-        f"  step        batch {r['batch']} x seq {r['seq']}, precision {r['precision'].describe()}, AdamW, {args.strategy} on "
-        f"{r['mesh']}; warm-up, then median of {args.repeats}, alternating with plain",
-        f"  ceilings    matmul {matmul_n}² {jnp.dtype(c.dtype).name}: {r['matmul_tflops']:.3f} TFLOP/s per device; "
+        f"  step        batch {r['batch']} x seq {r['seq']}, precision {r['precision'].describe()}, AdamW, {r['strategy']} on "
+        f"{r['mesh']}; warm-up, then median of {r['repeats']}, alternating with plain",
+        f"  ceilings    matmul {matmul_n}² {r['precision'].compute.name}: {r['matmul_tflops']:.3f} TFLOP/s per device; "
         f"copy ({copy_what}): {r['copy_gbps']:.1f} GB/s",
         f"  jshard      {r['step_s'] * 1e3:9.2f} ms  {r['tokens_per_s'] / 1e3:9.1f} k tok/s  {r['tflops']:8.4f} TFLOP/s  "
         f"MFU {_mfu(r['mfu_datasheet'])} of datasheet, {_mfu(r['mfu_measured_peak'])} of measured matmul",
@@ -229,19 +196,6 @@ def report(r: dict, args, flags: str) -> str:
         lines.append("  note        CPU: no datasheet peak; MFU is against the measured matmul peak only")
     else:
         lines.append(f"  datasheet   {r['datasheet_source'] or 'none known for this device: MFU against measured only'}")
-    if args.profile:
-        lines.append(f"  profile     {args.profile}: jax.profiler trace of {PROFILE_STEPS} more steps of each")
+    if r["profile"]:
+        lines.append(f"  profile     {r['profile']}: jax.profiler trace of {PROFILE_STEPS} more steps of each")
     return "\n".join(lines)
-
-
-def run(args) -> int:
-    # Both before JAX starts: XLA reads its flags, and the CPU its device count, only then.
-    xla_flags = "set by jshard: " + " ".join(GPU_XLA_FLAGS) if use_gpu_xla_flags() else None
-    sizes = mesh_of(args)
-    if -1 not in sizes.values() and math.prod(sizes.values()) > 1:
-        use_fake_cpu_devices_unless_accelerated(math.prod(sizes.values()))
-    xla_flags = xla_flags or (f"XLA_FLAGS={os.environ['XLA_FLAGS']!r}" if os.environ.get("XLA_FLAGS") else "none")
-    result = measure(args)
-    print(report(result, args, xla_flags))
-    flags.write_json(args.json, {key: result[key] for key in JSON_KEYS})
-    return 0

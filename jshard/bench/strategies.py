@@ -32,28 +32,17 @@ import optax
 from flax import nnx
 
 import jshard
-from jshard import flags, hlo, plan
-from jshard.mesh import mesh_shape, parse_axis_sizes, use_fake_cpu_devices_unless_accelerated
+from jshard import hlo, plan
+from jshard.mesh import format_mesh, mesh_shape, parse_axis_sizes
 from jshard.metrics import median_step_seconds
 from jshard.models import DecoderConfig, decoder, gpt_loss
 from jshard.parallel import ShardedStep, build_step
 from jshard.precision import Precision
-from jshard.rules import EXAMPLE_MESHES, example_mesh, format_mesh
+from jshard.plan.validate import EXAMPLE_MESHES, example_mesh
 
 COLUMNS = ("strategy", "mesh", "comm_bytes", "textbook_bytes", "comm_ratio", "memory_bytes_per_device",
            "textbook_memory_bytes", "parity_rel_err", "xla_comm_bytes", "xla_parity_rel_err", "step_s",
            "gspmd_step_s", "speed_ratio")
-
-
-def add_parser(benches) -> None:
-    parser = benches.add_parser("strategies", help="explicit steps vs textbook bytes, memory, one device and XLA's partitioner")
-    add = parser.add_argument
-    add("--strategies", help="';'-separated presets, each on its example mesh (rules.EXAMPLE_MESHES, its outermost "
-                             "axis taking the devices) or on preset@mesh, e.g. 'dp;zero3@fsdp=8' (default: every "
-                             "strategy without a pipeline)")
-    flags.add_bench(parser, "small with seq-len 64", batch_size=16)
-    flags.add_precision(parser, "fp32")
-    parser.set_defaults(run=run)
 
 
 def textbook_bytes(step: ShardedStep, config: DecoderConfig, batch_shape) -> int:
@@ -109,7 +98,7 @@ def bench_strategy(preset: str, sizes: dict[str, int], config: DecoderConfig, ba
         xla_comm_bytes=None, xla_parity_rel_err=None, step_s=None, gspmd_step_s=None, speed_ratio=None,
     )
     if not (step.precision and step.precision.master):  # the compiler-placed step holds params as the model does
-        xla = build_step(make_model(), tx, gpt_loss, mesh, rules, collectives="compiler")
+        xla = build_step(make_model(), tx, gpt_loss, mesh, rules, collectives="compiler", precision=precision)
         row.update(xla_comm_bytes=comm_bytes(xla.lower(xla.state, tokens)), xla_parity_rel_err=parity(xla, tokens, reference),
                    gspmd_step_s=median_step_seconds(xla, tokens, repeats))
     # Last: a timed step donates the step's initial state.
@@ -137,26 +126,24 @@ HEADER = (f"{'strategy':<16}{'mesh':<24}{'comm B':>11}{'textbook':>11}{'ratio':>
           f"{'textbook':>11}{'parity':>10}{'xla comm B':>11}{'xla par.':>10}{'step ms':>9}{'xla ms':>9}{'speed':>7}")
 
 
-def run(args) -> int:
-    use_fake_cpu_devices_unless_accelerated(args.fake_devices)
-    policy = flags.precision_of(args)
-    config = flags.built_model(args, "small", {"seq_len": 64}, dtype=policy.compute)
-    batch = np.random.default_rng(0).integers(0, config.vocab, (args.batch_size, config.seq_len + 1))
+def run_strategies(config: DecoderConfig, policy: Precision, batch_size: int, repeats: int,
+                   text: str | None = None) -> list[dict]:
+    """Every row of `jshard bench strategies` for the --strategies `text` (`strategies`), printed as it comes."""
+    batch = np.random.default_rng(0).integers(0, config.vocab, (batch_size, config.seq_len + 1))
     # The reference: one device, fp32 throughout.
     reference = nnx.grad(gpt_loss)(decoder(dataclasses.replace(config, dtype=jnp.float32), nnx.Rngs(0)), batch)
     device = jax.devices()[0]
     print(f"# jshard bench strategies: {jax.device_count()} × {device.device_kind} ({device.platform}), {config.family} "
-          f"layers={config.layers} embed={config.embed} heads={config.heads} seq={config.seq_len} batch={args.batch_size}, "
-          f"AdamW, {policy.describe()}, median of {args.repeats}")
+          f"layers={config.layers} embed={config.embed} heads={config.heads} seq={config.seq_len} batch={batch_size}, "
+          f"AdamW, {policy.describe()}, median of {repeats}")
     if device.platform == "cpu":
         print("# fake CPU devices: times are threads of one process; bytes and memory are exact")
     print(HEADER)
     rows = []
-    for preset, sizes in strategies(args.strategies, jax.device_count()):
-        rows.append(bench_strategy(preset, sizes, config, batch, reference, args.repeats, policy))
+    for preset, sizes in strategies(text, jax.device_count()):
+        rows.append(bench_strategy(preset, sizes, config, batch, reference, repeats, policy))
         print(format_row(rows[-1]), flush=True)
-    flags.write_json(args.json, [{key: row[key] for key in COLUMNS} for row in rows])
-    return 0
+    return rows
 
 
 def _pipelined(rules) -> bool:

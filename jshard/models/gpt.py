@@ -50,14 +50,6 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.embed // self.heads
 
-    # Linears reading a block's normed residual (qkv, up): under TP each reduces its own input
-    # gradient, so the planner counts them (`plan.estimate.tensor_traffic`).
-    input_projections = 2
-
-    @property
-    def column_outputs(self) -> int:
-        """Width per token of the column-parallel linears' outputs (qkv, up), split under TP."""
-        return 3 * self.embed + self.mlp
     family = "GPT"  # what reports call the model
     blocks_per_layer = 1  # blocks in one layer of the scanned stack (a MoE Llama's may hold more)
 

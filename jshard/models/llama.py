@@ -73,12 +73,6 @@ class LlamaConfig:
     def head_dim(self) -> int:
         return self.embed // self.heads
 
-    input_projections = 3  # q, kv, gate_up: see GPTConfig
-
-    @property
-    def column_outputs(self) -> int:
-        """Width per token of the column-parallel linears' outputs (q, k, v, gate, up), split under TP."""
-        return self.embed + 2 * self.kv_heads * self.head_dim + 2 * self.mlp
     family = "Llama"  # what reports and checkpoint records call the model
 
     @property

@@ -32,6 +32,7 @@ from jshard.models import DecoderConfig, GPTConfig, decoder
 from jshard.parallel.pipeline import STAGE_REMAT, compile_program, work as pipeline_work
 from jshard.parallel.plan import Plan, make_plan
 from jshard.placement import format_bytes
+from jshard.plan.counts import column_outputs, input_projections
 from jshard.moe import capacity
 from jshard.nn import attention_implementation, compute_dtype, query_tile
 from jshard.precision import Precision
@@ -217,7 +218,7 @@ def tensor_traffic(config: DecoderConfig, params, rows: int, seq: int, layers_ru
     """{(kind, tensor axes): bytes} of Megatron TP / SP for `rows` sequences through `layers_run` layers.
 
     Per block, A = (rows, seq, embed) in the compute dtype, and c = the block's input
-    projections (`config.input_projections`: column-parallel linears reading the normed
+    projections (`counts.input_projections`: column-parallel linears reading the normed
     residual, each reducing its own input gradient; the GPT's qkv and up, 2): TP all-reduces A
     2 + c times (2 forward, c backward); SP all-gathers it 4 times (2 forward, where linears
     reading one input share a gather, 2 backward) and reduce-scatters it 2 + c times. The
@@ -234,7 +235,7 @@ def tensor_traffic(config: DecoderConfig, params, rows: int, seq: int, layers_ru
         return {}
     a = rows * seq * config.embed * jnp.dtype(config.dtype).itemsize
     out: dict = {}
-    c = config.input_projections
+    c = input_projections(config)
     blocks, reductions = 4 * layers_run * a + 2 * a, (2 + c) * layers_run * a + 2 * a
     inner = layers_run - layers_run // config.blocks_per_layer  # blocks rerun whole
     again = layers_run * a if config.remat != "none" else 0
@@ -476,7 +477,7 @@ def pipeline_activations(program, config: DecoderConfig, chunk_layers: int, per_
         return count + 1 if count else 0
 
     h = config.embed
-    crossover = ((config.column_outputs / tensor + (4 * h / tensor if sp else 4 * h)) * itemsize)
+    crossover = ((column_outputs(config) / tensor + (4 * h / tensor if sp else 4 * h)) * itemsize)
     head = logits / CE_FP32_PER_VOCAB + h * itemsize  # the softmax, fp32, and the final norm's output
     total = (program.act_slots + program.grad_slots + 2) * a_mb + tokens * (
         program.crossover_slots["layers"] * chunk_layers * crossover  # (measured: not its unread slot)

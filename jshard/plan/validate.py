@@ -1,13 +1,15 @@
 """The planner against the compiler: `jshard plan --validate` builds small steps on fake CPU
 devices and compares the estimate's memory with `compiled.memory_analysis()` (within 10%)
 and its collective bytes with the compiled HLO's (exactly): the GPT and the Llama on every
-`VALIDATION` case, the mixture of experts on every `MOE_VALIDATION` case (`validation_cases`).
-docs/planning.md shows the table.
+`VALIDATION` case, the mixture of experts on every `MOE_VALIDATION` case (`validation_cases`),
+each strategy on its example mesh (`EXAMPLE_MESHES`, which tests and `jshard bench strategies`
+use too) or its default one. docs/planning.md shows the table.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -16,18 +18,57 @@ import optax
 from flax import nnx
 
 from jshard import hlo
-from jshard.mesh import STANDARD_AXES, make_mesh, mesh_shape
+from jshard.mesh import STANDARD_AXES, default_mesh, format_mesh, make_mesh, mesh_shape
 from jshard.models import LLAMA_SIZES, DecoderConfig, GPTConfig, LlamaConfig, decoder, gpt_loss
 from jshard.parallel.pipeline import compile_program
 from jshard.parallel.step import build_step
-from jshard.plan.estimate import HARDWARE, PlanInput, estimate
+from jshard.plan.estimate import HARDWARE, PlanInput, computed, estimate
 from jshard.precision import precision as precision_policy
-from jshard.rules import default_mesh, example_mesh, format_mesh, preset
+from jshard.rules import ShardingError, preset
 
-# Every strategy on its example mesh (`rules.EXAMPLE_MESHES`), each remat policy with and
+# Where tests, `jshard bench strategies` and `jshard plan --validate` run each strategy:
+# one mesh per preset on 8 devices, the combinations on one 2x2x2 mesh.
+EXAMPLE_MESHES = {
+    "dp": dict(data=8),
+    "zero1": dict(fsdp=8),
+    "zero2": dict(fsdp=8),
+    "zero3": dict(fsdp=8),
+    "dp+tp": dict(data=2, tensor=4),
+    "dp+tp+sp": dict(data=2, tensor=4),
+    "dp+fsdp": dict(data=2, fsdp=4),
+    "fsdp+tp": dict(fsdp=4, tensor=2),
+    "dp+fsdp+tp": dict(data=2, fsdp=2, tensor=2),
+    "dp+fsdp+tp+sp": dict(data=2, fsdp=2, tensor=2),
+    "dp+pp": dict(data=2, stage=4),
+    "fsdp+tp+pp": dict(fsdp=2, tensor=2, stage=2),
+    "cp": dict(context=8),
+    "dp+cp": dict(data=2, context=4),
+    "dp+cp+tp": dict(data=2, context=2, tensor=2),
+    "ep": dict(expert=8),
+    "dp+ep": dict(data=2, expert=4),
+    "fsdp+ep": dict(fsdp=2, expert=4),
+    "dp+ep+tp": dict(data=2, expert=2, tensor=2),
+}
+
+
+def example_mesh(strategy: str, devices: int = 8) -> dict[str, int]:
+    """`EXAMPLE_MESHES[strategy]` on `devices`: its outermost axis takes what the others leave.
+    A strategy is found under any spelling of its preset ('dp+tp+cp' as 'dp+cp+tp')."""
+    canonical = {preset(name).name: sizes for name, sizes in EXAMPLE_MESHES.items()}
+    sizes = EXAMPLE_MESHES.get(strategy) or canonical.get(preset(strategy).name)
+    if sizes is None:
+        raise ShardingError(f"no example mesh for {strategy!r}; those with one: {', '.join(EXAMPLE_MESHES)}")
+    outer, inner = next(iter(sizes)), math.prod(list(sizes.values())[1:])
+    if devices % inner:
+        raise ShardingError(f"the example mesh of {strategy!r} ({format_mesh(sizes)}) needs a multiple of "
+                            f"{inner} devices, not {devices}")
+    return {**sizes, outer: devices // inner}
+
+
+# Every strategy on its example mesh (`EXAMPLE_MESHES`), each remat policy with and
 # without tensor and sequence parallelism, and every pipeline schedule: (strategy,
 # micro-batches, schedule, remat, mesh, precision, stage remat), mesh "example" or "default"
-# (`rules.default_mesh`); pipelines keep their residuals, and two recompute their stages; then
+# (`mesh.default_mesh`); pipelines keep their residuals, and two recompute their stages; then
 # rows per micro-batch per data shard where not 2.
 VALIDATION = (
     ("dp", None, None, "none"), ("zero1", None, None, "none"), ("zero2", None, None, "none"),
@@ -95,7 +136,7 @@ def validate_one(strategy: str, microbatches, schedule, remat: str, mesh: str = 
     weights: twice what a GPU holds), so there the held state alone is compared, the
     planner's params + master + optimizer against the compiled arguments less the batch."""
     policy = precision_policy(precision)
-    config = dataclasses.replace(model, remat=remat, dtype=policy.compute)
+    config = dataclasses.replace(model, remat=remat)
     devices = jax.devices() if devices is None else devices
     rules = preset(strategy)
     shape = example_mesh(strategy, len(devices)) if mesh == "example" else default_mesh(rules, len(devices))
@@ -113,7 +154,7 @@ def validate_one(strategy: str, microbatches, schedule, remat: str, mesh: str = 
     counted = hlo.bytes_by_kind(compiled.as_text(), lowered.as_text())  # in the program's dtypes
     predicted = dict(est["comm_bytes_per_step"])
     if step.schedule:
-        predicted["collective-permute"] = compiled_pipeline_permute_bytes(step.schedule, config, rows,
+        predicted["collective-permute"] = compiled_pipeline_permute_bytes(step.schedule, computed(config, step.plan), rows,
                                                                           step.plan.context_shards)
     predicted_memory = est["memory_bytes_per_device"]["total"]
     compared = "total"

@@ -1,19 +1,17 @@
-"""`jshard pipeline show`: a schedule's tick table as text, JSON and a PNG.
+"""A schedule's tick table as text (`render`), JSON (`as_json`) and a PNG (`draw_png`): what
+`jshard pipeline show` prints and writes (`jshard.cli.pipeline`).
 
     $ jshard pipeline show --schedule 1f1b --stages 4 --microbatches 8 [--json F] [--png F]
 
-The tables themselves, and what they mean, are `schedules.py`'s; this module only shows them.
+The tables themselves, and what they mean, are `jshard.parallel.schedules`'s; this module only
+shows them.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 
-from jshard import flags
-from jshard.parallel import schedules
-from jshard.parallel.schedules import Schedule, make_schedule
-from jshard.plot import check_output_path
+from jshard.parallel.schedules import Schedule
 
 
 def summary(schedule: Schedule) -> str:
@@ -108,35 +106,3 @@ def draw_cells(axes, schedule: Schedule, labelled: bool) -> set[str]:
                 label = action.label(chunked=schedule.virtual > 1)
                 axes.text(tick + 0.5, stage + 0.5, label, ha="center", va="center", fontsize=6, color="white")
     return kinds
-
-
-def add_parser(commands) -> None:
-    parser = commands.add_parser("pipeline", help="pipeline schedules: show which stage does what at each tick")
-    pipeline_commands = parser.add_subparsers(dest="pipeline", required=True)
-    show = pipeline_commands.add_parser(
-        "show",
-        help="print a schedule's stage x tick grid, its bubble next to the formula, and its peak in flight",
-        description=schedules.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add = show.add_argument
-    flags.add_pipeline(show, microbatches=8, schedule="required")
-    add("--stages", type=int, default=4, help="pipeline stages p (default: 4)")
-    flags.add_json(show, "the grid and its numbers")
-    add("--png", metavar="FILE", help="also draw the grid to FILE, a PNG")
-    show.set_defaults(run=run_show)
-
-
-def run_show(args) -> int:
-    if args.png:
-        check_output_path(args.png)  # refuse before writing anything
-    schedule = make_schedule(args.schedule, args.stages, args.microbatches, args.virtual)
-    schedule.validate()
-    print(render(schedule))
-    if args.json:
-        flags.write_json(args.json, as_json(schedule))
-        print(f"wrote {args.json}")
-    if args.png:
-        draw_png(schedule, args.png)
-        print(f"wrote {args.png}")
-    return 0

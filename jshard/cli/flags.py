@@ -5,7 +5,7 @@
     --seq-len N          tokens per row;  --attention auto|xla|cudnn  the attention kernel
     --strategy PRESET    rules preset, e.g. dp+fsdp+tp+sp+pp
     --mesh SIZES         e.g. data=2,fsdp=2,tensor=2; one axis may be -1 (the devices left);
-                         not given: `rules.default_mesh` of the strategy over the devices
+                         not given: `mesh.default_mesh` of the strategy over the devices
     --precision NAME     precision policy (`jshard.precision`: fp32, bf16 compute, mixed);
                          --grad-reduce fp32|bf16 its gradient reduction dtype
     --remat POLICY       activation checkpointing of each block (`models.stack.REMAT_POLICIES`)
@@ -15,29 +15,23 @@
 
 A command's defaults differ only where its job does (`bench step` times one device by
 default, so that its ratio is pure overhead); each says so in its help.
+
+What a flag's value means below the command line lives in the library, which `TrainConfig`
+and `GenerateConfig` reach without it: `jshard.config` (`model_config`, `MODEL_FIELDS`,
+`write_json`, `FlagError`) and `jshard.mesh` (`mesh_sizes`, `default_mesh`).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 
-from jshard.mesh import parse_axis_sizes
-from jshard.nn import ATTENTION
+from jshard.config import MODEL_FIELDS, FlagError, model_config
 from jshard.models import SIZES
-from jshard.precision import PRECISIONS, REDUCE_DTYPES, Precision, precision
 from jshard.models.stack import REMAT_POLICIES
+from jshard.nn import ATTENTION
 from jshard.parallel.pipeline import STAGE_REMAT
 from jshard.parallel.schedules import SCHEDULES
-from jshard.rules import Rules, default_mesh
-
-# Config fields a flag overrides (--experts, --moe-every: a Llama's mixture of experts).
-MODEL_FIELDS = ("layers", "embed", "heads", "kv_heads", "mlp", "vocab", "experts", "moe_every")
-
-
-class FlagError(ValueError):
-    """Flags that cannot be used together or do not fit the model. Raised before device work."""
+from jshard.precision import PRECISIONS, REDUCE_DTYPES, Precision, precision
 
 
 def positive_int(text: str) -> int:
@@ -83,19 +77,6 @@ def add_bench(parser, model_shown: str, batch_size: int, repeats: int = 5) -> No
 def model_overrides(args) -> dict:
     """The model flags given (sizes, --attention): {config field: value}."""
     return {f: getattr(args, f) for f in MODEL_FIELDS + ("attention",) if getattr(args, f, None) is not None}
-
-
-def model_config(name: str, overrides: dict, **fields):
-    """Named size `name` with `overrides` (the size flags), then `fields`; FlagError if they do not fit."""
-    given = "".join(f" --{k.replace('_', '-')} {v}" for k, v in overrides.items())
-    known = {f.name for f in dataclasses.fields(SIZES[name])}
-    if unknown := [k for k in overrides if k not in known]:
-        raise FlagError(f"--model {name}{given}: a {type(SIZES[name]).__name__} has no "
-                        f"{', '.join(unknown)}. Fix: drop --{unknown[0].replace('_', '-')}, or pick a model that has it.")
-    try:
-        return dataclasses.replace(SIZES[name], **overrides, **fields)
-    except ValueError as e:  # e.g. embed not divisible by heads
-        raise FlagError(f"--model {name}{given}: {e}") from None
 
 
 def built_model(args, name: str, defaults: dict | None = None, **fields):
@@ -164,16 +145,3 @@ def add_fake_devices(parser, default: int | None = 8, shown: int | None = None) 
 
 def add_json(parser, what: str = "the result") -> None:
     parser.add_argument("--json", metavar="FILE", help=f"also write {what} to FILE as JSON")
-
-
-def write_json(path: str | None, value) -> None:
-    """`--json FILE`: the value, indented; nothing without a path."""
-    if path:
-        with open(path, "w") as f:
-            json.dump(value, f, indent=1)
-            f.write("\n")
-
-
-def mesh_sizes(text: str | None, rules: Rules, devices: int) -> dict[str, int]:
-    """--mesh as {axis: size}, or when not given the strategy's default mesh over `devices`."""
-    return parse_axis_sizes(text) if text else default_mesh(rules, devices)

@@ -1,4 +1,10 @@
-"""`jshard` command line: one sub-command per job, each registered by the module that owns it."""
+"""`jshard` command line: one sub-command per job, each registered by the module that owns it.
+
+Each module of this package (`train`, `generate`, `plan`, `bench`, `pipeline`, `launch`,
+`plot`) holds one command's `add_parser` (its flags: `flags.py`, shared by all) and `run`,
+which turns the flags into a config and calls the library. Nothing outside this package
+imports it.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +13,16 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # Imported here so `jshard --help` stays fast and each module owns its own flags.
-    from jshard import bench, distributed, generate, plan, plot, train
-    from jshard.parallel import show
+    # Imported here so `jshard --help` stays fast.
+    from jshard.cli import bench, generate, launch, pipeline, plan, plot, train
 
-    parser = argparse.ArgumentParser(prog="jshard", description=__doc__)
+    parser = argparse.ArgumentParser(prog="jshard", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     train.add_parser(commands)
     bench.add_parser(commands)
-    show.add_parser(commands)
+    pipeline.add_parser(commands)
     plan.add_parser(commands)
-    distributed.add_parser(commands)
+    launch.add_parser(commands)
     generate.add_parser(commands)
     plot.add_parser(commands)
     return parser
@@ -26,8 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from jshard.checkpoint import CheckpointError
     from jshard.collectives import CollectiveError
+    from jshard.config import FlagError
     from jshard.distributed import DistributedError, initialize, leave
-    from jshard.flags import FlagError
     from jshard.generate import GenerateError
     from jshard.mesh import MeshError
     from jshard.parallel.schedules import ScheduleError
@@ -49,6 +54,3 @@ def main(argv: list[str] | None = None) -> int:
         leave(1, traceback=True)  # multi-process: the traceback, then exit 1 at once
         raise
 
-
-if __name__ == "__main__":
-    sys.exit(main())

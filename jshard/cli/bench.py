@@ -1,0 +1,180 @@
+"""`jshard bench collectives | strategies | pipeline | step`: each benchmark's flags, and the call
+of its `jshard.bench` module with what they say."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import math
+import os
+import re
+
+import jax
+
+import jshard
+from jshard.bench import collectives, pipeline, step, strategies
+from jshard.cli import flags
+from jshard.config import FlagError, model_config, write_json
+from jshard.mesh import GPU_XLA_FLAGS, mesh_sizes, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags
+from jshard.metrics import PROFILE_STEPS
+from jshard.parallel.schedules import SCHEDULES
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("bench", help="benchmark collectives and training steps")
+    benches = parser.add_subparsers(dest="bench", required=True)
+    add_collectives(benches)
+    add_strategies(benches)
+    add_pipeline(benches)
+    add_step(benches)
+
+
+# -- bench collectives ----------------------------------------------------------------------
+
+
+def add_collectives(benches) -> None:
+    parser = benches.add_parser(
+        "collectives",
+        help="algbw / busbw of each collective over a mesh axis (nccl-tests conventions)",
+        description=inspect.cleandoc(collectives.run_collectives.__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = parser.add_argument
+    flags.add_mesh(parser, shown="every device on one axis")
+    add("--axis", help="mesh axis to run over, or several joined by commas (one group); default: the axes --mesh names")
+    add("--ops", type=_ops, default=tuple(collectives.COLLECTIVES),
+        help=f"comma-separated, from {','.join(collectives.COLLECTIVES)} (default all)")
+    add("--sizes", type=_sizes,
+        help="comma-separated sizes S in bytes, suffixes K, M, G (powers of 1024); replaces the sweep")
+    add("--min-bytes", type=_size, default="1K", help="sweep start (default 1K)")
+    add("--max-bytes", type=_size, default="16M", help="sweep end, included (default 16M)")
+    add("--factor", type=int, default=4, help="sweep step: each size is this times the last (default 4)")
+    add("--dtype", default="float32", choices=("float32", "bfloat16"))
+    add("--warmup", type=flags.positive_int, default=2, help="untimed calls before timing; the first compiles (default 2)")
+    add("--repeats", type=flags.positive_int, default=10, help="timed calls; the median is reported (default 10)")
+    flags.add_json(parser, "the rows, with the set-up,")
+    flags.add_fake_devices(parser)
+    parser.set_defaults(run=run_collectives)
+
+
+def _size(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?\s*", text, re.IGNORECASE)
+    if not match or int(match[1]) == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size in bytes such as 4096, 64K, 1M or 1G")
+    return int(match[1]) * 1024 ** " KMG".index(match[2].upper() or " ")
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    return tuple(_size(part) for part in text.split(",") if part.strip())
+
+
+def _ops(text: str) -> tuple[str, ...]:
+    ops = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [op for op in ops if op not in collectives.COLLECTIVES]
+    if unknown or not ops:
+        raise argparse.ArgumentTypeError(
+            f"unknown op(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(collectives.COLLECTIVES)}"
+        )
+    return ops
+
+
+def run_collectives(args) -> int:
+    use_fake_cpu_devices_unless_accelerated(args.fake_devices)
+    sizes = args.sizes or collectives.sweep(args.min_bytes, args.max_bytes, args.factor)
+    result = collectives.run_collectives(args.mesh, args.axis, args.ops, sizes, args.dtype, args.warmup, args.repeats)
+    write_json(args.json, result)
+    return 0
+
+
+# -- bench strategies -----------------------------------------------------------------------
+
+
+def add_strategies(benches) -> None:
+    parser = benches.add_parser("strategies", help="explicit steps vs textbook bytes, memory, one device and XLA's partitioner")
+    add = parser.add_argument
+    add("--strategies", help="';'-separated presets, each on its example mesh (plan.validate.EXAMPLE_MESHES, its "
+                             "outermost axis taking the devices) or on preset@mesh, e.g. 'dp;zero3@fsdp=8' (default: "
+                             "every strategy without a pipeline)")
+    flags.add_bench(parser, "small with seq-len 64", batch_size=16)
+    flags.add_precision(parser, "fp32")
+    parser.set_defaults(run=run_strategies)
+
+
+def run_strategies(args) -> int:
+    use_fake_cpu_devices_unless_accelerated(args.fake_devices)
+    policy = flags.precision_of(args)
+    config = flags.built_model(args, "small", {"seq_len": 64})
+    rows = strategies.run_strategies(config, policy, args.batch_size, args.repeats, args.strategies)
+    write_json(args.json, [{key: row[key] for key in strategies.COLUMNS} for row in rows])
+    return 0
+
+
+# -- bench pipeline -------------------------------------------------------------------------
+
+
+def add_pipeline(benches) -> None:
+    parser = benches.add_parser("pipeline", help="pipeline schedules: step time, memory and bubble side by side")
+    add = parser.add_argument
+    flags.add_mesh(parser, shown="dp+pp's default mesh: stage=2, data the rest")
+    add("--schedules", default=",".join(SCHEDULES), help="comma-separated, from: " + ", ".join(SCHEDULES))
+    flags.add_pipeline(parser, microbatches=8, schedule="none")
+    parser.set_defaults(stage_remat="none")
+    flags.add_bench(parser, "small with 8 layers and seq-len 64", batch_size=32)
+    parser.set_defaults(run=run_pipeline)
+
+
+def run_pipeline(args) -> int:
+    use_fake_cpu_devices_unless_accelerated(args.fake_devices)
+    config = flags.built_model(args, "small", {"layers": 8, "seq_len": 64})  # 8 layers: 4 stages of 2 chunks
+    rows = pipeline.run_schedules(config, args.mesh, list(filter(None, args.schedules.split(","))), args.microbatches,
+                                  args.virtual, args.stage_remat, args.batch_size, args.repeats)
+    write_json(args.json, rows)
+    return 0
+
+
+# -- bench step -----------------------------------------------------------------------------
+
+
+def add_step(benches) -> None:
+    parser = benches.add_parser("step", help="jshard's train step vs a plain Flax step, MFU vs the device's peaks")
+    add = parser.add_argument
+    flags.add_model(parser, None, "tiny on CPU, gpt-1b on GPU", seq_len_help="tokens per row (default: the model's seq_len)")
+    add("--batch-size", type=flags.positive_int, help="rows per step (default: 16 on CPU, 8 on GPU)")
+    flags.add_precision(parser, None, "fp32 on CPU, bf16 on GPU")
+    flags.add_strategy(parser, "dp")
+    flags.add_mesh(parser, shown="the strategy's mesh on one device, so the ratio is pure overhead")
+    add("--repeats", type=flags.positive_int, default=10,
+        help="timed steps of each, after a warm-up step, alternating; medians reported (default: 10)")
+    flags.add_json(parser)
+    add("--profile", metavar="DIR", help=f"after timing, write a jax.profiler trace of {PROFILE_STEPS} steps of each to DIR")
+    parser.set_defaults(run=run_step)
+
+
+def _platform_defaults(args, platform: str):
+    """(model name, config, seq, batch, precision) from the flags, `bench.step.DEFAULTS[platform]` where not given."""
+    model, batch, precision = step.DEFAULTS["cpu" if platform == "cpu" else "gpu"]
+    policy = flags.precision_of(args, precision)
+    config = model_config(args.model or model, flags.model_overrides(args))
+    seq = args.seq_len or config.seq_len
+    batch = args.batch_size or batch
+    if seq > config.seq_len:
+        raise FlagError(f"--seq-len {seq}: model {args.model or model} takes 1..{config.seq_len} tokens per row")
+    return args.model or model, config, seq, batch, policy
+
+
+def mesh_of(args) -> dict[str, int]:
+    return mesh_sizes(args.mesh, jshard.preset(args.strategy), 1)
+
+
+def run_step(args) -> int:
+    # Both before JAX starts: XLA reads its flags, and the CPU its device count, only then.
+    xla_flags = "set by jshard: " + " ".join(GPU_XLA_FLAGS) if use_gpu_xla_flags() else None
+    sizes = mesh_of(args)
+    if -1 not in sizes.values() and math.prod(sizes.values()) > 1:
+        use_fake_cpu_devices_unless_accelerated(math.prod(sizes.values()))
+    xla_flags = xla_flags or (f"XLA_FLAGS={os.environ['XLA_FLAGS']!r}" if os.environ.get("XLA_FLAGS") else "none")
+    result = step.measure(sizes, args.strategy, *_platform_defaults(args, jax.devices()[0].platform), args.repeats,
+                          args.profile)
+    print(step.report(result, xla_flags))
+    write_json(args.json, {key: result[key] for key in step.JSON_KEYS})
+    return 0

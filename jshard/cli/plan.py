@@ -1,0 +1,84 @@
+"""`jshard plan`: its flags (the shared ones, a hardware profile and its overrides, `--validate`,
+`--png`) and a `PlanInput` from them; the estimate, its validation and its picture are
+`jshard.plan`'s."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jshard.cli import flags
+from jshard.config import FlagError, write_json
+from jshard.mesh import STANDARD_AXES, mesh_sizes, use_fake_cpu_devices
+from jshard.plan import memory_png
+from jshard.plan.estimate import GiB, HARDWARE, PlanInput, estimate, report
+from jshard.plan.validate import (MEMORY_TOLERANCE, VALIDATION_MODELS, format_validation, validate_one, validation_cases,
+                                  within_tolerance)
+from jshard.plot import check_output_path
+from jshard.rules import ShardingError, preset
+
+HARDWARE_FLAGS = (  # flag, Hardware field, unit
+    ("--peak-tflops", "peak_flops", 1e12), ("--hbm-gib", "hbm_bytes", GiB), ("--hbm-bw-gbs", "hbm_bw", 1e9),
+    ("--intra-bw-gbs", "intra_bw", 1e9), ("--inter-bw-gbs", "inter_bw", 1e9), ("--gpus-per-node", "gpus_per_node", 1),
+)
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("plan", help="memory, communication and overlap estimates; --validate checks them against XLA")
+    add = parser.add_argument
+    flags.add_model(parser, None, "small", seq_len_help="tokens per row, and the model's longest (default: the model's)")
+    flags.add_strategy(parser, "dp")
+    flags.add_mesh(parser, shown="the strategy's axes over --devices: each inner one 2, the outermost the rest")
+    add("--devices", type=flags.positive_int, default=8, help="devices to plan for when --mesh is not given (default: 8)")
+    flags.add_pipeline(parser)
+    add("--micro-batch-size", type=flags.positive_int, default=1, help="rows per micro-batch per data shard (default: 1)")
+    flags.add_precision(parser, "bf16")
+    flags.add_remat(parser)
+    add("--hardware", choices=HARDWARE, default="h100", help="device profile (default: h100)")
+    for flag, field, unit in HARDWARE_FLAGS:
+        add(flag, dest=field, type=float if field != "gpus_per_node" else int,
+            help=f"override the profile's {field}" + (f" (in {flag.rsplit('-', 1)[-1]})" if unit > 1 else ""))
+    flags.add_json(parser, "the estimate (or the validation rows)")
+    add("--png", metavar="FILE", help="also draw the memory per device to FILE, a PNG: a bar of its kinds against the HBM "
+        "(a pipeline: one per --stage-remat)")
+    add("--validate", action="store_true",
+        help="build small steps on --fake-devices CPU devices and compare with XLA (ignores the model flags)")
+    flags.add_fake_devices(parser)
+    parser.set_defaults(run=run)
+
+
+def plan_input(args) -> PlanInput:
+    policy = flags.precision_of(args)
+    config = flags.built_model(args, "small", remat=args.remat)
+    hw = dataclasses.replace(HARDWARE[args.hardware], **{field: getattr(args, field) * unit
+                                                          for _, field, unit in HARDWARE_FLAGS
+                                                          if getattr(args, field) is not None})
+    sizes = {a: 1 for a in STANDARD_AXES} | mesh_sizes(args.mesh, preset(args.strategy), args.devices)
+    if -1 in sizes.values():
+        raise ShardingError(f"--mesh {args.mesh}: give every size; the planner has no devices to fill '-1' from")
+    return PlanInput(config, sizes, args.strategy, args.schedule, args.microbatches, args.virtual,
+                     args.micro_batch_size, hw, policy, args.stage_remat)
+
+
+def run(args) -> int:
+    if args.png:  # refuse before any work
+        if args.validate:
+            raise FlagError("--png draws a plan's memory; --validate has no plan to draw: give one or the other")
+        check_output_path(args.png)
+    if args.validate:
+        use_fake_cpu_devices(args.fake_devices)
+        results = []
+        print(format_validation([]))
+        for case, model in validation_cases():
+            results.append(validate_one(*case, model=VALIDATION_MODELS[model]))
+            print(format_validation(results[-1:]).splitlines()[1], flush=True)
+        write_json(args.json, results)
+        ok = all(map(within_tolerance, results))
+        print(f"{'all' if ok else 'NOT all'} within {MEMORY_TOLERANCE:.0%} of compiled memory with exact collective bytes")
+        return 0 if ok else 1
+    est = estimate(plan_input(args))
+    print(report(est))
+    write_json(args.json, est)
+    if args.png:
+        memory_png(est, args.png)
+        print(f"wrote {args.png}")
+    return 0

@@ -1,0 +1,86 @@
+"""`jshard train`: its flags, and a `TrainConfig` from them (and from --config FILE); the run is
+`jshard.train`'s."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from jshard import tokenizer as tokenizers
+from jshard import train
+from jshard.cli import flags
+from jshard.metrics import PROFILE_STEPS
+from jshard.train import EVAL_BATCHES, PIPELINE_MICROBATCHES, TrainConfig, TrainError
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser(
+        "train", help="train a GPT on the shipped corpus (the main job)", description=train.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    defaults = TrainConfig()
+
+    def add(flag, help, **kw):
+        name = flag[2:].replace("-", "_")
+        shown = getattr(defaults, name, None)
+        parser.add_argument(flag, default=None, help=f"{help} (default: {shown})" if shown is not None else help, **kw)
+
+    add("--config", "JSON file of TrainConfig fields; flags given override it", metavar="FILE")
+    add("--data", "a text file, a folder of *.txt files, or token ids in a .bin (uint16, nanoGPT's) or .npy, read "
+                  "through a memory map (default: the shipped corpus)", metavar="PATH")
+    add("--tokenizer", f"of text: {' or '.join(tokenizers.KINDS)} (a byte-level BPE trained on the data, of --vocab "
+                       f"tokens, default {tokenizers.BPE_VOCAB}; saved beside the checkpoints)",
+        choices=tokenizers.KINDS)
+    flags.add_model(parser, None, defaults.model, seq_len_help="tokens per row (default: 64, or the model's longest "
+                                                               "if shorter)")
+    flags.add_strategy(parser, None, defaults.strategy)
+    flags.add_mesh(parser)
+    flags.add_pipeline(parser, shown=f"{PIPELINE_MICROBATCHES} when pipelining")
+    add("--steps", "optimizer steps in all (a resumed run continues to this)", type=int)
+    add("--batch-size", "rows per optimizer step (global batch)", type=int)
+    add("--lr", "peak learning rate", type=float)
+    add("--warmup", "linear warm-up steps before the cosine decay (default: steps // 10)", type=int)
+    flags.add_precision(parser, None, defaults.precision)
+    add("--grad-accum", "micro-steps per optimizer step (gradient accumulation)", type=int)
+    flags.add_remat(parser, None, defaults.remat)
+    add("--checkpoint-dir", "directory of orbax checkpoints", metavar="DIR")
+    add("--checkpoint-every", "save every N steps (default: at the end only)", type=int, metavar="N")
+    parser.add_argument("--resume", action="store_true", default=None,
+                        help="continue from the latest checkpoint in --checkpoint-dir")
+    add("--eval-every", "the held-out loss every N steps and at the end (default: no evaluation)", type=int,
+        metavar="N")
+    add("--eval-batches", f"held-out batches per evaluation (default: all the split holds, up to {EVAL_BATCHES})",
+        type=int, metavar="K")
+    add("--eval-split", "fraction of the data held out for evaluation, never trained on", type=float)
+    add("--metrics", "write one JSON object per step to FILE", metavar="FILE")
+    add("--plot", "draw loss, eval loss, tokens/s and MFU over steps to FILE.png at the end", metavar="FILE.png")
+    add("--profile", f"write a jax.profiler trace of {PROFILE_STEPS} steps to DIR", metavar="DIR")
+    add("--seed", "model init and data order (default: 0, or the checkpoint's on --resume)", type=int)
+    flags.add_fake_devices(parser, None, defaults.fake_devices)
+    add("--peak-tflops", "device peak for MFU, per device (default: known GPUs; measured on CPU)", type=float)
+    add("--log-every", "print a line every N steps (default: steps // 10)", type=int, metavar="N")
+    parser.set_defaults(run=run)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """TrainConfig defaults <- the --config file <- flags given on the command line."""
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = {}
+    if args.config:
+        try:
+            with open(args.config) as f:
+                values = json.load(f)
+        except (OSError, ValueError) as e:
+            raise TrainError(f"--config {args.config}: cannot read it as JSON ({e})") from e
+        unknown = sorted(set(values) - fields) if isinstance(values, dict) else ["(not a JSON object)"]
+        if unknown:
+            raise TrainError(f"--config {args.config}: unknown field(s) {', '.join(unknown)}. "
+                             f"Known: {', '.join(sorted(fields))}")
+    values.update({k: v for k, v in vars(args).items() if k in fields and v is not None})
+    return TrainConfig(**values)
+
+
+def run(args) -> int:
+    train.train(config_from_args(args))
+    return 0

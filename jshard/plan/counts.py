@@ -1,0 +1,22 @@
+"""What the planner counts of a decoder's config, beyond its sizes: quantities no model code
+reads, so they live beside their one reader (`estimate.py`) rather than on the configs.
+"""
+
+from __future__ import annotations
+
+from jshard.models import DecoderConfig, LlamaConfig
+
+
+def input_projections(config: DecoderConfig) -> int:
+    """Linears reading a block's normed residual: under TP each reduces its own input gradient,
+    so the planner counts them (`estimate.tensor_traffic`). A GPT's qkv and up: 2; a Llama's
+    q, kv and gate_up: 3."""
+    return 3 if isinstance(config, LlamaConfig) else 2
+
+
+def column_outputs(config: DecoderConfig) -> int:
+    """Width per token of the column-parallel linears' outputs, split under TP: a GPT's qkv and
+    up (3·embed + mlp); a Llama's q, k, v, gate and up (embed + 2·kv_heads·head_dim + 2·mlp)."""
+    if isinstance(config, LlamaConfig):
+        return config.embed + 2 * config.kv_heads * config.head_dim + 2 * config.mlp
+    return 3 * config.embed + config.mlp
