@@ -1,0 +1,68 @@
+"""The step's plan (`jshard.parallel.make_plan`): every input checked once, in one place; what
+the step reads of it; the precision's compute dtype applied by the step itself."""
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jshard
+from jshard.mesh import abstract_mesh
+from jshard.models import gpt_loss
+from jshard.parallel import build_step, make_plan
+from jshard.rules import Rules
+
+import decoders
+
+BATCH = np.random.default_rng(0).integers(0, 64, (16, decoders.CONFIGS["gpt"].seq_len + 1))
+
+
+def test_the_mesh_is_checked_once_per_step(monkeypatch):
+    calls = []
+    check = Rules.check_mesh
+    monkeypatch.setattr(Rules, "check_mesh", lambda self, mesh: calls.append(mesh) or check(self, mesh))
+    build_step(decoders.make("gpt", 0), optax.adamw(1e-3), gpt_loss, jshard.make_mesh(data=2, fsdp=2, tensor=2),
+               jshard.preset("dp+fsdp+tp"))
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("preset, sizes, expected", [
+    ("dp+fsdp+tp+sp", dict(data=2, fsdp=2, tensor=2),
+     dict(batch_axes=("data", "fsdp"), grad_axes=("data", "fsdp"), zero_axes=("fsdp",), tensor_axes=("tensor",),
+          sequence_parallel=True, stage_axis=None, data_shards=4)),
+    ("dp+cp", dict(data=2, context=4),
+     dict(batch_axes=("data",), context_axes=("context",), grad_axes=("data", "context"), context_shards=4,
+          sequence_parallel=False, data_shards=2)),
+    ("dp+pp", dict(data=2, stage=4), dict(stage_axis="stage", batch_shards=2 * 4, microbatches=4)),
+])
+def test_the_plan_holds_every_axis_the_step_reads(preset, sizes, expected):
+    plan = make_plan(decoders.make("gpt", 0, layers=4), abstract_mesh(**sizes), jshard.preset(preset),
+                     microbatches=4 if "stage" in sizes else None)
+    assert {name: getattr(plan, name) for name in expected} == expected
+
+
+@pytest.mark.parametrize("rows, seq_len, steps, message", [
+    (12, None, 1, "batch size 12 does not split over 8 batch shards (data) = 8. Fix: make batch size a multiple of 8."),
+    (8, None, 2, "over 8 batch shards (data) × 2 accumulated steps = 16"),
+    (None, 36, 1, "sequence length 36: context parallelism over context = 4 cuts each sequence into 8 equal chunks"),
+])
+def test_check_batch_names_the_split_it_misses(rows, seq_len, steps, message):
+    sizes = dict(data=2, context=4) if seq_len else dict(data=8)
+    plan = make_plan(decoders.make("gpt", 0), abstract_mesh(**sizes), jshard.preset("dp+cp" if seq_len else "dp"))
+    with pytest.raises(jshard.ShardingError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        plan.check_batch(rows, seq_len, steps)
+
+
+def first_loss(precision, **fields):
+    step = build_step(decoders.make("gpt", 0, **fields), optax.adamw(1e-3), gpt_loss, jshard.make_mesh(data=8),
+                      jshard.preset("dp"), precision=precision)
+    return float(step.loss(step.state, step.shard_batch(BATCH)))
+
+
+def test_the_precision_sets_the_compute_dtype():
+    """A model whose config leaves `dtype` unset computes as the step's precision says: under
+    bf16 exactly as the same model pinned to bf16, and not as under fp32."""
+    bf16 = first_loss("bf16")
+    assert bf16 == first_loss("bf16", dtype=jnp.bfloat16)
+    assert bf16 != first_loss("fp32")
+    assert first_loss(None) == first_loss("fp32")  # no policy: float32
