@@ -11,7 +11,7 @@
 
 Capacity is per row, C = ceil(capacity_factor · k · seq / experts): which choices are dropped
 depends on the row alone, so it is the same on one device and on every mesh (but under
-context parallelism, whose chunk order the step refuses to queue by: `step.check_experts`).
+context parallelism, whose chunk order the step refuses to queue by: `parallel/plan.py`).
 `capacity_factor=None` is dropless: C = seq, the most one expert can be chosen in a row.
 
 Expert parallelism follows from the names alone. The buffer is built where its rows are

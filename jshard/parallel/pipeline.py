@@ -69,7 +69,7 @@ def segments(role: str) -> tuple[str, ...]:
 def work(schedule: Schedule, stage_remat: str) -> float:
     """The executor's work over the unpipelined step's: F + 2F keeping the residuals; F + (F + 2F)
     recomputing the forward for the backward; ZB-H1 recomputing, F + (F + B) + (F + W)."""
-    return 1.0 if check_stage_remat(stage_remat) == "none" else 5 / 3 if schedule.backward == "B" else 4 / 3
+    return 1.0 if stage_remat == "none" else 5 / 3 if schedule.backward == "B" else 4 / 3
 
 
 def check_stage_remat(stage_remat: str) -> str:
@@ -135,7 +135,7 @@ def _assign_slots(lifetimes: dict, stages: int) -> tuple[dict, int]:
 
 def compile_program(schedule: Schedule, stage_remat: str = "none") -> Program:
     """Which branch, micro-batch, chunk and buffer slots every device uses at every tick."""
-    keep = check_stage_remat(stage_remat) == "none"
+    keep = stage_remat == "none"  # (checked by the plan)
     p, v, m, table = schedule.stages, schedule.virtual, schedule.microbatches, schedule.table()
     positions, ticks = p * v, len(table)
     done = {}  # (kind, micro-batch, position) -> tick

@@ -10,7 +10,8 @@ device, and every check of those inputs in one place (each error raised once, be
     axes          batch, context (cp), grad (batch + context: gradients are summed over them),
                   stage (pp), expert (ep), ZeRO and tensor (tp) axes: the mesh axes of size > 1
                   the rules put each on
-    pipeline      the schedule's tick table and its program, micro-batches, `stage_remat`
+    pipeline      the schedule's tick table (which the executor compiles to its program while it
+                  traces), micro-batches, `stage_remat`
 
 and `check_batch` (rows and sequence length against the batch, micro-batch and context splits).
 The explicit step (`step.py`), the compiler-placed step (`compiled.py`), `jshard train` and
@@ -102,11 +103,6 @@ class Plan:
     @functools.cached_property
     def context_shards(self) -> int:
         return math.prod(self.mesh_sizes[a] for a in self.context_axes)
-
-    @functools.cached_property
-    def program(self) -> pipeline.Program | None:
-        """The schedule as the pipeline executor runs it (None: no pipeline)."""
-        return pipeline.compile_program(self.schedule, self.stage_remat) if self.schedule else None
 
     @property
     def batch_spec(self) -> jax.P:
