@@ -91,7 +91,7 @@ def test_train_without_mesh_takes_the_strategys_default():
 
 
 def test_train_model_size_flags_override_the_named_size():
-    setup = set_up(TrainConfig(model="tiny", layers=3, embed=96, heads=3, mlp=200, vocab=256, steps=1))
+    setup = set_up(TrainConfig(model="tiny", strategy="dp", layers=3, embed=96, heads=3, mlp=200, vocab=256, steps=1))
     assert (setup.model.layers, setup.model.embed, setup.model.heads, setup.model.mlp) == (3, 96, 3, 200)
 
 
