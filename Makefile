@@ -1,13 +1,15 @@
-# Two entry points, both self-contained from a fresh clone with only python3:
-#   make train  - the main job on its default: `jshard train`, a sharded GPT run on 8 fake CPU devices
-#   make test   - the test suite (8 fake CPU devices)
+# Entry points, all self-contained from a fresh clone with only python3:
+#   make train      - the main job on its default: `jshard train`, a sharded GPT run on 8 fake CPU devices
+#   make test       - the test suite (8 fake CPU devices), what CI runs
+#   make test-fast  - its fast tier (`pytest -m fast`): one case per strategy family, the checks, the planner
+# The suite's seed is fixed; JSHARD_TEST_SEED=<int> replaces it to fuzz (pytest's header shows it).
 # Another Python gets its own virtualenv, e.g. the newest JAX (which needs Python >= 3.12):
 #   make test PYTHON=python3.12 VENV=.venv-py3.12
 PYTHON ?= python3
 VENV   ?= .venv
 STAMP  := $(VENV)/.installed
 
-.PHONY: train test venv versions clean
+.PHONY: train test test-fast venv versions clean
 
 # Re-install only when the package definition changes.
 $(STAMP): pyproject.toml
@@ -30,9 +32,13 @@ versions: $(STAMP)
 # two pytest processes (pytest-xdist, each test file whole in one, so module fixtures are
 # shared as in a serial run) take two thirds of the serial time on 2 cores. TEST_WORKERS=0: serial.
 TEST_WORKERS ?= 2
+IN_WORKERS := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 test: versions
-	$(VENV)/bin/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+	$(VENV)/bin/python -m pytest $(IN_WORKERS)
+
+test-fast: versions
+	$(VENV)/bin/python -m pytest -m fast $(IN_WORKERS)
 
 clean:
 	rm -rf $(VENV) .venv-py* build *.egg-info

@@ -16,6 +16,7 @@ import jshard
 import jshard.bench.collectives
 import jshard.cli
 from jshard import collectives as C
+from seed import SEED, case_rng
 
 # --- the lecture: collective_operations_main on 4 ranks ------------------------------------
 
@@ -165,8 +166,7 @@ def per_group(mesh, axes, xs, reference):
 @pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast",
                                 "scatter", "gather", "reduce", "send_recv", "barrier"])
 def test_matches_numpy(op, grouping):
-    seed = np.random.SeedSequence().entropy  # fresh each run; printed on failure to replay it
-    rng = np.random.default_rng(seed)
+    rng = case_rng("test_matches_numpy", op, grouping)  # a mesh size and shapes of its own per case
     sizes, axis = grouping
     if sizes is None:
         n = int(rng.choice([2, 3, 5, 8]))
@@ -182,7 +182,7 @@ def test_matches_numpy(op, grouping):
         body = jax.shard_map(lambda block: ours(block[0], axis)[None], mesh=mesh,
                              in_specs=every_device, out_specs=every_device, check_vma=True)
         np.testing.assert_allclose(jax.jit(body)(xs), per_group(mesh, axes, xs, reference), rtol=1e-5, atol=1e-6,
-                                   err_msg=f"{op} ({reduction}) over {axis}, shape {shape}, seed {seed}")
+                                   err_msg=f"{op} ({reduction}) over {axis}, shape {shape}, seed {SEED}")
 
 
 # Before 0.12, turning jax_auto_pcast off stops JAX's integer casts too, and its own
@@ -199,8 +199,7 @@ def test_an_input_alike_on_every_rank_is_each_ranks_own(op, auto_pcast):
     """x given whole to every device (in_specs P(): JAX types it invariant) takes part once per
     rank, as in torch, whether or not JAX casts it to varying itself (`jax_auto_pcast`, which
     JAX plans to turn off): jshard's collectives cast explicitly."""
-    seed = np.random.SeedSequence().entropy
-    rng = np.random.default_rng(seed)
+    rng = case_rng("test_an_input_alike_on_every_rank_is_each_ranks_own", op)
     mesh, axes = jshard.make_mesh(**MESH_3D), ("fsdp", "tensor")
     shape, ours, reference = draw(op, 4, str(rng.choice(C.REDUCE_OPS)), rng)
     x = rng.standard_normal(shape).astype(np.float32)
@@ -209,7 +208,7 @@ def test_an_input_alike_on_every_rank_is_each_ranks_own(op, auto_pcast):
     with jax.auto_pcast(auto_pcast):
         out = jax.jit(body)(x)
     expected = per_group(mesh, axes, np.stack([x] * mesh.size), reference)
-    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6, err_msg=f"{op}, seed {seed}")
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6, err_msg=f"{op}, seed {SEED}")
 
 
 # --- gradients: all_gather and reduce_scatter are each other's transpose ----------------------
@@ -222,7 +221,7 @@ def test_an_input_alike_on_every_rank_is_each_ranks_own(op, auto_pcast):
 def test_transpose(forward, transpose, chunked):
     mesh = jshard.make_mesh(**MESH_3D)
     axes, dim, n = ("fsdp", "tensor"), 1, 4
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     x = rng.standard_normal((mesh.size, 3, 2 if chunked else 2 * n)).astype(np.float32)
     cotangent = rng.standard_normal((mesh.size, 3, 2 * n if chunked else 2)).astype(np.float32)
 
@@ -241,7 +240,7 @@ def test_grad_across_shard_map_sums_over_the_group():
     # its group of the matching chunk of w, i.e. reduce_scatter of w.
     mesh = jshard.make_mesh(**MESH_3D)
     every_device = jax.P(mesh.axis_names)
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     x = rng.standard_normal((mesh.size, 3)).astype(np.float32)
     w = rng.standard_normal((mesh.size, 6)).astype(np.float32)
 

@@ -1,15 +1,13 @@
 """The compiler-placed step (`build_step(..., collectives="compiler")`) against one device.
 
-Parity on fresh random inputs each run (the seed is in every failure message), on every
-non-pipeline preset: a GPT's loss each step and params after 3 AdamW steps; the Flax docs' CNN
-(`flax_models.CNN`: Conv, BatchNorm, Dropout, Linear), 3 SGD-momentum steps with dropout on, including its
-BatchNorm running statistics and its RNG stream's count. Then the refusals, and the state
-through an orbax checkpoint.
+Parity (tests/parity.py) on every non-pipeline preset: a GPT's loss each step and params after
+3 AdamW steps; the Flax docs' CNN (`flax_models.CNN`: Conv, BatchNorm, Dropout, Linear), 3
+SGD-momentum steps with dropout on, including its BatchNorm running statistics and its RNG
+stream's count. Then the refusals, and the state through an orbax checkpoint.
 """
 
 import jax
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
@@ -19,60 +17,24 @@ from jshard.models import GPT, GPTConfig, gpt_loss
 from jshard.parallel import CompiledStep, TrainState, build_step
 from flax_models import CNN, classification_loss, image_batches
 from meshes import STRATEGIES
-from reference import train_on_one_device
+from parity import (OPTIMIZER, SGD_MOMENTUM, assert_gradients_close, assert_trains_like_one_device,
+                    one_device_gradients, train_on_one_device)
+from seed import SEED
 
-SEED = int(np.random.default_rng().integers(1 << 31))
-TOLERANCE = 1e-5
-OPTIMIZER = optax.adamw(1e-3, eps=1e-4)  # eps: see tests/test_strategies.py
 # The CNN's BatchNorm biases get near-zero gradients, whose round-off Adam would scale up to
 # whole updates (as in tests/test_plain_flax.py): SGD keeps param errors as small as the gradients'.
-CNN_OPTIMIZER = optax.sgd(0.03, momentum=0.9)
+CNN_OPTIMIZER = SGD_MOMENTUM
 STEPS = 3
 IDS = [p for p, _ in STRATEGIES]
 
 
-def relative_error(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
-
-
-def assert_states_close(actual: nnx.State, expected: nnx.State, what: str):
-    """Float leaves to TOLERANCE, integer leaves (RNG counts) and RNG keys exactly."""
-    flat_expected = dict(nnx.to_flat_state(expected))
-    flat_actual = nnx.to_flat_state(actual)
-    assert {p for p, _ in flat_actual} == set(flat_expected), f"{what}: other Variables (seed {SEED})"
-    for path, variable in flat_actual:
-        got, want = variable.get_value(), flat_expected[path].get_value()
-        where = f"{what} {'/'.join(map(str, path))} (seed {SEED})"
-        if jax.dtypes.issubdtype(want.dtype, jax.dtypes.prng_key):
-            got, want = jax.random.key_data(got), jax.random.key_data(want)
-        if jax.dtypes.issubdtype(want.dtype, np.inexact):
-            error = relative_error(got, want)
-            assert error <= TOLERANCE, f"{where}: relative error {error:.2e}"
-        else:
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=where)
-
-
-def train_compiled(make, loss_fn, batches, preset, sizes, tx):
-    """The compiler-placed step from `make()`, one step per batch: the step, its state and losses."""
-    step = build_step(make(), tx, loss_fn, jshard.make_mesh(**sizes), jshard.preset(preset),
-                      collectives="compiler")
-    assert isinstance(step, CompiledStep)
-    state, losses = step.state, []
-    for batch in batches:
-        state, loss = step(state, step.shard_batch(batch))
-        losses.append(float(loss))
-    return step, state, losses
-
-
 def check_against_one_device(make, loss_fn, batches, preset, sizes, tx):
-    model = make()
-    expected = train_on_one_device(model, tx, loss_fn, batches)
-    step, state, losses = train_compiled(make, loss_fn, batches, preset, sizes, tx)
-    for i, (got, want) in enumerate(zip(losses, expected)):
-        assert relative_error(got, want) <= TOLERANCE, f"{preset}: loss of step {i}: {got} vs {want} (seed {SEED})"
-    assert_states_close(nnx.state(step.model(state)), nnx.state(model), f"{preset}: after {STEPS} steps")
-    return step, state
+    """The compiler-placed step from `make()` trains as one device does: losses, then every
+    Variable (params, BatchNorm statistics, RNG keys and counts). Returns the step and its state."""
+    run = train_on_one_device(make(), tx, loss_fn, batches)
+    step = build_step(make(), tx, loss_fn, jshard.make_mesh(**sizes), jshard.preset(preset), collectives="compiler")
+    assert isinstance(step, CompiledStep)
+    return step, assert_trains_like_one_device(step, run, preset)
 
 
 # -- a GPT of jshard.nn layers ----------------------------------------------------------------
@@ -125,13 +87,10 @@ def test_cnn_with_batch_norm_and_dropout_matches_one_device(preset, sizes):
 
 def test_gradients_come_out_in_the_opt_layout():
     """ZeRO-1: params whole on every device, their gradients split like the optimizer state."""
-    model, batch = make_cnn(), cnn_batches(1)[0]
-    (_, grads) = nnx.value_and_grad(cnn_loss)(model, batch)
+    batch = cnn_batches(1)[0]
     mesh, rules = jshard.make_mesh(data=2, fsdp=4), jshard.preset("dp+zero1")
     step = build_step(make_cnn(), OPTIMIZER, cnn_loss, mesh, rules, collectives="compiler")
-    loss, step_grads = step.value_and_grad(step.state, step.shard_batch(batch))
-    assert relative_error(loss, cnn_loss(make_cnn(), batch)) <= TOLERANCE, f"loss (seed {SEED})"
-    assert_states_close(step_grads, grads, "gradient")
+    _, step_grads = assert_gradients_close(step, batch, *one_device_gradients(make_cnn(), cnn_loss, batch))
     kernel = step_grads["conv2"]["kernel"].get_value()  # named (None, None, mlp, embed)
     assert kernel.sharding.spec == jax.P(None, None, None, "fsdp")
     assert step.state.params["conv2"]["kernel"].get_value().sharding.is_fully_replicated

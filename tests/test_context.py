@@ -15,13 +15,13 @@ import pytest
 from flax import nnx
 
 import jshard
-from jshard import hlo, nn
+from jshard import nn
 from jshard.bench.strategies import textbook_bytes
 from jshard.models import DeepMLP, MLPConfig, decoder, gpt_loss, mlp_loss
 from jshard.parallel import build_step
 import decoders
-
-OPTIMIZER = optax.adamw(1e-3)
+from parity import BF16_TOLERANCE, OPTIMIZER, assert_gradients_close, assert_trees_close, one_device_gradients
+from traffic import collective_bytes
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
@@ -46,15 +46,6 @@ def test_every_device_holds_an_equal_share_of_causal_work(n):
             else:
                 half[c:, :] = True
             np.testing.assert_array_equal(visible, half, err_msg=f"device {i}, block of {j}")
-
-
-def collective_bytes(step, batch) -> dict[str, int]:
-    """Bytes per kind of every collective the compiled step runs (loop trips counted)."""
-    lowered = step.lower(step.state, step.shard_batch(batch))
-    out = {}
-    for c in hlo.collectives(lowered.compile().as_text(), lowered.as_text()):
-        out[c.kind] = out.get(c.kind, 0) + sum(c.buffers) * c.count
-    return out
 
 
 @pytest.mark.parametrize("model, preset, sizes, remat", [
@@ -132,14 +123,11 @@ def test_ring_under_bf16_compute_is_near_fp32_on_one_device():
     import jax.numpy as jnp
 
     batch = np.random.default_rng(1).integers(0, 64, (4, 17))
-    _, expected = nnx.value_and_grad(gpt_loss)(decoders.make("llama", 0), batch)
+    _, expected = one_device_gradients(decoders.make("llama", 0), gpt_loss, batch)
     step = build_step(decoders.make("llama", 0, dtype=jnp.bfloat16), OPTIMIZER, gpt_loss, jshard.make_mesh(context=8),
                       jshard.preset("cp"))
     _, grads = step.value_and_grad(step.state, step.shard_batch(batch))
-    flat = dict(nnx.to_flat_state(expected))
-    for path, g in nnx.to_flat_state(grads):
-        want = np.asarray(flat[path].get_value())
-        assert np.linalg.norm(np.asarray(g.get_value()) - want) / np.linalg.norm(want) < 2e-2, path
+    assert_trees_close(grads, expected, "gradient", BF16_TOLERANCE)
 
 
 def test_ring_runs_a_block_tile_by_tile(monkeypatch):
@@ -147,16 +135,13 @@ def test_ring_runs_a_block_tile_by_tile(monkeypatch):
     the gradients are still one device's."""
     monkeypatch.setattr(nn.context, "QUERY_TILE", 2)
     batch = np.random.default_rng(2).integers(0, 64, (4, 17))
-    _, expected = nnx.value_and_grad(gpt_loss)(decoders.make("llama", 0), batch)
+    _, expected = one_device_gradients(decoders.make("llama", 0), gpt_loss, batch)
     step = build_step(decoders.make("llama", 0), OPTIMIZER, gpt_loss, jshard.make_mesh(data=4, context=2),
                       jshard.preset("dp+cp"))
     jaxpr = str(jax.make_jaxpr(step.value_and_grad)(step.state, step.shard_batch(batch)))
     assert "length=4" in jaxpr  # the own block's 8 queries (2 chunks of 4 per device) in 4 tiles
     _, grads = step.value_and_grad(step.state, step.shard_batch(batch))
-    flat = dict(nnx.to_flat_state(expected))
-    for path, g in nnx.to_flat_state(grads):
-        want = np.asarray(flat[path].get_value())
-        assert np.linalg.norm(np.asarray(g.get_value()) - want) / np.linalg.norm(want) < 1e-5, path
+    assert_trees_close(grads, expected, "gradient")
 
 
 def test_a_loss_that_averages_only_its_own_chunks():
@@ -171,12 +156,6 @@ def test_a_loss_that_averages_only_its_own_chunks():
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
     batch = np.random.default_rng(3).integers(0, 64, (4, 17))
-    loss, expected = nnx.value_and_grad(own_loss)(decoders.make("gpt", 0), batch)
     step = build_step(decoders.make("gpt", 0), OPTIMIZER, own_loss, jshard.make_mesh(data=2, context=4),
                       jshard.preset("dp+cp"))
-    step_loss, grads = step.value_and_grad(step.state, step.shard_batch(batch))
-    assert abs(float(step_loss) - float(loss)) <= 1e-5 * abs(float(loss))
-    flat = dict(nnx.to_flat_state(expected))
-    for path, g in nnx.to_flat_state(grads):
-        want = np.asarray(flat[path].get_value())
-        assert np.linalg.norm(np.asarray(g.get_value()) - want) / np.linalg.norm(want) < 1e-5, path
+    assert_gradients_close(step, batch, *one_device_gradients(decoders.make("gpt", 0), own_loss, batch))

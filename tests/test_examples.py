@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from parity import TOLERANCE  # fp32 against one device
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-TOLERANCE = 1e-5  # fp32 against one device
 MLP = ["--dim", "64", "--layers", "4", "--batch-size", "16"]
 
 

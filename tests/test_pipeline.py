@@ -17,7 +17,9 @@ from jshard.parallel import pipeline
 from jshard.parallel.pipeline import compile_program
 from jshard.parallel.schedules import SCHEDULES, ScheduleError, make_schedule
 import decoders
-from test_strategies import OPTIMIZER, SEED, TOLERANCE, assert_trees_close, relative_error
+from parity import (OPTIMIZER, TOLERANCE, assert_gradients_close, assert_trees_close, one_device_gradients, train,
+                    train_on_one_device)
+from seed import SEED
 
 MLP_CONFIG = MLPConfig(dim=32, layers=8)
 
@@ -26,17 +28,11 @@ def assert_matches_one_device(make, loss_fn, batch, preset, sizes, microbatches,
     """Loss and gradients of the pipelined step equal one device's; then `steps` AdamW steps."""
     step = build_step(make(), OPTIMIZER, loss_fn, jshard.make_mesh(**sizes), jshard.preset(preset), microbatches,
                       schedule)
-    loss, grads = step.value_and_grad(step.state, step.shard_batch(batch))
     reference = make()
-    expected_loss, expected_grads = nnx.value_and_grad(loss_fn)(reference, batch)
-    assert relative_error(loss, expected_loss) <= TOLERANCE, f"loss (seed {SEED})"
-    assert_trees_close(grads, expected_grads, "gradient")
+    assert_gradients_close(step, batch, *one_device_gradients(reference, loss_fn, batch))
     if steps:
-        optimizer = nnx.Optimizer(reference, OPTIMIZER, wrt=nnx.Param)
-        state = step.state
-        for _ in range(steps):
-            state, _ = step(state, step.shard_batch(batch))
-            optimizer.update(reference, nnx.grad(loss_fn)(reference, batch))
+        state, _ = train(step, [batch] * steps)
+        train_on_one_device(reference, OPTIMIZER, loss_fn, [batch] * steps)
         assert_trees_close(nnx.state(step.model(state)), nnx.state(reference), f"param after {steps} steps")
 
 
@@ -88,11 +84,7 @@ def test_stage_recompute_matches_one_device(schedule):
     """stage_remat="full" (keep the stage input, recompute the chunk's forward in backward)."""
     batch = np.random.default_rng(SEED).standard_normal((8 * 4, MLP_CONFIG.dim), dtype=np.float32)
     step = mlp_step(schedule, 2, 4, stage_remat="full")
-    loss, grads = step.value_and_grad(step.state, step.shard_batch(batch))
-    reference = DeepMLP(MLP_CONFIG, rngs=nnx.Rngs(0))
-    expected_loss, expected_grads = nnx.value_and_grad(mlp_loss)(reference, batch)
-    assert relative_error(loss, expected_loss) <= TOLERANCE
-    assert_trees_close(grads, expected_grads, "gradient")
+    assert_gradients_close(step, batch, *one_device_gradients(DeepMLP(MLP_CONFIG, rngs=nnx.Rngs(0)), mlp_loss, batch))
 
 
 def _flops(step, batch):

@@ -12,6 +12,7 @@ from flax import nnx
 import jshard
 from jshard.models import GPT, DeepMLP, GPTConfig, MLPConfig
 from meshes import PLACEMENTS
+from seed import SEED
 
 GPT_CONFIG = GPTConfig(vocab=64, seq_len=16, embed=32, heads=4, mlp=64, layers=4)
 MLP_CONFIG = MLPConfig(dim=32, layers=4)
@@ -46,12 +47,12 @@ MODELS = {
 @pytest.mark.parametrize("preset, sizes", PLACEMENTS, ids=[p for p, _ in PLACEMENTS])
 def test_forward_matches_one_device(model_name, preset, sizes):
     factory, make_inputs = MODELS[model_name]
-    assert_matches_one_device(factory, make_inputs(np.random.default_rng()), preset, sizes)
+    assert_matches_one_device(factory, make_inputs(np.random.default_rng(SEED)), preset, sizes)
 
 
 def test_untied_head_matches_one_device():
     config = GPTConfig(**{**GPT_CONFIG.__dict__, "tied_head": False})
-    tokens = np.random.default_rng().integers(0, config.vocab, (8, 16))
+    tokens = np.random.default_rng(SEED).integers(0, config.vocab, (8, 16))
     assert_matches_one_device(lambda: GPT(config, rngs=nnx.Rngs(0)), tokens, "dp+fsdp+tp+sp", dict(data=2, fsdp=2, tensor=2))
 
 
@@ -77,5 +78,5 @@ class UserModel(nnx.Module):
 
 
 def test_user_module_matches_one_device():
-    x = np.random.default_rng().standard_normal((8, 16), dtype=np.float32)
+    x = np.random.default_rng(SEED).standard_normal((8, 16), dtype=np.float32)
     assert_matches_one_device(lambda: UserModel(nnx.Rngs(1)), x, "dp+fsdp+tp", dict(data=2, fsdp=2, tensor=2))

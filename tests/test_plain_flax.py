@@ -15,10 +15,10 @@ from flax_models import (CNN, MLP, MODELS, Transformer, classification_loss, ima
                          regression_batches, token_batches)
 from jshard.checkpoint import Checkpoints
 from jshard.parallel import build_step
-from reference import train_on_one_device
+from parity import (SGD_MOMENTUM, TOLERANCE, assert_trains_like_one_device, assert_trees_close, relative_error, train,
+                    train_on_one_device)
+from seed import SEED
 
-SEED = int(np.random.default_rng().integers(1 << 31))
-TOLERANCE = 1e-5
 PRESETS = [  # the issue's, and sequence parallelism (nothing of a plain model's is split on seq)
     ("dp", dict(data=8)), ("zero1", dict(fsdp=8)), ("zero2", dict(fsdp=8)), ("zero3", dict(fsdp=8)),
     ("dp+tp", dict(data=2, tensor=4)), ("dp+fsdp+tp", dict(data=2, fsdp=2, tensor=2)),
@@ -26,30 +26,10 @@ PRESETS = [  # the issue's, and sequence parallelism (nothing of a plain model's
 ]
 
 
-def optimizer():
-    # SGD, not Adam: Adam scales a near-zero gradient (a norm's bias) to a full step, so float
-    # noise in it would decide the sign of a param's update; SGD keeps param errors as small
-    # as the gradients'.
-    return optax.sgd(0.03, momentum=0.9)
-
-
-def relative_error(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
-
-
-def arrays(model) -> dict:
-    """Every Variable's value but RNG keys (a step holds them as key data)."""
-    return {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(nnx.state(model))
-            if not isinstance(v, nnx.RngKey)}
-
-
-def train(step, batches):
-    state, losses = step.state, []
-    for batch in batches:
-        state, loss = step(state, step.shard_batch(batch))
-        losses.append(float(loss))
-    return state, losses
+# SGD, not Adam: Adam scales a near-zero gradient (a norm's bias) to a full step, so float
+# noise in it would decide the sign of a param's update; SGD keeps param errors as small as
+# the gradients'.
+OPTIMIZER = SGD_MOMENTUM
 
 
 # (model, preset, mesh sizes, micro-batches): the CNN and the transformer under every preset,
@@ -69,29 +49,20 @@ def test_plain_flax_model_matches_one_device(name, preset, sizes, microbatches):
     the per-shard draws are tested below)."""
     make, loss_fn, batches = MODELS[name]
     extra = dict(dropout=0.0) if name in ("mlp", "cnn") else {}
-    data = batches(SEED, 3)
-    reference = make(nnx.Rngs(SEED), **extra)
-    expected = train_on_one_device(reference, optimizer(), loss_fn, data)
-    step = build_step(make(nnx.Rngs(SEED), **extra), optimizer(), loss_fn, jshard.make_mesh(**sizes),
+    run = train_on_one_device(make(nnx.Rngs(SEED), **extra), OPTIMIZER, loss_fn, batches(SEED, 3))
+    step = build_step(make(nnx.Rngs(SEED), **extra), OPTIMIZER, loss_fn, jshard.make_mesh(**sizes),
                       jshard.preset(preset), microbatches)
-    state, losses = train(step, data)
-    for got, want in zip(losses, expected):
-        assert relative_error(got, want) <= TOLERANCE, f"{name} {preset}: loss {got} vs {want} (seed {SEED})"
-    got, want = arrays(step.model(state)), arrays(reference)
-    assert got.keys() == want.keys()
-    for path in want:
-        error = relative_error(got[path], want[path])
-        assert error <= TOLERANCE, f"{name} {preset}: {path} off by {error:.1e} (seed {SEED})"
+    assert_trains_like_one_device(step, run, f"{name} {preset}")
 
 
 def test_describe_lists_the_params_a_plain_layer_reads_whole():
-    step = build_step(MLP(nnx.Rngs(0)), optimizer(), mse_loss, jshard.make_mesh(data=2, fsdp=2, tensor=2),
+    step = build_step(MLP(nnx.Rngs(0)), OPTIMIZER, mse_loss, jshard.make_mesh(data=2, fsdp=2, tensor=2),
                       jshard.preset("dp+fsdp+tp"))
     flags = {p.path: p.flags for p in step.describe(regression_batches(0, 1)[0]).rows}
     assert any("read whole by a plain layer" in f and "gathered over tensor" in f for f in flags["up/kernel"])
     assert any("no logical names: replicated" in f for f in flags["up/bias"])
     # Under ZeRO-3 alone a whole read gathers what jshard.nn gathers too: nothing to flag.
-    step = build_step(MLP(nnx.Rngs(0)), optimizer(), mse_loss, jshard.make_mesh(fsdp=8), jshard.preset("zero3"))
+    step = build_step(MLP(nnx.Rngs(0)), OPTIMIZER, mse_loss, jshard.make_mesh(fsdp=8), jshard.preset("zero3"))
     report = step.describe(regression_batches(0, 1)[0])
     assert step.whole_reads == {"up/kernel": ("fsdp",), "down/kernel": ("fsdp",)}
     assert not any("read whole" in f for p in report.rows for f in p.flags), str(report)
@@ -105,7 +76,7 @@ class ShapeReadingMLP(MLP):
 
 
 def test_a_split_params_shape_is_the_whole_params():
-    step = build_step(ShapeReadingMLP(nnx.Rngs(0)), optimizer(), mse_loss, jshard.make_mesh(data=2, fsdp=2, tensor=2),
+    step = build_step(ShapeReadingMLP(nnx.Rngs(0)), OPTIMIZER, mse_loss, jshard.make_mesh(data=2, fsdp=2, tensor=2),
                       jshard.preset("dp+fsdp+tp"))
     train(step, regression_batches(0, 1))
 
@@ -122,7 +93,7 @@ def test_dropout_draws_from_the_stream_of_each_batch_shard(preset, sizes):
     """The step's loss and gradients with dropout equal plain Flax's on each batch shard with
     its own stream, fold_in(key, shard), averaged: each shard drops other positions."""
     batch = regression_batches(SEED, 1)[0]
-    step = build_step(MLP(nnx.Rngs(SEED), dropout=0.5), optimizer(), mse_loss, jshard.make_mesh(**sizes),
+    step = build_step(MLP(nnx.Rngs(SEED), dropout=0.5), OPTIMIZER, mse_loss, jshard.make_mesh(**sizes),
                       jshard.preset(preset))
     loss, grads = step.value_and_grad(step.state, step.shard_batch(batch))
     shards = step.data_shards
@@ -132,9 +103,8 @@ def test_dropout_draws_from_the_stream_of_each_batch_shard(preset, sizes):
                  for i in range(shards)]
     want_loss = np.mean([float(l) for l, _ in per_shard])
     assert relative_error(loss, want_loss) <= TOLERANCE, f"{preset}: {float(loss)} vs {want_loss} (seed {SEED})"
-    want = jax.tree.map(lambda *g: np.mean(g, axis=0), *[g for _, g in per_shard])
-    for (path, got), (_, expected) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(want)):
-        assert relative_error(got.get_value(), expected.get_value()) <= TOLERANCE, f"{preset}: {path} (seed {SEED})"
+    assert_trees_close(grads, jax.tree.map(lambda *g: np.mean(g, axis=0), *[g for _, g in per_shard]),
+                       f"{preset}: gradient")
     # And the shards' draws differ: shard 0's stream alone gives another loss.
     assert abs(float(per_shard[0][0]) - float(per_shard[1][0])) > 0 and not np.isclose(
         float(loss), float(nnx.value_and_grad(mse_loss)(MLP(nnx.Rngs(SEED), dropout=0.5), batch)[0]))
@@ -178,7 +148,7 @@ class CountedMLP(MLP):
 
 
 def test_any_variable_the_model_writes_is_carried_through_steps():
-    step = build_step(CountedMLP(nnx.Rngs(0)), optimizer(), mse_loss, jshard.make_mesh(data=2, fsdp=2, tensor=2),
+    step = build_step(CountedMLP(nnx.Rngs(0)), OPTIMIZER, mse_loss, jshard.make_mesh(data=2, fsdp=2, tensor=2),
                       jshard.preset("dp+fsdp+tp"))
     state, _ = train(step, regression_batches(0, 3))
     assert int(step.model(state).calls[...]) == 3
@@ -197,7 +167,7 @@ class BatchMean(nnx.Module):
 
 
 def test_state_written_from_one_shard_is_refused():
-    step = build_step(BatchMean(nnx.Rngs(0)), optimizer(), mse_loss, jshard.make_mesh(data=8), jshard.preset("dp"))
+    step = build_step(BatchMean(nnx.Rngs(0)), OPTIMIZER, mse_loss, jshard.make_mesh(data=8), jshard.preset("dp"))
     with pytest.raises(jshard.ShardingError, match=r"model Variable 'seen' \(BatchStat\) came out of the step "
                                                    r"different on each device of data"):
         step(step.state, step.shard_batch(regression_batches(0, 1)[0]))
@@ -206,7 +176,7 @@ def test_state_written_from_one_shard_is_refused():
 def test_state_under_a_pipeline_is_refused():
     with pytest.raises(jshard.ShardingError, match=r"holds Variables other than Params \(bn1/mean, bn1/var, "
                                                    r"bn2/mean.*pipeline its layers over stage"):
-        build_step(CNN(nnx.Rngs(0)), optimizer(), classification_loss, jshard.make_mesh(data=2, stage=4),
+        build_step(CNN(nnx.Rngs(0)), OPTIMIZER, classification_loss, jshard.make_mesh(data=2, stage=4),
                    jshard.preset("dp+pp"), microbatches=2)
 
 

@@ -1,9 +1,8 @@
 """Mixed precision (`jshard.precision`): bf16 params and gradients on the devices, an fp32
 master and Adam's moments in the optimizer's (ZeRO) layout.
 
-Against one device in fp32 (fresh random inputs each run, the seed in every failure): the
-losses of 3 AdamW steps and the master after them agree to bf16's 2e-2, on every strategy
-and pipeline schedule. Counted: each collective's bytes in the dtype the program gives it,
+Against one device in fp32 (tests/parity.py): the losses of 3 AdamW steps and the master
+after them agree to bf16's 2e-2, on every strategy and pipeline schedule. Counted: each collective's bytes in the dtype the program gives it,
 memory by ZeRO stage, and the planner against ZeRO's Figure 1.
 """
 
@@ -25,42 +24,38 @@ from jshard.parallel.schedules import SCHEDULES
 from jshard.precision import PRECISIONS, precision
 import decoders
 from meshes import STRATEGIES
-from reference import train_on_one_device
-from test_strategies import OPTIMIZER, SEED, relative_error
+from parity import BF16_TOLERANCE, OPTIMIZER, OneDeviceRun, assert_trains_like_one_device, train_on_one_device
+from seed import SEED
+from traffic import collective_bytes
 
-MIXED_TOLERANCE = 2e-2  # bf16's: 8 bits of mantissa
 LAYERS = 4  # so that every schedule fits (interleaved: 2 stages × 2 chunks)
 
 
 @functools.cache
-def reference(model_name: str):
-    """One device, fp32: 3 AdamW steps' losses and the params after them."""
+def reference(model_name: str) -> OneDeviceRun:
+    """One device, fp32: 3 AdamW steps."""
     rng = np.random.default_rng(SEED)
     batches = [rng.integers(0, decoders.CONFIGS[model_name].vocab, (16, 17)) for _ in range(3)]
-    model = decoders.make(model_name, SEED, layers=LAYERS)
-    losses = train_on_one_device(model, OPTIMIZER, gpt_loss, batches)
-    return batches, losses, nnx.state(model, nnx.Param)
+    return train_on_one_device(decoders.make(model_name, SEED, layers=LAYERS), OPTIMIZER, gpt_loss, batches)
 
 
 def dtypes(tree) -> set[str]:
     return {x.dtype.name for x in jax.tree.leaves(tree) if jnp.ndim(x)}
 
 
+def master_params(step, state) -> nnx.State:
+    """The fp32 master, whole and in model order."""
+    return step.full_params(step.to_model_order(state))
+
+
 def assert_mixed_trains_as_fp32(model_name, preset, sizes, **pipeline):
-    batches, losses, params = reference(model_name)
     model = decoders.make(model_name, SEED, layers=LAYERS, dtype=jnp.bfloat16)
     step = build_step(model, OPTIMIZER, gpt_loss, jshard.make_mesh(**sizes), jshard.preset(preset),
                       precision="mixed", **pipeline)
-    state = step.state
-    assert dtypes(state.params) == {"bfloat16"} and dtypes(state.master) == dtypes(state.opt_state) == {"float32"}
-    for batch, expected in zip(batches, losses):
-        state, loss = step(state, step.shard_batch(batch))
-        assert relative_error(loss, expected) <= MIXED_TOLERANCE, f"loss {float(loss)} vs {expected} (seed {SEED})"
+    assert dtypes(step.state.params) == {"bfloat16"}
+    assert dtypes(step.state.master) == dtypes(step.state.opt_state) == {"float32"}
+    state = assert_trains_like_one_device(step, reference(model_name), "master", BF16_TOLERANCE, master_params)
     assert dtypes(state.params) == {"bfloat16"} and dtypes(state.master) == {"float32"}
-    expected = dict(nnx.to_flat_state(params))
-    for path, master in nnx.to_flat_state(step.full_params(step.to_model_order(state))):
-        error = relative_error(master.get_value(), expected[path].get_value())
-        assert error <= MIXED_TOLERANCE, f"master {'/'.join(map(str, path))} after 3 steps: {error:.2e} (seed {SEED})"
 
 
 @pytest.mark.parametrize("preset, sizes", STRATEGIES, ids=[p for p, _ in STRATEGIES])
@@ -87,13 +82,7 @@ def program_traffic(preset, sizes, policy) -> dict[str, int]:
     policy = precision(policy)
     model = DeepMLP(dataclasses.replace(MLP, dtype=policy.compute), rngs=nnx.Rngs(0))
     step = build_step(model, OPTIMIZER, mlp_loss, jshard.make_mesh(**sizes), jshard.preset(preset), precision=policy)
-    lowered = step.lower(step.state, step.shard_batch(MLP_BATCH))
-    totals = {}
-    for c in hlo.collectives(lowered.compile().as_text(), lowered.as_text()):
-        moved = sum(b for b in c.buffers if b > 8)  # not the loss's scalar
-        if moved:
-            totals[c.kind] = totals.get(c.kind, 0) + moved * c.count
-    return totals
+    return collective_bytes(step, MLP_BATCH, min_bytes=8)  # not the loss's scalar
 
 
 @pytest.mark.parametrize("preset, sizes, reduce, expected", [

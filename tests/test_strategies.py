@@ -1,8 +1,7 @@
 """Every strategy as an explicit shard_map step, against one device, and counted from HLO.
 
-Parity: fresh random inputs each run (the seed is in every failure message); loss and
-gradients of one step, then loss and params over 3 AdamW steps, equal the single-device
-reference to 1e-5 relative (Frobenius norm per param).
+Parity (tests/parity.py): loss and gradients of one step, then loss and params over 3 AdamW
+steps, equal the single-device reference to 1e-5 relative (Frobenius norm per param).
 Counts: the collectives XLA compiled, by kind and bytes, equal the textbook (docs/strategies.md).
 """
 
@@ -10,26 +9,19 @@ import functools
 
 import jax
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
 import jshard
-from jshard import hlo
 from jshard.models import GPT, DeepMLP, GPTConfig, MLPConfig, gpt_loss, mlp_loss
 from jshard.parallel import build_step
 from jshard.mesh import format_mesh
 import decoders
 from meshes import EXPERT_STRATEGIES, STRATEGIES
-from reference import train_on_one_device
-
-SEED = int(np.random.default_rng().integers(1 << 31))
-TOLERANCE = 1e-5
-# Adam divides each gradient element by sqrt(v) + eps, so the float round-off of an
-# element near zero (|g| ~ 1e-7: some key-projection and norm weights) is blown up into
-# its update: with optax's eps=1e-8, params drift apart by ~1e-5 although every gradient
-# agrees to ~1e-7 (checked directly below). eps=1e-4 bounds that gain; it is still AdamW.
-OPTIMIZER = optax.adamw(1e-3, eps=1e-4)
+from parity import (OPTIMIZER, OneDeviceRun, assert_gradients_close, assert_trains_like_one_device,
+                    one_device_gradients, train_on_one_device)
+from seed import SEED
+from traffic import collective_bytes
 
 PLANS = STRATEGIES + [("dp+zero1+tp", dict(data=2, fsdp=2, tensor=2)), ("dp+zero2+sp", dict(data=2, fsdp=2, tensor=2)),
                       # context parallelism over 2 (and 4, 8: the example meshes), with ZeRO and SP, all-gathering K/V
@@ -48,28 +40,12 @@ MODELS = {
 }
 
 
-def relative_error(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
-
-
-def assert_trees_close(actual, expected, what):
-    flat_expected = dict(nnx.to_flat_state(expected))
-    for path, variable in nnx.to_flat_state(actual):
-        error = relative_error(variable.get_value(), flat_expected[path].get_value())
-        assert error <= TOLERANCE, f"{what} {'/'.join(map(str, path))}: relative error {error:.2e} (seed {SEED})"
-
-
 @functools.cache
-def reference(model_name: str):
-    """One device: the first step's loss and gradients, then 3 AdamW steps' losses and params."""
+def reference(model_name: str) -> OneDeviceRun:
+    """3 AdamW steps on one device, shared by every strategy's case of the model."""
     make, loss_fn, make_batch = MODELS[model_name]
     rng = np.random.default_rng(SEED)
-    batches = [make_batch(rng) for _ in range(3)]
-    model = make(SEED)
-    loss, grads = nnx.value_and_grad(loss_fn)(model, batches[0])
-    losses = train_on_one_device(model, OPTIMIZER, loss_fn, batches)
-    return batches, float(loss), grads, losses, nnx.state(model)
+    return train_on_one_device(make(SEED), OPTIMIZER, loss_fn, [make_batch(rng) for _ in range(3)])
 
 
 # The Llama where it differs from the GPT under a strategy: its grouped KV heads split over
@@ -86,41 +62,26 @@ CASES = [(model, preset, sizes) for model in MODELS if model != "moe" for preset
                               for m, p, s in CASES])
 def test_matches_one_device(model_name, preset, sizes):
     make, loss_fn, _ = MODELS[model_name]
-    batches, loss, grads, losses, params = reference(model_name)
+    run = reference(model_name)
     step = build_step(make(SEED), OPTIMIZER, loss_fn, jshard.make_mesh(**sizes), jshard.preset(preset))
-
-    step_loss, step_grads = step.value_and_grad(step.state, step.shard_batch(batches[0]))
-    assert relative_error(step_loss, loss) <= TOLERANCE, f"loss (seed {SEED})"
-    assert_trees_close(step_grads, grads, "gradient")
-
-    state = step.state
-    for batch, expected in zip(batches, losses):
-        state, step_loss = step(state, step.shard_batch(batch))
-        assert relative_error(step_loss, expected) <= TOLERANCE, f"loss {float(step_loss)} vs {expected} (seed {SEED})"
-    assert_trees_close(nnx.state(step.model(state)), params, "param after 3 steps")
+    assert_gradients_close(step, run.batches[0], run.loss, run.grads)
+    assert_trains_like_one_device(step, run)
 
 
 # -- counted from the compiled step ------------------------------------------------------
 
 
-def compiled_step(make, loss_fn, batch, preset, sizes, devices=None):
-    mesh = jshard.make_mesh(devices=devices, **sizes)
-    step = build_step(make(), OPTIMIZER, loss_fn, mesh, jshard.preset(preset))
-    return step.lower(step.state, step.shard_batch(batch)).compile()
+def sharded_step(make, loss_fn, preset, sizes, devices=None):
+    return build_step(make(), OPTIMIZER, loss_fn, jshard.make_mesh(devices=devices, **sizes), jshard.preset(preset))
+
+
+def traffic(make, loss_fn, batch, preset, sizes, devices=None, min_bytes=8, inside_loop_of=None) -> dict[str, int]:
+    """Bytes per kind the step moves, leaving out scalars (the loss)."""
+    return collective_bytes(sharded_step(make, loss_fn, preset, sizes, devices), batch, min_bytes, inside_loop_of)
 
 
 def param_bytes(make) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(make())))
-
-
-def traffic(compiled, min_bytes=8, inside_loop_of=None) -> dict[str, int]:
-    """Bytes per kind, leaving out scalars (the loss); optionally only collectives run `inside_loop_of` times."""
-    totals = {}
-    for c in hlo.collectives(compiled.as_text()):
-        moved = sum(b for b in c.buffers if b > min_bytes)
-        if moved and (inside_loop_of is None or c.count == inside_loop_of):
-            totals[c.kind] = totals.get(c.kind, 0) + moved * c.count
-    return totals
 
 
 MLP_CONFIG = MLPConfig(dim=64, layers=4)
@@ -146,21 +107,19 @@ def test_data_parallel_traffic_is_textbook(preset, sizes, expected):
     """Ψ = param bytes: DP all-reduces Ψ (ring cost 2Ψ); ZeRO-1/2 reduce-scatter Ψ and
     all-gather Ψ; ZeRO-3 all-gathers Ψ twice (forward, backward) and reduce-scatters Ψ."""
     psi = param_bytes(make_mlp)
-    compiled = compiled_step(make_mlp, mlp_loss, MLP_BATCH, preset, sizes)
-    assert traffic(compiled) == {kind: n * psi for kind, n in expected.items()}
+    assert traffic(make_mlp, mlp_loss, MLP_BATCH, preset, sizes) == {kind: n * psi for kind, n in expected.items()}
 
 
 def test_zero2_scatters_each_layer_in_the_backward_loop():
-    compiled = compiled_step(make_mlp, mlp_loss, MLP_BATCH, "zero2", dict(fsdp=8))
     layer_bytes = param_bytes(make_mlp) // MLP_CONFIG.layers
-    assert traffic(compiled, inside_loop_of=MLP_CONFIG.layers) == {"reduce-scatter": MLP_CONFIG.layers * layer_bytes}
+    assert traffic(make_mlp, mlp_loss, MLP_BATCH, "zero2", dict(fsdp=8), inside_loop_of=MLP_CONFIG.layers) == {
+        "reduce-scatter": MLP_CONFIG.layers * layer_bytes}
 
 
 def test_lecture_mlp_tensor_parallel_gathers_each_layer():
     """The lecture's TP: each layer's output all-gathered (forward), reduce-scattered (backward)."""
-    compiled = compiled_step(make_mlp, mlp_loss, MLP_BATCH, "tp", dict(tensor=8))
     activation = MLP_BATCH.nbytes
-    assert traffic(compiled) == {"all-gather": MLP_CONFIG.layers * activation, "reduce-scatter": MLP_CONFIG.layers * activation}
+    assert traffic(make_mlp, mlp_loss, MLP_BATCH, "tp", dict(tensor=8)) == {"all-gather": MLP_CONFIG.layers * activation, "reduce-scatter": MLP_CONFIG.layers * activation}
 
 
 GPT_CONFIG = GPTConfig(vocab=64, seq_len=16, embed=32, heads=4, mlp=64, layers=2)
@@ -179,9 +138,9 @@ def make_gpt():
     ],
 )
 def test_tensor_parallel_block_traffic_is_textbook(preset, expected):
-    compiled = compiled_step(make_gpt, gpt_loss, GPT_BATCH, preset, dict(tensor=4), devices=jax.devices()[:4])
     activation = GPT_BATCH.shape[0] * (GPT_BATCH.shape[1] - 1) * GPT_CONFIG.embed * 4  # (batch, seq, embed) f32
-    per_layer = traffic(compiled, min_bytes=activation - 1, inside_loop_of=GPT_CONFIG.layers)
+    per_layer = traffic(make_gpt, gpt_loss, GPT_BATCH, preset, dict(tensor=4), devices=jax.devices()[:4],
+                        min_bytes=activation - 1, inside_loop_of=GPT_CONFIG.layers)
     assert per_layer == {kind: n * activation * GPT_CONFIG.layers for kind, n in expected.items()}
 
 
@@ -194,7 +153,8 @@ def test_memory_falls_with_each_zero_stage():
         return DeepMLP(config, rngs=nnx.Rngs(0))
 
     def per_device(preset, sizes):
-        memory = compiled_step(make, mlp_loss, batch, preset, sizes).memory_analysis()
+        step = sharded_step(make, mlp_loss, preset, sizes)
+        memory = step.lower(step.state, step.shard_batch(batch)).compile().memory_analysis()
         return memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes + memory.temp_size_in_bytes
 
     sizes = [per_device("dp", dict(data=8))] + [per_device(f"zero{s}", dict(fsdp=8)) for s in (1, 2, 3)]
@@ -245,12 +205,8 @@ def user_loss(model, batch):
 def test_user_module_matches_one_device(preset):
     rng = np.random.default_rng(SEED)
     batch = (rng.standard_normal((16, 16), dtype=np.float32), rng.standard_normal((16, 16), dtype=np.float32))
-    model = UserMLP(nnx.Rngs(SEED))
-    loss, grads = nnx.value_and_grad(user_loss)(model, batch)
     step = build_step(UserMLP(nnx.Rngs(SEED)), OPTIMIZER, user_loss, jshard.make_mesh(data=2, fsdp=2, tensor=2), jshard.preset(preset))
-    step_loss, step_grads = step.value_and_grad(step.state, step.shard_batch(batch))
-    assert relative_error(step_loss, loss) <= TOLERANCE
-    assert_trees_close(step_grads, grads, "gradient")
+    assert_gradients_close(step, batch, *one_device_gradients(UserMLP(nnx.Rngs(SEED)), user_loss, batch))
 
 
 def test_batch_not_divisible_by_batch_shards():
