@@ -230,7 +230,7 @@ def test_bad_stage_remat(preset, sizes, stage_remat, fragment):
 
 def test_batch_not_divisible_by_microbatches():
     step = build_step(make_mlp(), OPTIMIZER, mlp_loss, jshard.make_mesh(data=2, stage=4), jshard.preset("dp+pp"), 4)
-    with pytest.raises(jshard.ShardingError, match="batch of 12 .* 8 shards over data × micro-batches"):
+    with pytest.raises(jshard.ShardingError, match=r"batch size 12 does not split over 2 batch shards \(data\) × 4 pipeline micro-batches = 8"):
         step.shard_batch(np.ones((12, MLP_CONFIG.dim), np.float32))
 
 

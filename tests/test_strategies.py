@@ -211,7 +211,7 @@ def test_user_module_matches_one_device(preset):
 
 def test_batch_not_divisible_by_batch_shards():
     step = build_step(make_mlp(), OPTIMIZER, mlp_loss, jshard.make_mesh(data=8), jshard.preset("dp"))
-    with pytest.raises(jshard.ShardingError, match="batch of 12 .* 8 shards over data"):
+    with pytest.raises(jshard.ShardingError, match=r"batch size 12 does not split over 8 batch shards \(data\) = 8"):
         step.shard_batch(np.ones((12, MLP_CONFIG.dim), np.float32))
 
 
