@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding
 from jshard import nn
 from jshard.parallel.model_state import ModelState
 from jshard.parallel.plan import Plan
-from jshard.parallel.state import TrainState, abstract_state, lower, shard_batch
+from jshard.parallel.state import PlannedStep, TrainState, lower
 from jshard.placement import Report
 
 
@@ -47,7 +47,7 @@ def _abstract(mesh):
     return getattr(mesh, "abstract_mesh", mesh)
 
 
-class CompiledStep:
+class CompiledStep(PlannedStep):
     """`state, loss = step(state, batch)`: one optimizer step of `loss_fn(model, batch)`,
     through `jax.jit` with XLA inserting the collectives.
 
@@ -73,20 +73,7 @@ class CompiledStep:
         self._step = jax.jit(self._body, donate_argnums=0, out_shardings=(self._shardings, replicated))
         self._grads = jax.jit(self._grads_body, out_shardings=(replicated, self._grad_shardings))
         self._loss = jax.jit(self._loss_body, out_shardings=replicated)
-        if abstract:
-            self.state = abstract_state(self._state_of, params, others, self._shardings)
-        else:
-            self.state = self.init_state(params, others)
-
-    # What the step's users read of its plan (`ShardedStep`'s surface).
-    mesh = property(lambda self: self.plan.mesh)
-    rules = property(lambda self: self.plan.rules)
-    precision = property(lambda self: self.plan.precision)
-    schedule = property(lambda self: self.plan.schedule)  # None: it does not pipeline
-    microbatches = property(lambda self: self.plan.microbatches)
-    batch_axes = property(lambda self: self.plan.batch_axes)
-    data_shards = property(lambda self: self.plan.data_shards)
-    batch_shards = property(lambda self: self.plan.batch_shards)
+        self.state = self._start(params, others, abstract)
 
     # -- state -------------------------------------------------------------------------
 
@@ -111,10 +98,6 @@ class CompiledStep:
     def from_model_order(self, state: TrainState) -> TrainState:
         """The identity, as `to_model_order`."""
         return state
-
-    def shard_batch(self, batch):
-        """Put a global batch on the mesh, split along dim 0 over the batch axes."""
-        return shard_batch(self.plan, batch)
 
     def __call__(self, state: TrainState, batch) -> tuple[TrainState, jax.Array]:
         return self._step(state, batch)

@@ -28,6 +28,32 @@ class TrainState:
     master: nnx.State | None = None  # the fp32 copy the optimizer updates, in the `opt` layout (`mixed`)
 
 
+class PlannedStep:
+    """What both steps share: the surface their users read of the plan, batch placement, and
+    the start of their state (placed, or abstract)."""
+
+    plan: Plan
+    mesh = property(lambda self: self.plan.mesh)
+    rules = property(lambda self: self.plan.rules)
+    precision = property(lambda self: self.plan.precision)
+    schedule = property(lambda self: self.plan.schedule)  # None: no pipeline
+    microbatches = property(lambda self: self.plan.microbatches)
+    stage_remat = property(lambda self: self.plan.stage_remat)
+    batch_axes = property(lambda self: self.plan.batch_axes)
+    data_shards = property(lambda self: self.plan.data_shards)
+    batch_shards = property(lambda self: self.plan.batch_shards)
+
+    def shard_batch(self, batch):
+        """Put a global batch on the mesh, split along dim 0 over the batch axes."""
+        return shard_batch(self.plan, batch)
+
+    def _start(self, params, others, abstract: bool) -> TrainState:
+        """The state a step starts from: `init_state`'s, or (`abstract`) its ShapeDtypeStructs."""
+        if abstract:
+            return abstract_state(self._state_of, params, others, self._shardings)
+        return self.init_state(params, others)
+
+
 def shard_batch(plan: Plan, batch):
     """Put a global batch on the mesh, split along dim 0 over the batch axes."""
     for leaf in jax.tree.leaves(batch):

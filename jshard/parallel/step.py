@@ -50,7 +50,7 @@ from jshard.parallel import pipeline
 from jshard.parallel.compiled import CompiledStep
 from jshard.parallel.model_state import ModelState, sync_batch_norms
 from jshard.parallel.plan import Plan, make_plan
-from jshard.parallel.state import TrainState, abstract_state, lower, shard_batch
+from jshard.parallel.state import PlannedStep, TrainState, lower
 from jshard.placement import Report
 from jshard.precision import Precision
 from jshard.rules import Rules, ShardingError, layout_of
@@ -72,7 +72,7 @@ def _split(layout: nn.Layout, stage_axis) -> nn.Layout | None:
     return split if any(split) else None
 
 
-class ShardedStep:
+class ShardedStep(PlannedStep):
     """`state, loss = step(state, batch)`: one optimizer step of `loss_fn(model, batch)`.
 
     `loss_fn` returns the mean loss over the batch it is given (inside the step: this
@@ -113,21 +113,7 @@ class ShardedStep:
             out_specs=jax.P(), check_vma=True,
         ))
         self.whole_reads: dict[str, tuple[str, ...]] = {}  # filled as the step is traced
-        if abstract:
-            self.state = abstract_state(self._state_of, params, others, self._shardings)
-        else:
-            self.state = self.init_state(params, others)
-
-    # What the step's users read of its plan.
-    mesh = property(lambda self: self.plan.mesh)
-    rules = property(lambda self: self.plan.rules)
-    precision = property(lambda self: self.plan.precision)
-    schedule = property(lambda self: self.plan.schedule)
-    microbatches = property(lambda self: self.plan.microbatches)
-    stage_remat = property(lambda self: self.plan.stage_remat)
-    batch_axes = property(lambda self: self.plan.batch_axes)
-    data_shards = property(lambda self: self.plan.data_shards)
-    batch_shards = property(lambda self: self.plan.batch_shards)
+        self.state = self._start(params, others, abstract)
 
     @property
     def _master_dtype(self):
@@ -211,10 +197,6 @@ class ShardedStep:
             return pipeline.interleave(x, p, v, inverse) if layout and self.plan.stage_axis in layout[0] else x
 
         return self._per_leaf(reorder, tree, _layouts(spec_tree))
-
-    def shard_batch(self, batch):
-        """Put a global batch on the mesh, split along dim 0 over the batch axes."""
-        return shard_batch(self.plan, batch)
 
     def __call__(self, state: TrainState, batch) -> tuple[TrainState, jax.Array]:
         return self._step(state, batch)
