@@ -71,7 +71,10 @@ cnn_loss = classification_loss
 
 
 # The CNN's BatchNorm and dropout under a data, a ZeRO and a tensor-parallel layout (the GPT
-# above runs every strategy).
+# above runs every strategy). ReLU has a kink: with JSHARD_TEST_SEED=646738246 one bn2 output is
+# 8e-8, and any other summation order (a sharded batch, or the same batch permuted on one device)
+# flips its ReLU derivative, moving every gradient below it by 1-3e-2. That seed tests the kink,
+# not the step; the fixed seed has no pre-ReLU value within 1e-6 of zero.
 CNN_STRATEGIES = [(p, s) for p, s in STRATEGIES if p in ("dp", "zero1", "zero3", "dp+fsdp+tp")]
 
 
