@@ -8,6 +8,12 @@
 PYTHON ?= python3
 VENV   ?= .venv
 STAMP  := $(VENV)/.installed
+# GPU_COMPILE=1: the virtualenv also gets XLA's GPU compiler, which needs no GPU: the CUDA plugin
+# of the installed JAX's version and cuDNN (for its attention kernel), for `jshard compile`,
+# `jshard plan --validate --target` and the gpu_compile tests (which skip without it).
+GPU_COMPILE ?=
+GPU_STAMP := $(VENV)/.gpu-compile
+NEEDS     := $(STAMP) $(if $(GPU_COMPILE),$(GPU_STAMP))
 
 .PHONY: train test test-fast venv versions clean
 
@@ -18,15 +24,22 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-venv: $(STAMP)
+$(GPU_STAMP): $(STAMP)
+	v=$$($(VENV)/bin/python -c 'import jax; print(jax.__version__)') && \
+	$(VENV)/bin/python -m pip install --quiet "jax-cuda13-plugin==$$v" "jax-cuda13-pjrt==$$v" nvidia-cudnn-cu13
+	touch $(GPU_STAMP)
+
+venv: $(NEEDS)
 
 train: $(STAMP)
 	$(VENV)/bin/jshard train
 
 # The versions under test come first, so every summary says what it tested.
-versions: $(STAMP)
+versions: $(NEEDS)
 	@$(VENV)/bin/python -c "import sys, jax, flax, optax, orbax.checkpoint as o; \
-	print(f'python {sys.version.split()[0]}, jax {jax.__version__}, flax {flax.__version__}, optax {optax.__version__}, orbax-checkpoint {o.__version__}')"
+	import importlib.util as u; gpu = u.find_spec('jax_cuda13_plugin') or u.find_spec('jax_cuda12_plugin'); \
+	print(f'python {sys.version.split()[0]}, jax {jax.__version__}, flax {flax.__version__}, optax {optax.__version__}, orbax-checkpoint {o.__version__}, ' \
+	      + ('XLA:GPU compiler ' + gpu.name if gpu else 'no GPU compiler (GPU_COMPILE=1 adds it)'))"
 
 # The suite compiles far more than it runs, and one XLA compile keeps about one core busy:
 # two pytest processes (pytest-xdist, each test file whole in one, so module fixtures are

@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 import re
+
+import numpy as np
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -47,6 +50,7 @@ _GROUPS_MESH = re.compile(
 _MESH_AXIS = re.compile(r"'?(?P<name>[\w.\-]+)'?=(?P<size>\d+)")
 _GROUP_AXIS = re.compile(r"'?(?P<name>[\w.\-]+)'?(?::\(\d+\)(?P<sub>\d+))?")
 _PARTITIONS = re.compile(r"\bnum_partitions=(?P<n>\d+)")
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=")
 
 
 def _group_size(line: str, devices: int) -> int:
@@ -73,6 +77,10 @@ class Collective:
     count: int  # executions per program run (loop trips)
     group: int  # devices taking part together
     line: str
+    dtype: str = ""  # what it moves, as compiled (a combined one's first buffer's)
+    name: str = ""  # its HLO instruction (an asynchronous one's start)
+    computation: str = ""  # the computation holding it
+    asynchronous: bool = False  # split into a start and a done, which the schedule may move apart
 
     @property
     def bytes(self) -> int:
@@ -134,6 +142,37 @@ def program_dtypes(program_text: str) -> dict[tuple[str, int], set[str]]:
     return found
 
 
+def _top_level(result: str) -> list[str]:
+    """A result type's top-level parts: "((a, b), (c, d))" -> ["(a, b)", "(c, d)"]; "f32[4]" -> ["f32[4]"]."""
+    if not result.startswith("("):
+        return [result]
+    parts, depth, start = [], 0, 1
+    for i, ch in enumerate(result):
+        depth += {"(": 1, ")": -1, "[": 1, "]": -1, "{": 1, "}": -1}.get(ch, 0)
+        if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
+            parts.append(result[start:i].strip())
+            start = i + 1
+    return [p for p in parts if _SHAPE.search(p)]
+
+
+def _k_shapes(kind: str, result: str, start: bool, group: int) -> list[tuple[str, int]]:
+    """(dtype, elements) of each buffer of K (the module docstring) on an HLO line whose result
+    type is `result`. An asynchronous start returns (operands, results) (K: the results; a
+    reduce-scatter's, the operands before scattering; XLA before 2025 gave an all-reduce's results
+    alone), or (operand, result, contexts) for a permute (K: what is sent); a synchronous
+    reduce-scatter returns its scattered part (K: group times it)."""
+    def shapes(text: str) -> list[tuple[str, int]]:
+        return [(m["dtype"], math.prod(_dims(m["dims"]))) for m in _SHAPE.finditer(text)]
+
+    parts = _top_level(result)
+    if start and kind == "collective-permute":
+        return shapes(result)[:1]
+    if start and len(parts) == 2 and (parts[0].startswith("(") or kind != "all-reduce"):
+        return shapes(parts[0] if kind == "reduce-scatter" else parts[1])
+    scale = group if kind == "reduce-scatter" and not start else 1
+    return [(dtype, n * scale) for dtype, n in shapes(result)]
+
+
 def _itemsize(dtype: str) -> int:
     return _ITEMSIZE.get(dtype) or int(dtype[1:]) // 8
 
@@ -151,22 +190,15 @@ def collectives(hlo_text: str, program: str | None = None) -> list[Collective]:
             if not (m := _OP.search(line)):
                 continue
             group = _group_size(line, devices)
-            buffers = []
-            for shape in _SHAPE.finditer(m["result"]):
-                elements = math.prod(int(d) for d in shape["dims"].split(",") if d)
-                k = elements * (group if m["kind"] == "reduce-scatter" and not m["start"] else 1)
+            buffers, dtypes = [], []
+            for dtype, elements in _k_shapes(m["kind"], m["result"], bool(m["start"]), group):
                 # The program's dtype for buffers of this kind and size; where it has such
                 # buffers in two dtypes (or none), the compiled one stands.
-                dtypes = asked.get((m["kind"], k), set())
-                dtype = next(iter(dtypes)) if len(dtypes) == 1 else shape["dtype"]
-                buffers.append(elements * _itemsize(dtype))
-            # A combined collective returns a tuple of buffers; an async start returns
-            # (operand, result): keep the larger, the gathered or reduced buffer.
-            if m["start"]:
-                buffers = [max(buffers, default=0)]
-            if m["kind"] == "reduce-scatter":
-                buffers = [b * group for b in buffers]  # K is the input; each keeps 1/group
-            found.append(Collective(m["kind"], tuple(buffers), runs.get(name, 0), group, line.strip()))
+                asked_dtypes = asked.get((m["kind"], elements), set())
+                buffers.append(elements * _itemsize(next(iter(asked_dtypes)) if len(asked_dtypes) == 1 else dtype))
+                dtypes.append(dtype)
+            found.append(Collective(m["kind"], tuple(buffers), runs.get(name, 0), group, line.strip(),
+                                    dtypes[-1] if dtypes else "", _NAME.match(line)["name"], name, bool(m["start"])))
     return found
 
 
@@ -280,4 +312,93 @@ def permutes_waiting_for_matmuls(hlo_text: str) -> list[bool]:
                 waits = line_runs(parsed[operand][1], "dot")
                 pending += re.findall(r"%([\w.\-]+)", parsed[operand][0]["args"])
             found.append(waits)
+    return found
+
+
+# -- which mesh axes a collective runs over, and what the schedule puts beside it -----------
+
+
+def group_axes(line: str, mesh_axes: dict[str, int]) -> tuple[str, ...] | None:
+    """The mesh axes (in mesh order, size > 1) whose devices a collective's groups are, for a
+    program partitioned over a mesh of `mesh_axes` (name: size, in order; partition i is the
+    i-th device of the mesh in row-major order); a collective-permute's: the axes its pairs move
+    along. None where its groups are no such set."""
+    if m := _GROUPS_MESH.search(line):
+        named = [a["name"] for a in _GROUP_AXIS.finditer(m["axes"]) if a["name"]]
+        return tuple(a for a in mesh_axes if a in named and mesh_axes[a] > 1)
+    ids = np.arange(math.prod(mesh_axes.values())).reshape(tuple(mesh_axes.values()) or (1,))
+    if pairs := _PAIRS.search(line):
+        moved = set()
+        for source, target in re.findall(r"\{(\d+),(\d+)\}", pairs[0]):
+            at = np.unravel_index([int(source), int(target)], ids.shape)
+            moved |= {axis for axis, (a, b) in enumerate(at) if a != b}
+        return tuple(name for axis, name in enumerate(mesh_axes) if axis in moved)
+    groups = _groups(line, ids.size)
+    if groups is None:
+        return None
+    live = [a for a, n in mesh_axes.items() if n > 1]
+    for k in range(len(live) + 1):
+        for axes in itertools.combinations(live, k):
+            if groups == _axes_groups(ids, list(mesh_axes), axes):
+                return axes
+    return None
+
+
+def _axes_groups(ids: np.ndarray, names: list[str], axes: tuple[str, ...]) -> frozenset:
+    """The groups of devices that differ only along `axes` (each a frozenset of positions)."""
+    moved = np.moveaxis(ids, [names.index(a) for a in axes], range(ids.ndim - len(axes), ids.ndim))
+    size = math.prod(ids.shape[names.index(a)] for a in axes)
+    return frozenset(frozenset(g.tolist()) for g in moved.reshape(-1, size))
+
+
+_IOTA = re.compile(r"replica_groups=\[(?P<shape>[\d,]+)\]<=\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?")
+
+
+def _groups(line: str, devices: int) -> frozenset | None:
+    """A collective's replica groups as a set of frozensets of positions (list or iota form);
+    a collective-permute's source-target pairs are no groups: None."""
+    if m := _IOTA.search(line):
+        dims = _dims(m["dims"])
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m["perm"]:
+            ids = ids.transpose(_dims(m["perm"]))
+        return frozenset(frozenset(g.tolist()) for g in ids.reshape(_dims(m["shape"])))
+    if m := _GROUPS_LIST.search(line):
+        if not m["groups"]:
+            return frozenset({frozenset(range(devices))})
+        return frozenset(frozenset(_dims(g)) for g in re.findall(r"\{([\d,]*)\}", m["groups"]))
+    return None
+
+
+_PAIRS = re.compile(r"source_target_pairs=\{(?:\{\d+,\d+\},?)*\}")
+_DONE = re.compile(r"\s(?:[\w\-]+-done|async-done)\(%(?P<start>[\w.\-]+)\)")
+_LIBRARY_MATMUL = re.compile(r'custom_call_target="__(?:cublas|cudnn)')
+
+
+def overlapped(hlo_text: str) -> dict[str, bool]:
+    """For each asynchronous collective's start in a scheduled module (XLA:GPU's, whose
+    instruction order is the schedule): whether a matmul (a dot, a fusion or call that runs one,
+    a cuBLAS or cuDNN call) is scheduled between its start and its done, so that the transfer
+    can hide behind it."""
+    blocks, _ = _computations(hlo_text)
+    memo: dict[str, bool] = {}
+
+    def runs_matmul(name: str) -> bool:
+        if name not in memo:
+            memo[name] = False
+            memo[name] = any(is_matmul(line) for line in blocks[name])
+        return memo[name]
+
+    def is_matmul(line: str) -> bool:
+        return (" dot(" in line or bool(_LIBRARY_MATMUL.search(line))
+                or any(runs_matmul(c) for c in _callees(line) if c in blocks))
+
+    found = {}
+    for lines in blocks.values():
+        started: dict[str, int] = {}
+        for i, line in enumerate(lines):
+            if (m := _NAME.match(line)) and re.search(r"\s[\w\-]+-start\(", line):
+                started[m["name"]] = i
+            elif (done := _DONE.search(line)) and done["start"] in started:
+                found[done["start"]] = any(is_matmul(between) for between in lines[started[done["start"]] + 1:i])
     return found

@@ -22,6 +22,7 @@ process, so the outer axes (`data`, then `fsdp`) cross hosts and `tensor` stays 
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import math
 import os
@@ -75,7 +76,7 @@ def use_fake_cpu_devices_unless_accelerated(n: int) -> None:
     if os.environ.get("JAX_NUM_CPU_DEVICES"):
         return
     platforms = jax.config.jax_platforms
-    if platforms == "cpu" or (not platforms and not _installed(GPU_PLUGINS + ("libtpu",))):
+    if platforms == "cpu" or (not platforms and not _gpu_expected() and not _installed(("libtpu",))):
         try:
             use_fake_cpu_devices(n)
         except MeshError:
@@ -89,19 +90,27 @@ GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
 # priority so that they start at once. Both only reorder work, so results do not change;
 # on one GPU, with nothing to communicate, they cost nothing. The test suite checks that the
 # installed XLA knows every one: XLA aborts at start-up on an unknown flag.
+# The pipelined collectives let a loop (the scan over layers) start the next iteration's
+# collective in this one: without them XLA:GPU starts each ZeRO-3 gather in the layer that
+# needs it, with only a norm between its start and done (measured: `jshard compile`, a Llama
+# under zero3, docs/gpu-compile.md); with them the forward's gathers overlap the matmuls.
 GPU_XLA_FLAGS = (
     "--xla_gpu_enable_latency_hiding_scheduler=true",
     "--xla_gpu_enable_highest_priority_async_stream=true",
+    "--xla_gpu_enable_pipelined_all_gather=true",
+    "--xla_gpu_enable_pipelined_reduce_scatter=true",
+    "--xla_gpu_enable_pipelined_all_reduce=true",
 )
 
 
-def use_gpu_xla_flags() -> bool:
-    """For commands: set `GPU_XLA_FLAGS` when JAX will run on a GPU and XLA_FLAGS is unset.
+def use_gpu_xla_flags(compiling_for_gpu: bool = False) -> bool:
+    """For commands: set `GPU_XLA_FLAGS` when JAX will run on a GPU (or, `compiling_for_gpu`,
+    XLA's GPU compiler compiles for one here: `jshard compile`) and XLA_FLAGS is unset.
 
     A user's own XLA_FLAGS (even empty) are left exactly as they are. XLA reads the flags
     once, when its backends start, so call this before any JAX computation. True if set.
     """
-    if "XLA_FLAGS" in os.environ or not _gpu_expected():
+    if "XLA_FLAGS" in os.environ or not (compiling_for_gpu or _gpu_expected()):
         return False
     os.environ["XLA_FLAGS"] = " ".join(GPU_XLA_FLAGS)
     return True
@@ -109,11 +118,13 @@ def use_gpu_xla_flags() -> bool:
 
 def _gpu_expected() -> bool:
     """Whether JAX will start on a GPU, asked without starting its backends: the first of
-    JAX_PLATFORMS if set, else whether a CUDA plugin is installed (JAX prefers it)."""
+    JAX_PLATFORMS if set, else whether a CUDA plugin is installed (JAX prefers it) and an NVIDIA
+    device is present: the plugin alone is also XLA's GPU compiler on a machine with no GPU
+    (`jshard compile`), where JAX falls back to the CPU."""
     platforms = jax.config.jax_platforms
     if platforms:
         return platforms.split(",")[0].strip() in ("cuda", "gpu")
-    return _installed(GPU_PLUGINS)
+    return _installed(GPU_PLUGINS) and bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
 def _installed(modules) -> bool:

@@ -8,7 +8,10 @@ from seed import describe_seed
 # The suite compiles far more than it runs: XLA:CPU's LLVM optimisation of the generated code
 # is most of a compile and changes no result (the HLO, its buffers and collectives are the
 # same). Without it the suite takes a quarter less time. Subprocesses (launch tests) inherit it.
-os.environ["XLA_FLAGS"] = " ".join(os.environ.get("XLA_FLAGS", "").split() + ["--xla_backend_optimization_level=0"])
+# jshard's GPU flags too, for the gpu_compile tier's programs (`jshard compile` sets them);
+# XLA:CPU ignores them.
+os.environ["XLA_FLAGS"] = " ".join(os.environ.get("XLA_FLAGS", "").split() + ["--xla_backend_optimization_level=0",
+                                                                               *jshard.mesh.GPU_XLA_FLAGS])
 jshard.use_fake_cpu_devices(8)
 
 

@@ -7,7 +7,7 @@ import json
 import jax
 import pytest
 
-from jshard import plan
+from jshard import aot, plan
 from jshard.bench.strategies import strategies
 from jshard.cli import build_parser, main
 from jshard.cli.plan import plan_input
@@ -46,6 +46,8 @@ MODEL = {"--model", "--layers", "--embed", "--heads", "--mlp", "--vocab", "--seq
     (("bench", "collectives"), {"--mesh", "--fake-devices", "--json"}),
     (("pipeline", "show"), {"--schedule", "--microbatches", "--virtual", "--json"}),
     (("generate",), {"--mesh", "--strategy", "--fake-devices", "--json"}),
+    (("compile",), MODEL | {"--mesh", "--strategy", "--precision", "--remat", "--schedule", "--microbatches",
+                            "--virtual", "--micro-batch-size", "--json"}),
 ])
 def test_every_command_names_the_shared_flags_alike(command, shared):
     assert shared <= options(COMMANDS[command]), shared - options(COMMANDS[command])
@@ -141,3 +143,17 @@ def test_bench_strategies_reads_presets_and_meshes():
     assert [p for p, _ in strategies(None, 8)] == [p for p, m in EXAMPLE_MESHES.items() if "stage" not in m]
     with pytest.raises(ShardingError, match="unknown strategy 'fast'"):
         strategies("dp+fast", 8)
+
+
+@pytest.mark.parametrize("argv", [
+    ["compile", "--strategy", "fsdp", "--mesh", "fsdp=4", "--target", "h100x8"],  # 4 devices for 8 GPUs
+    ["plan", "--target", "h100x8"],  # --target without --validate
+])
+def test_compile_refusals_are_one_line(argv, capsys):
+    """Without the CUDA plugin `jshard compile` says how to install it; with it, what is wrong."""
+    assert main(argv) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    if argv[0] == "plan":
+        assert "give --validate too" in line
+    else:
+        assert ("pip install jax-cuda13-plugin" in line) if aot.gpu_compiler_missing() else ("--mesh fsdp=4: 4 devices" in line)

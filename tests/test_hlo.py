@@ -113,3 +113,67 @@ def test_loop_trips_and_async_pairs():
     found = {c.kind: c for c in hlo.collectives(text)}
     assert (found["all-gather"].count, found["all-gather"].bytes, found["all-gather"].group) == (6, 256, 4)
     assert hlo.bytes_by_kind(text) == {"all-gather": 6 * 256, "collective-permute": 256}
+
+
+# -- XLA:GPU's forms: asynchronous starts, mesh axes, what the schedule puts beside them -------
+
+AXES = {"data": 2, "stage": 1, "fsdp": 2, "tensor": 2}
+
+
+@pytest.mark.parametrize("old, new, axes", [(old, new, axes) for (old, new, *_), axes in zip(
+    SAME_COLLECTIVE, [("fsdp",), ("data", "tensor"), ("fsdp", "tensor"), ("tensor",)])], ids=[c[2] for c in SAME_COLLECTIVE])
+def test_group_axes_of_every_form(old, new, axes):
+    """Device i of the program is the i-th of the mesh: list and iota groups read as the axes they span."""
+    assert hlo.group_axes(old, AXES) == hlo.group_axes(new, AXES) == axes
+
+
+def test_permute_axes_are_the_axes_its_pairs_move_along():
+    ring = "%cp = f32[4]{0} collective-permute(%a), channel_id=1, source_target_pairs={{0,1},{1,0},{2,3},{3,2}}"
+    stages = "%cp = f32[4]{0} collective-permute(%a), channel_id=1, source_target_pairs={{0,4},{4,0}}"
+    assert hlo.group_axes(ring, AXES) == ("tensor",) and hlo.group_axes(stages, AXES) == ("data",)
+    assert hlo.group_axes("%ar = f32[4]{0} all-reduce(%a), replica_groups={{0,3},{1,2}}", AXES | {"data": 1}) is None
+
+
+# Async starts as XLA:GPU prints them (2025 on): (operands, results), combined ones with a tuple each.
+GPU_STARTS = [
+    ("%ags = ((bf16[96,64]{1,0}, bf16[96]{0}), (bf16[768,64]{1,0}, bf16[768]{0})) all-gather-start(%a, %b)",
+     "all-gather", 8, 2 * (768 * 64 + 768)),
+    ("%ars = ((f32[100]{0}), f32[100]{0}) all-reduce-start(%a)", "all-reduce", 8, 4 * 100),
+    ("%ars = (bf16[10]{0}, bf16[30]{0}) all-reduce-start(%a, %b)", "all-reduce", 8, 2 * 40),  # results alone
+    ("%rss = ((bf16[768,64]{1,0}), bf16[96,64]{1,0}) reduce-scatter-start(%a)", "reduce-scatter", 8, 2 * 768 * 64),
+    ("%cps = (bf16[64]{0}, bf16[64]{0}, u32[], u32[]) collective-permute-start(%a), "
+     "source_target_pairs={{0,1},{1,0}}", "collective-permute", 1, 2 * 64),
+]
+
+
+@pytest.mark.parametrize("line, kind, group, nbytes", GPU_STARTS, ids=[s[1] + str(i) for i, s in enumerate(GPU_STARTS)])
+def test_async_starts_count_k_once(line, kind, group, nbytes):
+    if kind != "collective-permute":
+        line += ", channel_id=1, replica_groups=[1,8]<=[8], to_apply=%add"
+    (found,) = hlo.collectives(module(line))
+    assert (found.kind, found.bytes, found.asynchronous, found.name) == (kind, nbytes, True, line.split()[0][1:])
+    assert found.dtype == ("f32" if "f32" in line else "bf16")
+
+
+def scheduled(*between: str) -> str:
+    """A loop body whose all-gather starts, runs `between`, then is done, as a scheduled module."""
+    return (
+        "HloModule m, is_scheduled=true, num_partitions=8\n\n"
+        "%gemm (p0: bf16[8,8], p1: bf16[8,8]) -> bf16[8,8] {\n"
+        "  %d = bf16[8,8]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}\n}\n\n"
+        "ENTRY %main (a: bf16[1,8]) -> bf16[8,8] {\n"
+        "  %ags = ((bf16[1,8]{1,0}), bf16[8,8]{1,0}) all-gather-start(%a), channel_id=1, "
+        "replica_groups=mesh['fsdp'=8] {'fsdp'}, dimensions={0}\n"
+        + "".join(f"  {line}\n" for line in between)
+        + "  %agd = bf16[8,8]{1,0} all-gather-done(%ags)\n}\n"
+    )
+
+
+@pytest.mark.parametrize("between, hidden", [
+    (["%f = bf16[8,8]{1,0} fusion(%x, %y), kind=kCustom, calls=%gemm"], True),  # a Triton GEMM fusion
+    (['%c = bf16[8,8]{1,0} custom-call(%x, %y), custom_call_target="__cublas$gemm"'], True),
+    (["%e = bf16[8,8]{1,0} add(%x, %y)"], False),  # elementwise work only
+    ([], False),
+])
+def test_overlapped_means_a_matmul_between_start_and_done(between, hidden):
+    assert hlo.overlapped(scheduled(*between)) == {"ags": hidden}

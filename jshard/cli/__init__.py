@@ -14,7 +14,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     # Imported here so `jshard --help` stays fast.
-    from jshard.cli import bench, generate, launch, pipeline, plan, plot, train
+    from jshard.cli import bench, compile, generate, launch, pipeline, plan, plot, train
 
     parser = argparse.ArgumentParser(prog="jshard", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(commands)
     pipeline.add_parser(commands)
     plan.add_parser(commands)
+    compile.add_parser(commands)
     launch.add_parser(commands)
     generate.add_parser(commands)
     plot.add_parser(commands)
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jshard.aot import CompileError
     from jshard.checkpoint import CheckpointError
     from jshard.collectives import CollectiveError
     from jshard.config import FlagError
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.run(args) or 0)
     # Bad input: the message is the help.
     except (MeshError, ShardingError, CollectiveError, ScheduleError, TrainError, CheckpointError,
-            DistributedError, FlagError, PlotError, GenerateError) as e:
+            DistributedError, FlagError, PlotError, GenerateError, CompileError) as e:
         print(f"jshard {args.command}: {e}", file=sys.stderr)
         return leave(2)  # in a multi-process run, at once: the others may wait in a collective
     except Exception:

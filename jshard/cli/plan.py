@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from jshard import aot
 from jshard.cli import flags
 from jshard.config import FlagError, write_json
-from jshard.mesh import STANDARD_AXES, mesh_sizes, use_fake_cpu_devices
+from jshard.mesh import STANDARD_AXES, mesh_sizes, use_fake_cpu_devices, use_gpu_xla_flags
 from jshard.plan import memory_png
-from jshard.plan.estimate import GiB, HARDWARE, PlanInput, estimate, report
+from jshard.plan.estimate import GiB, HARDWARE, Hardware, PlanInput, estimate, report
 from jshard.plan.validate import (MEMORY_TOLERANCE, VALIDATION_MODELS, format_validation, validate_one, validation_cases,
                                   within_tolerance)
 from jshard.plot import check_output_path
@@ -42,17 +43,21 @@ def add_parser(commands) -> None:
         "(a pipeline: one per --stage-remat)")
     add("--validate", action="store_true",
         help="build small steps on --fake-devices CPU devices and compare with XLA (ignores the model flags)")
+    add("--target", choices=aot.TARGETS, help="with --validate: compile every step for these GPUs with XLA:GPU, on "
+        "this machine (no GPU needed; `jshard compile`), instead of for the CPU")
     flags.add_fake_devices(parser)
     parser.set_defaults(run=run)
 
 
-def plan_input(args) -> PlanInput:
+def plan_input(args, hw: Hardware | None = None, devices: int | None = None) -> PlanInput:
+    """The planner's input from the shared flags, on `hw` (default: --hardware and its overrides)
+    and `devices` (default: --devices) where --mesh is not given."""
     policy = flags.precision_of(args)
     config = flags.built_model(args, "small", remat=args.remat)
-    hw = dataclasses.replace(HARDWARE[args.hardware], **{field: getattr(args, field) * unit
-                                                          for _, field, unit in HARDWARE_FLAGS
-                                                          if getattr(args, field) is not None})
-    sizes = {a: 1 for a in STANDARD_AXES} | mesh_sizes(args.mesh, preset(args.strategy), args.devices)
+    hw = hw or dataclasses.replace(HARDWARE[args.hardware], **{field: getattr(args, field) * unit
+                                                                for _, field, unit in HARDWARE_FLAGS
+                                                                if getattr(args, field) is not None})
+    sizes = {a: 1 for a in STANDARD_AXES} | mesh_sizes(args.mesh, preset(args.strategy), devices or args.devices)
     if -1 in sizes.values():
         raise ShardingError(f"--mesh {args.mesh}: give every size; the planner has no devices to fill '-1' from")
     return PlanInput(config, sizes, args.strategy, args.schedule, args.microbatches, args.virtual,
@@ -64,12 +69,21 @@ def run(args) -> int:
         if args.validate:
             raise FlagError("--png draws a plan's memory; --validate has no plan to draw: give one or the other")
         check_output_path(args.png)
+    if args.target and not args.validate:
+        raise FlagError("--target compiles the validation steps for GPUs: give --validate too "
+                        "(one plan's program for a target: jshard compile)")
     if args.validate:
-        use_fake_cpu_devices(args.fake_devices)
+        devices, hardware = None, "cpu"
+        if args.target:
+            use_gpu_xla_flags(compiling_for_gpu=True)
+            target = aot.target(args.target)
+            devices, hardware = aot.target_devices(target), target.hardware
+        else:
+            use_fake_cpu_devices(args.fake_devices)
         results = []
         print(format_validation([]))
         for case, model in validation_cases():
-            results.append(validate_one(*case, model=VALIDATION_MODELS[model]))
+            results.append(validate_one(*case, model=VALIDATION_MODELS[model], devices=devices, hardware=hardware))
             print(format_validation(results[-1:]).splitlines()[1], flush=True)
         write_json(args.json, results)
         ok = all(map(within_tolerance, results))

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jshard.nn.context import context_attention, context_axes
+from jshard.nn.step import current_step
 from jshard.rules import constrain
 
 
@@ -22,9 +23,10 @@ def attention_implementation(choice: str, dtype, head_dim: int, platform: str | 
     """Which kernel `attention` runs: "xla" (XLA's: keeps the seq × seq scores for backward)
     or "cudnn" (cuDNN's fused flash kernel: no scores kept). cuDNN needs a GPU, bf16 or fp16,
     and a head dim <= 128 and a multiple of 8; "auto" takes it where those hold (JAX's own
-    default is XLA everywhere). `platform`: the default backend's unless given (the planner
-    gives its hardware profile's)."""
-    platform = platform or jax.default_backend()
+    default is XLA everywhere). `platform`: given (the planner gives its hardware profile's), or
+    the one the step in force is compiled for (a deviceless GPU compile's on a CPU host), or
+    this host's default backend."""
+    platform = platform or current_step().platform or jax.default_backend()
     fits = platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim <= 128 and head_dim % 8 == 0
     if choice not in ATTENTION:
         raise ValueError(f"attention {choice!r}: choose one of {', '.join(ATTENTION)}")

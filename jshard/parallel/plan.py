@@ -81,6 +81,12 @@ class Plan:
         return self.precision.compute if self.precision else None
 
     @property
+    def platform(self) -> str | None:
+        """The platform the step is compiled for: its devices' ("gpu" for a GPU topology's, with
+        no GPU here); None on an AbstractMesh (lowered for the host's, or `lower(platform=)`)."""
+        return self.mesh.devices.flat[0].platform if isinstance(self.mesh, Mesh) else None
+
+    @property
     def sequence_parallel(self) -> bool:
         """Whether the residual stream's seq is split beyond context parallelism's axes (over tensor)."""
         return bool(set(self.sequence_axes) - set(self.context_axes))

@@ -174,7 +174,7 @@ def _add(table: dict, kind: str, axes, nbytes: float) -> None:
         table[key] = table.get(key, 0) + nbytes
 
 
-def param_traffic(plan: Plan, remat: bool = False, tied_head: bool = True) -> dict:
+def param_traffic(plan: Plan, remat: bool = False, tied_head: bool = True, combined: bool = False) -> dict:
     """{(kind, axes): bytes} of the gradient and weight collectives, per device per step.
 
     ZeRO-3 gathers each param forward and reduce-scatters its gradient; the layer stack's
@@ -183,7 +183,8 @@ def param_traffic(plan: Plan, remat: bool = False, tied_head: bool = True) -> di
     embedding's gradient is reduce-scattered once per use (lookup and head). ZeRO-1/2
     reduce-scatter each gradient and gather the new params (ZeRO-2 per use, inside backward).
     What is left of the batch axes all-reduces the gradient in its optimizer layout.
-    Under a pipeline, params on every stage (embeddings, final norm) sum over the stage axis.
+    Under a pipeline, params on every stage (embeddings, final norm) sum over the stage axis:
+    after the batch axes' all-reduce, or (`combined`, as XLA:GPU does) in one all-reduce over both.
     Gathers move the held dtype (ZeRO-3's, of a matrix, the compute dtype where narrower: the
     layers cast before they gather); reductions the reduction dtype, but ZeRO-3's
     reduce-scatter is its gather's transpose, in the gather's dtype.
@@ -207,8 +208,13 @@ def param_traffic(plan: Plan, remat: bool = False, tied_head: bool = True) -> di
             axes = sorted({a for axes in p.opt for a in axes} - {a for axes in p.param for a in axes})
             _add(out, "all-gather", axes, p.bytes // shards(p.param, sizes))
             _add(out, "reduce-scatter", axes, p.reduce_bytes // shards(p.param, sizes) * (2 if tied else 1))
+        on_every_stage = stage_axis and not any(stage_axis in axes for axes in p.param)
+        if on_every_stage and combined:
+            _add(out, "all-reduce", tuple(a for a in plan.mesh_sizes if a in reduced or a == stage_axis),
+                 p.reduce_bytes // shards(p.opt, sizes))
+            continue
         _add(out, "all-reduce", reduced, p.reduce_bytes // shards(p.opt, sizes))
-        if stage_axis and not any(stage_axis in axes for axes in p.param):
+        if on_every_stage:
             _add(out, "all-reduce", (stage_axis,), p.reduce_bytes // shards(p.opt, sizes))
     return out
 
@@ -326,15 +332,19 @@ def computed(config: DecoderConfig, plan: Plan) -> DecoderConfig:
     return dataclasses.replace(config, dtype=compute_dtype(config.dtype, plan.compute))
 
 
-def traffic(config: DecoderConfig, plan: Plan, rows: int, seq: int) -> dict:
+def traffic(config: DecoderConfig, plan: Plan, rows: int, seq: int, platform: str = "cpu") -> dict:
     """{(kind, axes): bytes} per device per step, but the pipeline's sends: params (gradients
     summed over the batch and context axes), TP / SP over `rows` local sequences of this
     device's seq / context tokens through this stage's layers, context parallelism's
-    attention, and the loss's all-reduces."""
+    attention, and the loss's all-reduces; as the compiler for `platform` combines them."""
     config = computed(config, plan)
     params, sizes, stage_axis, context = plan.params, plan.mesh_sizes, plan.stage_axis, plan.context_axes
     batch_axes = plan.batch_axes
-    comm = param_traffic(plan, remat=config.remat != "none", tied_head=config.tied_head)
+    # XLA:GPU sums a tied embedding's two gradients (lookup, head) before their one
+    # reduce-scatter (rs(a) + rs(b) -> rs(a + b)), and all-reduces a pipeline's shared params
+    # over the batch and stage axes at once; XLA:CPU does each separately.
+    comm = param_traffic(plan, remat=config.remat != "none", tied_head=config.tied_head and platform == "cpu",
+                         combined=platform == "gpu")
     layers_run = config.layers // (sizes[stage_axis] if stage_axis else 1)
     sp, tensor = plan.sequence_parallel, plan.tensor_axes
     local_seq = seq // shards((context,), sizes)
@@ -555,7 +565,7 @@ def estimate(plan: PlanInput) -> dict:
 
     # communication
     stage_axis = step.stage_axis
-    comm = traffic(config, step, rows * m, config.seq_len)
+    comm = traffic(config, step, rows * m, config.seq_len, hw.platform)
     if schedule:
         a_mb = rows * local_seq * config.embed * jnp.dtype(config.dtype).itemsize
         forward, backward = sends(schedule)

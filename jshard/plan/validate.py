@@ -13,7 +13,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
@@ -21,6 +20,7 @@ from jshard import hlo
 from jshard.mesh import STANDARD_AXES, default_mesh, format_mesh, make_mesh, mesh_shape
 from jshard.models import LLAMA_SIZES, DecoderConfig, GPTConfig, LlamaConfig, decoder, gpt_loss
 from jshard.parallel.pipeline import compile_program
+from jshard.parallel.state import abstract_batch
 from jshard.parallel.step import build_step
 from jshard.plan.estimate import HARDWARE, PlanInput, computed, estimate
 from jshard.precision import precision as precision_policy
@@ -125,16 +125,20 @@ def compiled_pipeline_permute_bytes(schedule, config: DecoderConfig, rows: int, 
 
 
 def validate_one(strategy: str, microbatches, schedule, remat: str, mesh: str = "example", precision: str = "fp32",
-                 stage_remat: str | None = None, rows: int = 2, devices=None, model=VALIDATION_MODEL) -> dict:
+                 stage_remat: str | None = None, rows: int = 2, devices=None, model=VALIDATION_MODEL,
+                 hardware: str = "cpu") -> dict:
     """One VALIDATION case on `devices` (default: all): the strategy's example mesh with its
     outermost axis taking the rest, or its default mesh; `model` a GPT's or a Llama's config,
-    under `precision` (`jshard.precision`).
+    under `precision` (`jshard.precision`), planned for `hardware` (a `HARDWARE` profile: the
+    devices' kind). The step is built abstractly, so `devices` may be a GPU target's with no GPU
+    here (`jshard.aot.target_devices`): then XLA's GPU compiler compiles it.
 
     Collective bytes are counted in the program's dtypes (`hlo.collectives`). Memory: the
     compiled total (arguments + outputs - donated + temporaries), except where XLA:CPU runs
     bf16 compute: it widens bf16 values to f32 in its temporaries (activations, gathered
     weights: twice what a GPU holds), so there the held state alone is compared, the
-    planner's params + master + optimizer against the compiled arguments less the batch."""
+    planner's params + master + optimizer against the compiled arguments less the batch. XLA:GPU
+    keeps bf16 bf16: there the totals are compared."""
     policy = precision_policy(precision)
     config = dataclasses.replace(model, remat=remat)
     devices = jax.devices() if devices is None else devices
@@ -143,11 +147,11 @@ def validate_one(strategy: str, microbatches, schedule, remat: str, mesh: str = 
     mesh = make_mesh(devices, **shape)
     sizes = {a: 1 for a in STANDARD_AXES} | mesh_shape(mesh)
     est = estimate(PlanInput(config, sizes, strategy, schedule, microbatches, micro_batch_size=rows,
-                             hardware=HARDWARE["cpu"], precision=policy, stage_remat=stage_remat))
-    step = build_step(decoder(config, nnx.Rngs(0)), optax.adamw(1e-3), gpt_loss, mesh, rules,
-                      microbatches=microbatches, schedule=schedule, precision=policy, stage_remat=stage_remat)
-    batch = np.zeros((est["tokens_per_step"] // config.seq_len, config.seq_len + 1), np.int32)
-    lowered = step.lower(step.state, step.shard_batch(batch))
+                             hardware=HARDWARE[hardware], precision=policy, stage_remat=stage_remat))
+    step = build_step(nnx.eval_shape(lambda: decoder(config, nnx.Rngs(0))), optax.adamw(1e-3), gpt_loss, mesh, rules,
+                      microbatches=microbatches, schedule=schedule, precision=policy, stage_remat=stage_remat, abstract=True)
+    batch = abstract_batch(step.plan, (est["tokens_per_step"] // config.seq_len, config.seq_len + 1), jnp.int32)
+    lowered = step.lower(step.state, batch)
     compiled = lowered.compile()
     ma = compiled.memory_analysis()
     measured = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
@@ -158,7 +162,7 @@ def validate_one(strategy: str, microbatches, schedule, remat: str, mesh: str = 
                                                                           step.plan.context_shards)
     predicted_memory = est["memory_bytes_per_device"]["total"]
     compared = "total"
-    if jax.default_backend() == "cpu" and policy.compute != jnp.float32:
+    if step.plan.platform == "cpu" and policy.compute != jnp.float32:
         compared = "state"
         predicted_memory = sum(est["memory_bytes_per_device"][k] for k in ("params", "master", "optimizer"))
         measured = ma.argument_size_in_bytes - est["memory_bytes_per_device"]["batch"]

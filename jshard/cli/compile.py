@@ -1,0 +1,64 @@
+"""`jshard compile`: a step compiled for GPUs on this machine, with none (`jshard.aot`), printed
+beside `jshard plan`'s estimate for the same flags."""
+
+from __future__ import annotations
+
+import math
+
+import optax
+from flax import nnx
+
+from jshard import aot
+from jshard.cli import flags
+from jshard.cli.plan import plan_input
+from jshard.config import FlagError, write_json
+from jshard.mesh import use_gpu_xla_flags
+from jshard.models import decoder, gpt_loss
+from jshard.plan.estimate import HARDWARE, estimate, report
+from jshard.rules import preset
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("compile", help="compile the step for GPUs with XLA:GPU on this machine (no GPU needed) "
+                                                 "and compare it with the plan")
+    add = parser.add_argument
+    flags.add_model(parser, None, "small", seq_len_help="tokens per row, and the model's longest (default: the model's)")
+    flags.add_strategy(parser, "dp")
+    flags.add_mesh(parser, shown="the strategy's axes over the target's devices: each inner one 2, the outermost the rest")
+    flags.add_pipeline(parser)
+    add("--micro-batch-size", type=flags.positive_int, default=1, help="rows per micro-batch per data shard (default: 1)")
+    flags.add_precision(parser, "mixed")
+    flags.add_remat(parser)
+    add("--target", choices=aot.TARGETS, default="h100x8", help="GPUs to compile for, hosts of 8 (default: h100x8)")
+    add("--hlo", metavar="FILE", help="also write the optimized GPU HLO to FILE")
+    flags.add_json(parser, "the plan, the compiled program's figures and their comparison")
+    parser.set_defaults(run=run)
+
+
+def run(args) -> int:
+    target = aot.target(args.target)
+    if reason := aot.gpu_compiler_missing():
+        raise FlagError(f"jshard compile: {reason}")
+    use_gpu_xla_flags(compiling_for_gpu=True)  # the program a jshard run on those GPUs would compile
+    aot.use_cpu_for_jax()
+    est = estimate(plan_input(args, HARDWARE[target.hardware], target.devices))
+    if (n := math.prod(est["mesh"].values())) != target.devices:
+        raise FlagError(f"--mesh {args.mesh}: {n} devices, but --target {target.name} has {target.devices}. "
+                        f"Fix: sizes whose product is {target.devices}, or another --target.")
+    print(report(est))
+    config = flags.built_model(args, "small", remat=args.remat)
+    model = nnx.eval_shape(lambda: decoder(config, nnx.Rngs(0)))
+    rows = est["tokens_per_step"] // config.seq_len
+    program = aot.compile_step(model, optax.adamw(1e-4), gpt_loss, est["mesh"], preset(args.strategy), target,
+                               (rows, config.seq_len + 1), precision=flags.precision_of(args),
+                               microbatches=args.microbatches, schedule=args.schedule, virtual=args.virtual,
+                               stage_remat=args.stage_remat)
+    devices = f"{target.hosts} × {target.per_host} × {HARDWARE[target.hardware].name.upper()}"
+    print(aot.report(program, est, devices))
+    if args.hlo:
+        with open(args.hlo, "w") as f:
+            f.write(program.hlo)
+        print(f"wrote {args.hlo}")
+    write_json(args.json, dict(plan=est, compiled=program.as_json(), compared=aot.compared(program, est)))
+    return 0
+

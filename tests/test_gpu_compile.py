@@ -1,0 +1,84 @@
+"""The gpu_compile tier: jshard's steps compiled by XLA's GPU compiler for 8 and 16 H100s on
+this CPU machine (`jshard.aot`), against the planner. Skipped, with the reason, where the CUDA
+plugin is not installed (`make venv GPU_COMPILE=1`; CI's newest-JAX run has it).
+
+Per case (a covering set: dp, ZeRO-3, tp + sp, a 1F1B pipeline, cp, ep, a two-host mesh):
+collective bytes equal to the planner's for the GPU (`jshard plan --validate --target` on that
+row), then what only the GPU program shows: bf16 collectives under `mixed`, ZeRO-3's gathers
+asynchronous with a matmul scheduled beside them inside the layer scan, cuDNN's attention.
+"""
+
+import importlib.util
+
+import optax
+import pytest
+from flax import nnx
+
+import jshard
+from jshard import aot
+from jshard.models import decoder, gpt_loss
+from jshard.plan.validate import VALIDATION_MODEL, VALIDATION_MODELS, example_mesh, validate_one
+
+pytestmark = [pytest.mark.gpu_compile,
+              pytest.mark.skipif(aot.gpu_compiler_missing() is not None, reason=str(aot.gpu_compiler_missing()))]
+
+# (strategy, micro-batches, schedule, remat, mesh, precision, stage remat, rows), model, target
+CASES = [
+    (("dp", None, None, "none", "example", "mixed"), "gpt", "h100x8"),
+    (("zero3", None, None, "none", "example", "mixed"), "llama", "h100x8"),
+    pytest.param(("dp+fsdp+tp+sp", None, None, "none", "example", "bf16"), "gpt", "h100x8", marks=pytest.mark.xfail(
+        strict=True, reason="XLA:GPU reassociates the position table's gradient under sp (its tensor all-reduce, "
+                            "16 KiB bf16, becomes 32 KiB more fsdp reduce-scatter in f32); the planner does not model it yet")),
+    (("dp+pp", 4, "1f1b", "none"), "gpt", "h100x8"),
+    pytest.param(("cp", None, None, "none", "example", "fp32", None, 8), "gpt", "h100x8", marks=pytest.mark.xfail(
+        strict=True, reason="XLA:GPU's ring moves 256 KiB (2.3%) less than the planner's sends on this row; not yet "
+                            "traced to its send")),
+    (("dp+ep", None, None, "none"), "moe", "h100x8"),
+    (("dp+fsdp", None, None, "none", "example", "mixed"), "llama", "h100x16"),  # data crosses the two hosts
+]
+
+
+@pytest.mark.parametrize("case, model, target", CASES,
+                         ids=[f"{c[0]}-{m}-{t}" for c, m, t in (getattr(c, "values", c) for c in CASES)])
+def test_collective_bytes_are_the_planners(case, model, target):
+    t = aot.target(target)
+    row = validate_one(*case, model=VALIDATION_MODELS[model], devices=aot.target_devices(t), hardware=t.hardware)
+    assert row["comm_exact"], f"{row['strategy']}: planned {row['comm_predicted']}, compiled {row['comm_compiled']}"
+
+
+@pytest.fixture(scope="module")
+def zero3_mixed():
+    """A bf16 Llama (head dim 16) under ZeRO-3, `mixed`, on 8 H100s."""
+    config = VALIDATION_MODELS["llama"]
+    model = nnx.eval_shape(lambda: decoder(config, nnx.Rngs(0)))
+    return aot.compile_step(model, optax.adamw(1e-3), gpt_loss, example_mesh("zero3"), jshard.preset("zero3"),
+                            aot.target("h100x8"), (16, config.seq_len + 1), precision="mixed")
+
+
+def test_mixed_moves_weights_and_gradients_in_bf16(zero3_mixed):
+    """XLA:CPU would widen these to f32; the GPU program keeps ZeRO-3's gathers and
+    reduce-scatters in bf16 (the loss's scalar all-reduce stays f32)."""
+    moved = {(c["kind"], c["dtype"]) for c in zero3_mixed.collectives if c["bytes"] > 4}
+    assert moved == {("all-gather", "bf16"), ("reduce-scatter", "bf16")}
+
+
+def test_zero3_gathers_overlap_matmuls_inside_the_layer_scan(zero3_mixed):
+    """Under jshard's GPU flags (`mesh.GPU_XLA_FLAGS`: pipelined all-gathers) the scan over
+    layers (its first trip peeled off) gathers the next layer's weights beside this one's matmuls."""
+    layers = VALIDATION_MODELS["llama"].layers
+    in_loop = [c for c in zero3_mixed.collectives if c["kind"] == "all-gather" and c["count"] >= layers - 1]
+    assert in_loop and all(c["asynchronous"] for c in in_loop)
+    assert any(c["overlapped"] for c in in_loop)
+    assert zero3_mixed.overlap()["all-gather"] > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nvidia.cudnn") is None, reason="cuDNN is not installed (nvidia-cudnn-cu13)")
+def test_attention_is_cudnns_for_the_gpu_on_a_cpu_host(zero3_mixed):
+    """`--attention auto` picks the kernel for the step's devices, not this host's backend."""
+    assert zero3_mixed.attention == "cudnn" and "__cudnn$fmha" in zero3_mixed.hlo
+
+
+def test_a_mesh_that_is_not_the_targets_is_refused():
+    with pytest.raises(jshard.MeshError):
+        aot.compile_step(nnx.eval_shape(lambda: decoder(VALIDATION_MODEL, nnx.Rngs(0))), optax.adamw(1e-3), gpt_loss,
+                         dict(data=4), jshard.preset("dp"), aot.target("h100x8"), (8, 65))
