@@ -32,6 +32,7 @@ from jshard import hlo
 from jshard.mesh import make_mesh, mesh_shape
 from jshard.parallel.state import abstract_batch
 from jshard.parallel.step import build_step
+from jshard.placement import format_bytes as fmt
 
 GPU_COMPILERS = ("jax_cuda13_plugin", "jax_cuda12_plugin")
 
@@ -188,7 +189,7 @@ def compile_step(model, tx, loss_fn, sizes: dict[str, int], rules, t: Target, ba
 
 def compared(program: GpuProgram, est: dict) -> dict:
     """The compiled program beside the planner's estimate for the same input (`plan.estimate`):
-    memory (total; held state against the arguments) and bytes per (kind, axes)."""
+    total memory, bytes per (kind, axes), attention's kernel."""
     planned_memory = est["memory_bytes_per_device"]
     planned_bytes = {(r["kind"], r["axes"]): r["bytes"] for r in est["collectives"]}
     compiled_bytes = program.bytes_by_kind_and_axes()
@@ -205,8 +206,6 @@ def compared(program: GpuProgram, est: dict) -> dict:
 
 def report(program: GpuProgram, est: dict, devices: str) -> str:
     """What `jshard compile` prints: the compiled program per device beside the plan."""
-    from jshard.placement import format_bytes as fmt
-
     vs = compared(program, est)
     mem = program.memory
     lines = [f"compiled by XLA:GPU for {devices} ({program.target}), on this host with no GPU, in "

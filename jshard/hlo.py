@@ -79,7 +79,6 @@ class Collective:
     line: str
     dtype: str = ""  # what it moves, as compiled (a combined one's first buffer's)
     name: str = ""  # its HLO instruction (an asynchronous one's start)
-    computation: str = ""  # the computation holding it
     asynchronous: bool = False  # split into a start and a done, which the schedule may move apart
 
     @property
@@ -198,7 +197,7 @@ def collectives(hlo_text: str, program: str | None = None) -> list[Collective]:
                 buffers.append(elements * _itemsize(next(iter(asked_dtypes)) if len(asked_dtypes) == 1 else dtype))
                 dtypes.append(dtype)
             found.append(Collective(m["kind"], tuple(buffers), runs.get(name, 0), group, line.strip(),
-                                    dtypes[-1] if dtypes else "", _NAME.match(line)["name"], name, bool(m["start"])))
+                                    dtypes[0] if dtypes else "", _NAME.match(line)["name"], bool(m["start"])))
     return found
 
 

@@ -37,8 +37,8 @@ def add_parser(commands) -> None:
 
 def run(args) -> int:
     target = aot.target(args.target)
-    if reason := aot.gpu_compiler_missing():
-        raise FlagError(f"jshard compile: {reason}")
+    if reason := aot.gpu_compiler_missing():  # before planning: the one thing to fix
+        raise aot.CompileError(reason)
     use_gpu_xla_flags(compiling_for_gpu=True)  # the program a jshard run on those GPUs would compile
     aot.use_cpu_for_jax()
     est = estimate(plan_input(args, HARDWARE[target.hardware], target.devices))
