@@ -7,11 +7,12 @@ from __future__ import annotations
 from jshard.models import DecoderConfig, LlamaConfig
 
 
-def input_projections(config: DecoderConfig) -> int:
-    """Linears reading a block's normed residual: under TP each reduces its own input gradient,
-    so the planner counts them (`estimate.tensor_traffic`). A GPT's qkv and up: 2; a Llama's
-    q, kv and gate_up: 3."""
-    return 3 if isinstance(config, LlamaConfig) else 2
+def input_projections(config: DecoderConfig, combined: bool = False) -> int:
+    """The reductions of a block's input gradients under TP (`estimate.tensor_traffic`): XLA:CPU
+    reduces each column-parallel linear's own (a GPT's qkv and up: 2; a Llama's q, kv and
+    gate_up: 3); XLA:GPU (`combined`) sums those of linears reading the same normed input first,
+    one reduction per input (attention's and the MLP's: 2)."""
+    return 2 if combined or not isinstance(config, LlamaConfig) else 3
 
 
 def column_outputs(config: DecoderConfig) -> int:

@@ -220,12 +220,13 @@ def param_traffic(plan: Plan, remat: bool = False, tied_head: bool = True, combi
 
 
 def tensor_traffic(config: DecoderConfig, params, rows: int, seq: int, layers_run: int, sp: bool,
-                   tensor: tuple[str, ...]) -> dict:
+                   tensor: tuple[str, ...], combined: bool = False) -> dict:
     """{(kind, tensor axes): bytes} of Megatron TP / SP for `rows` sequences through `layers_run` layers.
 
     Per block, A = (rows, seq, embed) in the compute dtype, and c = the block's input
     projections (`counts.input_projections`: column-parallel linears reading the normed
-    residual, each reducing its own input gradient; the GPT's qkv and up, 2): TP all-reduces A
+    residual, each reducing its own input gradient; the GPT's qkv and up, 2; `combined`, as
+    XLA:GPU sums them: one per normed input, 2): TP all-reduces A
     2 + c times (2 forward, c backward); SP all-gathers it 4 times (2 forward, where linears
     reading one input share a gather, 2 backward) and reduce-scatters it 2 + c times. The
     vocab-parallel embedding and head add 2 A (forward lookup, head's input gradient),
@@ -241,7 +242,7 @@ def tensor_traffic(config: DecoderConfig, params, rows: int, seq: int, layers_ru
         return {}
     a = rows * seq * config.embed * jnp.dtype(config.dtype).itemsize
     out: dict = {}
-    c = input_projections(config)
+    c = input_projections(config, combined)
     blocks, reductions = 4 * layers_run * a + 2 * a, (2 + c) * layers_run * a + 2 * a
     inner = layers_run - layers_run // config.blocks_per_layer  # blocks rerun whole
     again = layers_run * a if config.remat != "none" else 0
@@ -340,15 +341,16 @@ def traffic(config: DecoderConfig, plan: Plan, rows: int, seq: int, platform: st
     config = computed(config, plan)
     params, sizes, stage_axis, context = plan.params, plan.mesh_sizes, plan.stage_axis, plan.context_axes
     batch_axes = plan.batch_axes
-    # XLA:GPU sums a tied embedding's two gradients (lookup, head) before their one
-    # reduce-scatter (rs(a) + rs(b) -> rs(a + b)), and all-reduces a pipeline's shared params
-    # over the batch and stage axes at once; XLA:CPU does each separately.
+    # XLA:GPU reassociates reductions of one value's parts (rs(a) + rs(b) -> rs(a + b)): a tied
+    # embedding's two gradients (lookup, head), a normed input's gradients from the linears
+    # reading it; and all-reduces a pipeline's shared params over the batch and stage axes at
+    # once. XLA:CPU does each separately.
     comm = param_traffic(plan, remat=config.remat != "none", tied_head=config.tied_head and platform == "cpu",
                          combined=platform == "gpu")
     layers_run = config.layers // (sizes[stage_axis] if stage_axis else 1)
     sp, tensor = plan.sequence_parallel, plan.tensor_axes
     local_seq = seq // shards((context,), sizes)
-    for key, nbytes in tensor_traffic(config, params, rows, local_seq, layers_run, sp, tensor).items():
+    for key, nbytes in tensor_traffic(config, params, rows, local_seq, layers_run, sp, tensor, platform == "gpu").items():
         _add(comm, *key, nbytes)
     for key, nbytes in context_traffic(config, rows, seq, layers_run, context, sizes, shards((tensor,), sizes),
                                        plan.rules.context_attention).items():
