@@ -9,6 +9,7 @@ asynchronous with a matmul scheduled beside them inside the layer scan, cuDNN's 
 """
 
 import importlib.util
+from pathlib import Path
 
 import optax
 import pytest
@@ -16,8 +17,10 @@ from flax import nnx
 
 import jshard
 from jshard import aot
-from jshard.models import decoder, gpt_loss
+from jshard.models import GPTConfig, decoder, gpt_loss
 from jshard.plan.validate import VALIDATION_MODEL, VALIDATION_MODELS, example_mesh, validate_one
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 pytestmark = [pytest.mark.gpu_compile,
               pytest.mark.skipif(aot.gpu_compiler_missing() is not None, reason=str(aot.gpu_compiler_missing()))]
@@ -87,3 +90,15 @@ def test_a_mesh_that_is_not_the_targets_is_refused():
     with pytest.raises(jshard.MeshError):
         aot.compile_step(nnx.eval_shape(lambda: decoder(VALIDATION_MODEL, nnx.Rngs(0))), optax.adamw(1e-3), gpt_loss,
                          dict(data=4), jshard.preset("dp"), aot.target("h100x8"), (8, 65))
+
+
+def test_full_remat_keeps_each_layers_bf16_input():
+    """examples/gpu_activations.py's measure at docs/gpu-compile.md's shape: under full remat a
+    layer keeps its bf16 input alone, Korthikanti's 2·s·b·h. (At smaller shapes XLA's buffer
+    reuse moves the double difference: at h = s = 1024 it reads 1.0.)"""
+    spec = importlib.util.spec_from_file_location("gpu_activations", EXAMPLES / "gpu_activations.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    config = GPTConfig(vocab=1024, seq_len=2048, embed=2048, heads=16, mlp=8192, layers=2, remat="full")
+    kept, _ = example.kept_per_token_layer(config, "dp", dict(data=8), aot.target("h100x8"))
+    assert kept == 2 * config.embed
