@@ -2,6 +2,8 @@
 #   make train      - the main job on its default: `jshard train`, a sharded GPT run on 8 fake CPU devices
 #   make test       - the test suite (8 fake CPU devices), what CI runs
 #   make test-fast  - its fast tier (`pytest -m fast`): one case per strategy family, the checks, the planner
+#   make gpu-check  - on a GPU machine: the device tier of the tests there, then `jshard bench gpu`
+#                     (docs/benchmarks.md); DRY=1 runs the same path here with tiny models
 # The suite's seed is fixed; JSHARD_TEST_SEED=<int> replaces it to fuzz (pytest's header shows it).
 # Another Python gets its own virtualenv, e.g. the newest JAX (which needs Python >= 3.12):
 #   make test PYTHON=python3.12 VENV=.venv-py3.12
@@ -15,7 +17,7 @@ GPU_COMPILE ?=
 GPU_STAMP := $(VENV)/.gpu-compile
 NEEDS     := $(STAMP) $(if $(GPU_COMPILE),$(GPU_STAMP))
 
-.PHONY: train test test-fast venv versions clean
+.PHONY: train test test-fast gpu-check venv versions clean
 
 # Re-install only when the package definition changes.
 $(STAMP): pyproject.toml
@@ -52,6 +54,20 @@ test: versions
 
 test-fast: versions
 	$(VENV)/bin/python -m pytest -m fast $(IN_WORKERS)
+
+# GPU_CHECK_PYTHON: a Python whose JAX sees the GPU (default: this virtualenv's); CASES: some of
+# `jshard bench gpu`'s cases, comma-separated. Both parts run; the target fails if either did.
+GPU_CHECK_PYTHON ?= $(VENV)/bin/python
+GPU_CHECK_OUT    ?= out/gpu-check
+CASES            ?=
+
+gpu-check: $(if $(filter $(VENV)/bin/python,$(GPU_CHECK_PYTHON)),$(STAMP))
+	mkdir -p $(GPU_CHECK_OUT)
+	JSHARD_TEST_DEVICE=1 $(GPU_CHECK_PYTHON) -m pytest -m device -q -p no:cacheprovider \
+	    --junitxml=$(GPU_CHECK_OUT)/tests.xml; tests=$$?; \
+	$(GPU_CHECK_PYTHON) -m jshard.cli bench gpu --out $(GPU_CHECK_OUT) $(if $(DRY),--dry) \
+	    $(if $(CASES),--cases $(CASES)); bench=$$?; \
+	exit $$(( tests || bench ))
 
 clean:
 	rm -rf $(VENV) .venv-py* build *.egg-info

@@ -64,9 +64,12 @@ class Target:
         return int(re.search(r"device_memory_size:\s*(\d+)", self.config())[1])
 
 
+# One GPU (`jshard bench gpu` compares its device's own compile with this one), a host of 8, two.
 TARGETS = {t.name: t for t in (
-    Target("h100x8", "h100_sxm", "h100", hosts=1), Target("h100x16", "h100_sxm", "h100", hosts=2),
-    Target("h200x8", "h200_sxm", "h200", hosts=1), Target("h200x16", "h200_sxm", "h200", hosts=2),
+    Target("h100x1", "h100_sxm", "h100", hosts=1, per_host=1), Target("h100x8", "h100_sxm", "h100", hosts=1),
+    Target("h100x16", "h100_sxm", "h100", hosts=2),
+    Target("h200x1", "h200_sxm", "h200", hosts=1, per_host=1), Target("h200x8", "h200_sxm", "h200", hosts=1),
+    Target("h200x16", "h200_sxm", "h200", hosts=2),
 )}
 
 
@@ -112,7 +115,8 @@ def target_devices(t: Target) -> list:
 class GpuProgram:
     """What XLA's GPU compiler made of a step, per device: memory (bytes: arguments, outputs,
     aliased, temporaries, total = arguments + outputs - aliased + temporaries, the target's
-    HBM), each collective of the program, attention's kernel, and the optimized HLO."""
+    HBM), each collective of the program, attention's kernel, its kernels by kind
+    (`hlo.kernel_counts`), and the optimized HLO."""
 
     target: str
     mesh: dict[str, int]
@@ -120,6 +124,7 @@ class GpuProgram:
     memory: dict[str, int]
     collectives: list[dict]
     attention: str
+    kernels: dict[str, int] = dataclasses.field(default_factory=dict)
     hlo: str = dataclasses.field(repr=False, default="")
 
     @property
@@ -154,10 +159,19 @@ def attention_kernel(hlo_text: str) -> str:
     return "cudnn" if re.search(r'custom_call_target="__cudnn\$fmha', hlo_text) else "xla"
 
 
+def memory_of(compiled) -> dict[str, int]:
+    """A compiled executable's memory per device (bytes), from its memory_analysis()."""
+    ma = compiled.memory_analysis()
+    memory = dict(arguments=ma.argument_size_in_bytes, outputs=ma.output_size_in_bytes, aliased=ma.alias_size_in_bytes,
+                  temporaries=ma.temp_size_in_bytes)
+    memory["total"] = memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temporaries"]
+    return memory
+
+
 def program_of(compiled, mesh: dict[str, int], t: Target, seconds: float) -> GpuProgram:
     """A compiled executable's `GpuProgram`: its memory_analysis() and its optimized HLO read by
-    `jshard.hlo` (bytes as compiled: XLA:GPU keeps bf16 collectives bf16)."""
-    ma = compiled.memory_analysis()
+    `jshard.hlo` (bytes as compiled: XLA:GPU keeps bf16 collectives bf16). A program compiled on
+    a GPU itself reads the same way (`jshard bench gpu` compares the two)."""
     text = compiled.as_text()
     hidden = hlo.overlapped(text)
     rows = []
@@ -166,11 +180,8 @@ def program_of(compiled, mesh: dict[str, int], t: Target, seconds: float) -> Gpu
         rows.append(dict(kind=c.kind, axes="+".join(axes) if axes is not None else "?", dtype=c.dtype,
                          bytes=c.bytes * c.count, count=c.count, asynchronous=c.asynchronous,
                          overlapped=hidden.get(c.name, False), name=c.name))
-    memory = dict(arguments=ma.argument_size_in_bytes, outputs=ma.output_size_in_bytes, aliased=ma.alias_size_in_bytes,
-                  temporaries=ma.temp_size_in_bytes)
-    memory["total"] = memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temporaries"]
-    memory["hbm"] = t.hbm_bytes
-    return GpuProgram(t.name, dict(mesh), seconds, memory, rows, attention_kernel(text), text)
+    memory = memory_of(compiled) | dict(hbm=t.hbm_bytes)
+    return GpuProgram(t.name, dict(mesh), seconds, memory, rows, attention_kernel(text), hlo.kernel_counts(text), text)
 
 
 def compile_step(model, tx, loss_fn, sizes: dict[str, int], rules, t: Target, batch_shape: tuple[int, int], *,

@@ -264,6 +264,28 @@ def matmul_flops(hlo_text: str, branch_weights=None) -> float:
     return total(entry)
 
 
+# -- the kernels a program launches --------------------------------------------------------
+
+_LAUNCH = re.compile(r"=\s*(?:\(.*?\)|\S+)\s+(?P<op>fusion|custom-call)\(")
+_TARGET = re.compile(r'custom_call_target="(?P<target>[^"]+)"')
+
+
+def kernel_counts(hlo_text: str) -> dict[str, int]:
+    """The launches written in an optimized GPU program, by kind (each instruction once, not
+    per loop trip): XLA's fusions, cuBLAS matmuls, cuDNN calls (attention), other custom calls.
+    Two compiles of one step compare by these (a device's own against a deviceless one)."""
+    counts = dict(fusion=0, cublas=0, cudnn=0, other=0)
+    for line in hlo_text.splitlines():
+        if not (m := _LAUNCH.search(line)):
+            continue
+        if m["op"] == "fusion":
+            counts["fusion"] += 1
+            continue
+        target = t["target"] if (t := _TARGET.search(line)) else ""
+        counts["cublas" if target.startswith("__cublas") else "cudnn" if target.startswith("__cudnn") else "other"] += 1
+    return counts
+
+
 # -- what a collective waits for ----------------------------------------------------------
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?:\(.*?\)|\S+)\s+(?P<op>[\w\-]+)\((?P<args>[^)]*)\)")

@@ -1,4 +1,7 @@
-"""Every test runs on 8 fake CPU devices: JAX must hear that before it starts."""
+"""Every test runs on 8 fake CPU devices: JAX must hear that before it starts.
+
+JSHARD_TEST_DEVICE=1 (`make gpu-check`, on a GPU machine): JAX starts on the device it finds and
+only the device tier's files (DEVICE_FILES, their tests marked `device`) are collected."""
 
 import os
 
@@ -10,9 +13,11 @@ from seed import describe_seed
 # same). Without it the suite takes a quarter less time. Subprocesses (launch tests) inherit it.
 # jshard's GPU flags too, for the gpu_compile tier's programs (`jshard compile` sets them);
 # XLA:CPU ignores them.
-os.environ["XLA_FLAGS"] = " ".join(os.environ.get("XLA_FLAGS", "").split() + ["--xla_backend_optimization_level=0",
-                                                                               *jshard.mesh.GPU_XLA_FLAGS])
-jshard.use_fake_cpu_devices(8)
+ON_DEVICE = os.environ.get("JSHARD_TEST_DEVICE") == "1"
+os.environ["XLA_FLAGS"] = " ".join(os.environ.get("XLA_FLAGS", "").split() + (
+    [] if ON_DEVICE else ["--xla_backend_optimization_level=0"]) + list(jshard.mesh.GPU_XLA_FLAGS))
+if not ON_DEVICE:
+    jshard.use_fake_cpu_devices(8)
 
 
 def pytest_report_header(config):
@@ -34,6 +39,17 @@ FAST = (
     "tests/test_pipeline.py::test_schedule_mlp[4-2-1f1b]",
     "tests/test_train.py::test_bad_flags_are_refused_before_device_work",
 )
+
+
+# The files of the device tier: on a device only these are imported (the others build 8-device
+# meshes as they load).
+DEVICE_FILES = ("test_on_device.py",)
+
+
+def pytest_ignore_collect(collection_path, config):
+    if ON_DEVICE and collection_path.suffix == ".py" and collection_path.name not in DEVICE_FILES:
+        return True
+    return None
 
 
 def pytest_collection_modifyitems(config, items):

@@ -16,6 +16,9 @@ One run, on the same devices:
                        parallelism (batch split, params replicated, XLA's partitioner)
     overhead_ratio     step_s / plain_step_s: on the default mesh of one device, what jshard
                        costs over a hand-written step
+    programs           each step's program as compiled for this device: memory per device
+                       (memory_analysis(): arguments, outputs, aliased, temporaries, total),
+                       its kernels by kind (`hlo.kernel_counts`), attention's kernel, compile s
     tokens_per_s, tflops, mfu_*   jshard's step: model FLOPs (6·N + attention, `jshard.metrics`)
                        over the datasheet peak (GPUs jshard knows; null elsewhere) and over
                        the measured matmul peak
@@ -39,6 +42,8 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import jshard
+from jshard import hlo
+from jshard.aot import attention_kernel, memory_of
 from jshard.mesh import format_mesh, mesh_shape
 from jshard.metrics import (CPU_MATMUL, PROFILE_STEPS, best_seconds, device_peak, flops_per_token,
                             measured_matmul_flops)
@@ -53,7 +58,7 @@ GPU_MATMUL = 8192  # large enough that one bf16 matmul runs at the tensor cores'
 COPY_BYTES = {"cpu": 64 * 2**20, "gpu": 2**30}
 CEILING_REPEATS = 10
 JSON_KEYS = ("device", "model_params", "tokens_per_s", "tflops", "mfu_datasheet", "mfu_measured_peak",
-             "plain_step_s", "step_s", "overhead_ratio", "matmul_tflops", "copy_gbps")
+             "plain_step_s", "step_s", "overhead_ratio", "matmul_tflops", "copy_gbps", "programs")
 
 
 def plain_step(model: PlainDecoder, tx, devices):
@@ -77,6 +82,16 @@ def plain_step(model: PlainDecoder, tx, devices):
 
 
 # -- measuring ------------------------------------------------------------------------------
+
+
+def compiled_for_device(step_fn, *args):
+    """`step_fn` (a jitted step) compiled ahead for `args`, and what the compiler made of it:
+    the executable runs exactly what a call would, and says its memory and kernels."""
+    start = time.perf_counter()
+    compiled = step_fn.lower(*args).compile()
+    text = compiled.as_text()
+    return compiled, dict(memory=memory_of(compiled), kernels=hlo.kernel_counts(text),
+                          attention=attention_kernel(text), compile_s=time.perf_counter() - start)
 
 
 def _timed_pair(steps, repeats: int, profile: str | None = None) -> list[tuple[float, float]]:
@@ -149,9 +164,11 @@ def measure(sizes: dict[str, int], strategy: str, name: str, config: DecoderConf
     step = build_step(model, tx, gpt_loss, mesh, jshard.preset(strategy), precision=precision)
     plain_fn, plain_state, rows = plain_step(plain, tx, devices)
     del model, plain  # the steps hold their own state now
+    step_tokens, plain_tokens = step.shard_batch(tokens), jax.device_put(tokens, rows)
+    step_exe, step_program = compiled_for_device(step, step.state, step_tokens)
+    plain_exe, plain_program = compiled_for_device(plain_fn, plain_state, plain_tokens)
     (step_s, loss), (plain_s, plain_first_loss) = _timed_pair(
-        [(step, step.state, step.shard_batch(tokens)), (plain_fn, plain_state, jax.device_put(tokens, rows))],
-        repeats, profile)
+        [(step_exe, step.state, step_tokens), (plain_exe, plain_state, plain_tokens)], repeats, profile)
 
     flops = flops_per_token(config, seq) * batch * seq / step_s
     return dict(
@@ -159,6 +176,7 @@ def measure(sizes: dict[str, int], strategy: str, name: str, config: DecoderConf
         tflops=flops / 1e12, mfu_datasheet=flops / datasheet.flops if datasheet else None,
         mfu_measured_peak=flops / measured_peak, plain_step_s=plain_s, step_s=step_s,
         overhead_ratio=step_s / plain_s, matmul_tflops=matmul / 1e12, copy_gbps=copy,
+        programs=dict(jshard=step_program, plain=plain_program),
         # for the report only
         platform=platform, model=name, config=config, seq=seq, batch=batch, precision=precision,
         datasheet_source=datasheet.source if datasheet else None, loss=loss, plain_loss=plain_first_loss,

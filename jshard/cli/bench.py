@@ -1,4 +1,4 @@
-"""`jshard bench collectives | strategies | pipeline | step`: each benchmark's flags, and the call
+"""`jshard bench collectives | strategies | pipeline | step | gpu`: each benchmark's flags, and the call
 of its `jshard.bench` module with what they say."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import re
 import jax
 
 import jshard
-from jshard.bench import collectives, pipeline, step, strategies
+from jshard.bench import collectives, gpu, pipeline, step, strategies
 from jshard.cli import flags
 from jshard.config import FlagError, model_config, write_json
 from jshard.mesh import GPU_XLA_FLAGS, mesh_sizes, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags
@@ -27,6 +27,7 @@ def add_parser(commands) -> None:
     add_strategies(benches)
     add_pipeline(benches)
     add_step(benches)
+    add_gpu(benches)
 
 
 # -- bench collectives ----------------------------------------------------------------------
@@ -178,3 +179,45 @@ def run_step(args) -> int:
     print(step.report(result, xla_flags))
     write_json(args.json, {key: result[key] for key in step.JSON_KEYS})
     return 0
+
+
+# -- bench gpu ------------------------------------------------------------------------------
+
+
+def add_gpu(benches) -> None:
+    parser = benches.add_parser(
+        "gpu", help="jshard on this GPU in one command: bench step per case, the deviceless compile and the plan beside it",
+        description=inspect.cleandoc(gpu.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--out", default="out/gpu-check", help="folder for gpu-check.json, the compile logs and the profile "
+                                                "(default: out/gpu-check)")
+    add("--cases", type=_cases, help=f"comma-separated cases to run (default: all: {', '.join(map(gpu.case_name, gpu.CASES))})")
+    add("--repeats", type=flags.positive_int, default=10, help="timed steps of each, alternating (default: 10)")
+    add("--profile", default="first", metavar="CASE", help="the case also traced: a case's name, first (the default) "
+                                                           "or none")
+    add("--dry", action="store_true", help="the same path on this host's JAX with tiny models (a CPU: CI)")
+    parser.set_defaults(run=run_gpu)
+
+
+def _cases(text: str) -> tuple[str, ...]:
+    known = {gpu.case_name(c) for c in gpu.CASES}
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if bad := [n for n in names if n not in known] or not names:
+        raise argparse.ArgumentTypeError(f"{', '.join(bad) or repr(text)}: not a case; choose from {', '.join(sorted(known))}")
+    return names
+
+
+def run_gpu(args) -> int:
+    profile = None if args.profile == "none" else args.profile
+    names = args.cases or [gpu.case_name(c) for c in gpu.CASES]
+    if profile not in (None, "first") and (args.dry or profile not in names):
+        raise FlagError(f"--profile {args.profile}: not a case of this run; choose first, none"
+                        + ("" if args.dry else f" or one of {', '.join(names)}"))
+    use_gpu_xla_flags()  # before JAX starts, as `bench step`: the flags a jshard run on this GPU has
+    if args.dry:
+        use_fake_cpu_devices_unless_accelerated(1)  # no GPU: JAX on the CPU, not trying a GPU plugin
+    if not args.dry and jax.devices()[0].platform != "gpu":
+        raise FlagError(f"JAX runs on {jax.devices()[0].platform}, not a GPU. "
+                        "Fix: run it on a GPU machine, or add --dry for the same path with tiny models here.")
+    result = gpu.run(args.out, dry=args.dry, cases=args.cases, repeats=args.repeats, profile=profile)
+    return 1 if any("error" in r for r in result["cases"]) else 0

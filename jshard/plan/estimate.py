@@ -50,9 +50,10 @@ class Hardware:
     intra_bw: float  # bytes/s per device, one direction, inside a node (NVLink)
     inter_bw: float  # bytes/s per device, one direction, between nodes (one NIC per GPU)
     gpus_per_node: int
-    # Fraction of peak that large bf16 matmuls sustain (H100 cuBLAS GEMMs: about 0.7 of the
-    # datasheet); the planner's compute time divides by peak × this.
-    matmul_efficiency: float = 0.7
+    # Fraction of peak that a step's matmuls sustain. Measured on one H100 (`jshard bench gpu`,
+    # docs/benchmarks.md): an 8192² bf16 matmul 681-806 TFLOP/s, a 1B model's matmul and
+    # attention kernels 746 (its profile): 0.75 of the 989 datasheet.
+    matmul_efficiency: float = 0.75
     # Where attention may run as cuDNN's fused flash kernel, which keeps no (seq × seq) scores
     # (`nn.attention_implementation`: GPUs, in bf16); XLA's materialises them for backward.
     platform: str = "gpu"
@@ -67,6 +68,18 @@ HARDWARE = {
     "cpu": Hardware("cpu", 0.206e12, 16 * GiB, 20e9, 10e9, 10e9, 8, matmul_efficiency=1.0, platform="cpu"),
 }
 
+# A GPU step's memory-bound work between its matmuls (`elementwise_seconds`), as bytes of HBM
+# traffic at the profile's bandwidth. Fitted on one H100 (`make gpu-check`, docs/benchmarks.md)
+# to two 1B models' steps less their matmuls (at `matmul_efficiency`) and AdamW's pass, and
+# checked on three steps they were not fitted on:
+ELEMENTWISE_LAYER_BYTES = 121  # per token, layer and element of embed + mlp: norms, activations,
+#                                residuals, the layer scan's stacking of what backward keeps
+ELEMENTWISE_LOGIT_BYTES = 44  # per token and vocabulary entry: the loss over the logits, in fp32
+# XLA's attention (not cuDNN's fused kernel) computes the seq × seq scores in HBM: masking,
+# softmax and their gradients in fp32. Bytes per score element (one query, key, head and
+# layer), measured the same way: a step with XLA's attention less the same step predicted with
+# cuDNN's, over its scores: 121 (Llama-3.2-1B), 118 (GPT-1B).
+XLA_SCORE_BYTES = 120
 
 # Activations per token per transformer layer, in elements of the compute dtype, that
 # XLA keeps for backward for jshard's GPT block (residual stream h = embed, MLP width f,
@@ -593,6 +606,12 @@ def estimate(plan: PlanInput) -> dict:
         flops_run = flops_base
     peak = hw.peak_flops * (1 if jnp.dtype(config.dtype) == jnp.bfloat16 else 0.5)
     t_compute = flops_run / (n_devices * peak * hw.matmul_efficiency)
+    if hw.platform == "gpu":
+        t_compute += elementwise_seconds(config, memory, rows * m * local_seq, layers_local, tensor, sp,
+                                         flops_run / flops_base, hw)
+        if not flash:  # each local query's scores over the whole sequence
+            scores = layers_local * config.heads / tensor * rows * m * local_seq * config.seq_len
+            t_compute += XLA_SCORE_BYTES * scores / hw.hbm_bw
     times, rows_out = {}, []
     for (kind, axes), nbytes in sorted(comm.items()):
         n = math.prod(sizes[a] for a in axes.split("+"))
@@ -673,6 +692,19 @@ def estimate(plan: PlanInput) -> dict:
         collectives=rows_out, compute_s=t_compute, overlap_ratios=ratios, bubble_fraction=bubble,
         predicted_step_s=step_s, predicted_mfu=mfu, warnings=warnings,
     )
+
+
+def elementwise_seconds(config: DecoderConfig, memory: dict, tokens: int, layers: int, tensor: int, sp: bool,
+                        recompute: float, hw: Hardware) -> float:
+    """A GPU step's memory-bound time on one device: each of its `layers`' elementwise work over
+    its `tokens` (× `recompute`, the work run again under remat), the loss over the logits, and
+    AdamW's pass over the model state (`memory`: reads and writes params, master and moments,
+    reads the gradients). What tensor parallelism splits is divided by `tensor`."""
+    width = config.embed / (tensor if sp else 1) + config.mlp / tensor
+    layer = ELEMENTWISE_LAYER_BYTES * tokens * layers * width * recompute
+    logits = ELEMENTWISE_LOGIT_BYTES * tokens * config.vocab / tensor
+    adamw = 2 * (memory["params"] + memory.get("master", 0) + memory["optimizer"]) + memory["grads"]
+    return (layer + logits + adamw) / hw.hbm_bw
 
 
 def _moe_summary(config: DecoderConfig, params, sizes: dict[str, int], experts_axes) -> dict:

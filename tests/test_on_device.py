@@ -1,0 +1,95 @@
+"""The device tier (`pytest -m device`): jshard's step on the device JAX starts on, against the
+plain Flax NNX + optax step from the same weights, and cuDNN's attention against XLA's.
+
+In the suite these run on a fake CPU device like every test. `make gpu-check` runs them on a
+GPU (JSHARD_TEST_DEVICE=1: conftest leaves JAX's platform alone and collects this tier only),
+where the bf16 steps call cuDNN's fused attention and XLA:GPU's kernels: what no CPU shows.
+Head dims are 64, so cuDNN takes them.
+"""
+
+import contextlib
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import jshard
+from jshard.bench.plain import plain_from
+from jshard.bench.step import compiled_for_device, plain_step
+from jshard.models import GPTConfig, LlamaConfig, decoder, gpt_loss
+from jshard.parallel import build_step
+from jshard.precision import precision as precision_policy
+from parity import BF16_TOLERANCE, OPTIMIZER, TOLERANCE, assert_losses_close, relative_error
+from seed import SEED
+
+pytestmark = pytest.mark.device
+
+CONFIGS = {
+    "gpt": GPTConfig(vocab=256, seq_len=128, embed=128, heads=2, mlp=512, layers=2),
+    "llama": LlamaConfig(vocab=256, seq_len=128, embed=256, heads=4, kv_heads=2, mlp=512, layers=2),
+}
+ROWS, STEPS = 4, 3
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def _batches(config):
+    rng = np.random.default_rng(SEED)
+    return [rng.integers(0, config.vocab, (ROWS, config.seq_len + 1)) for _ in range(STEPS)]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "mixed", "bf16"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_step_matches_the_plain_flax_step(name, precision):
+    config, policy = CONFIGS[name], precision_policy(precision)
+    model = decoder(config, nnx.Rngs(SEED))
+    plain = plain_from(model, policy.compute)
+    devices = jax.devices()[:1]
+    # fp32 at fp32 (a GPU's default runs fp32 matmuls as TF32): the comparison is the step's, not TF32's.
+    exact = jax.default_matmul_precision("highest") if precision == "fp32" else contextlib.nullcontext()
+    with exact:
+        step = build_step(model, OPTIMIZER, gpt_loss, jshard.make_mesh(devices=devices, data=1), jshard.preset("dp"),
+                          precision=policy)
+        plain_fn, plain_state, rows = plain_step(plain, OPTIMIZER, devices)
+        state, losses, plain_losses = step.state, [], []
+        for tokens in _batches(config):
+            state, loss = step(state, step.shard_batch(tokens))
+            plain_state, plain_loss = plain_fn(plain_state, jax.device_put(tokens, rows))
+            losses.append(float(loss))
+            plain_losses.append(float(plain_loss))
+    # bf16 keeps its params in bf16, plain Flax in fp32 (Flax computes in bf16 over fp32 params).
+    assert_losses_close(losses, plain_losses, f"{name} {precision} on {devices[0].platform}",
+                        TOLERANCE if precision == "fp32" else BF16_TOLERANCE)
+
+
+def _loss_and_grads(model, tokens):
+    graph, params, rest = nnx.split(model, nnx.Param, ...)
+    return jax.jit(jax.value_and_grad(lambda p: gpt_loss(nnx.merge(graph, p, rest), tokens)))(params)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="cuDNN's attention needs a GPU")
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_cudnn_attention_matches_xlas(name):
+    tokens = _batches(CONFIGS[name])[0]
+    results = {}
+    for kernel in ("cudnn", "xla"):
+        config = dataclasses.replace(CONFIGS[name], dtype=jax.numpy.bfloat16, attention=kernel)
+        results[kernel] = _loss_and_grads(decoder(config, nnx.Rngs(SEED)), tokens)
+    (loss, grads), (xla_loss, xla_grads) = results["cudnn"], results["xla"]
+    assert relative_error(loss, xla_loss) <= BF16_TOLERANCE
+    for (path, g), (_, want) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(xla_grads)):
+        error = relative_error(np.asarray(g.get_value(), np.float32), np.asarray(want.get_value(), np.float32))
+        assert error <= BF16_TOLERANCE, f"{name} {'/'.join(map(str, path))}: cuDNN vs XLA gradient {error:.2e}"
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_the_device_compiles_the_kernel_auto_chose(name):
+    """bf16 at head dim 64: cuDNN's fused attention on a GPU (in the program the device ran), XLA's elsewhere."""
+    model = decoder(CONFIGS[name], nnx.Rngs(SEED))
+    devices = jax.devices()[:1]
+    step = build_step(model, OPTIMIZER, gpt_loss, jshard.make_mesh(devices=devices, data=1), jshard.preset("dp"),
+                      precision=precision_policy("bf16"))
+    _, program = compiled_for_device(step, step.state, step.shard_batch(_batches(CONFIGS[name])[0]))
+    assert program["attention"] == ("cudnn" if ON_GPU else "xla")
+    assert program["memory"]["total"] > 0 and program["kernels"]["fusion"] > 0
