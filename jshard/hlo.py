@@ -264,9 +264,13 @@ def matmul_flops(hlo_text: str, branch_weights=None) -> float:
     return total(entry)
 
 
+# -- what a collective waits for ----------------------------------------------------------
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?:\(.*?\)|\S+)\s+(?P<op>[\w\-]+)\((?P<args>[^)]*)\)")
+
+
 # -- the kernels a program launches --------------------------------------------------------
 
-_LAUNCH = re.compile(r"=\s*(?:\(.*?\)|\S+)\s+(?P<op>fusion|custom-call)\(")
 _TARGET = re.compile(r'custom_call_target="(?P<target>[^"]+)"')
 
 
@@ -276,7 +280,7 @@ def kernel_counts(hlo_text: str) -> dict[str, int]:
     Two compiles of one step compare by these (a device's own against a deviceless one)."""
     counts = dict(fusion=0, cublas=0, cudnn=0, other=0)
     for line in hlo_text.splitlines():
-        if not (m := _LAUNCH.search(line)):
+        if not (m := _INSTRUCTION.match(line)) or m["op"] not in ("fusion", "custom-call"):
             continue
         if m["op"] == "fusion":
             counts["fusion"] += 1
@@ -284,11 +288,6 @@ def kernel_counts(hlo_text: str) -> dict[str, int]:
         target = t["target"] if (t := _TARGET.search(line)) else ""
         counts["cublas" if target.startswith("__cublas") else "cudnn" if target.startswith("__cudnn") else "other"] += 1
     return counts
-
-
-# -- what a collective waits for ----------------------------------------------------------
-
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?:\(.*?\)|\S+)\s+(?P<op>[\w\-]+)\((?P<args>[^)]*)\)")
 
 
 def _callees(line: str) -> list[str]:

@@ -78,7 +78,8 @@ def test_cudnn_attention_matches_xlas(name):
         results[kernel] = _loss_and_grads(decoder(config, nnx.Rngs(SEED)), tokens)
     (loss, grads), (xla_loss, xla_grads) = results["cudnn"], results["xla"]
     assert relative_error(loss, xla_loss) <= BF16_TOLERANCE
-    for (path, g), (_, want) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(xla_grads)):
+    for (path, g), (xla_path, want) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(xla_grads), strict=True):
+        assert path == xla_path
         error = relative_error(np.asarray(g.get_value(), np.float32), np.asarray(want.get_value(), np.float32))
         assert error <= BF16_TOLERANCE, f"{name} {'/'.join(map(str, path))}: cuDNN vs XLA gradient {error:.2e}"
 

@@ -97,7 +97,7 @@ def compiled_for_device(step_fn, *args):
 def _timed_pair(steps, repeats: int, profile: str | None = None) -> list[tuple[float, float]]:
     """Per (step_fn, state, tokens): (median seconds per step, first step's loss).
 
-    Both steps are compiled and warmed up, then timed in alternation, one step of each per
+    Both steps are warmed up, then timed in alternation, one step of each per
     round: load from other processes drifts on a shared host, and alternating gives both the
     same drift, so their ratio stays honest. Every step waits for all its outputs. With
     `profile`, `PROFILE_STEPS` more of each are traced there afterwards, each step
@@ -113,7 +113,7 @@ def _timed_pair(steps, repeats: int, profile: str | None = None) -> list[tuple[f
         return time.perf_counter() - start, loss
 
     for i in range(len(steps)):
-        first_losses.append(float(once(i)[1]))  # compiles
+        first_losses.append(float(once(i)[1]))  # warms up (the executables are compiled ahead)
     for _ in range(repeats):
         for i in range(len(steps)):
             times[i].append(once(i)[0])

@@ -77,7 +77,8 @@ def summarize(trace_dir: str) -> dict:
             by_name[k["name"]] += k["dur"]
         n = len(windows)
         wall = sum(e - s for s, e in windows) / n
-        busy = sum(_busy([(k["ts"], k["ts"] + k["dur"]) for k in mine if s <= k["ts"] < e]) for s, e in windows) / n
+        # A kernel still running when its step's window closes counts up to the close.
+        busy = sum(_busy([(k["ts"], min(k["ts"] + k["dur"], e)) for k in mine if s <= k["ts"] < e]) for s, e in windows) / n
         out["steps"][name] = dict(
             steps=n, wall_s=wall / 1e6, busy_s=busy / 1e6, idle_s=(wall - busy) / 1e6, kernels_per_step=len(mine) / n,
             kinds={kind: us / n / 1e6 for kind, us in by_kind.most_common()},

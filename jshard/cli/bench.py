@@ -202,7 +202,8 @@ def add_gpu(benches) -> None:
 def _cases(text: str) -> tuple[str, ...]:
     known = {gpu.case_name(c) for c in gpu.CASES}
     names = tuple(n.strip() for n in text.split(",") if n.strip())
-    if bad := [n for n in names if n not in known] or not names:
+    bad = [n for n in names if n not in known]
+    if bad or not names:
         raise argparse.ArgumentTypeError(f"{', '.join(bad) or repr(text)}: not a case; choose from {', '.join(sorted(known))}")
     return names
 

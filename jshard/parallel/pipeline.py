@@ -507,7 +507,7 @@ def _execute(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, bat
     def tick(carry, row):
         buffers, grads, loss_sum, (out, dx) = carry
         here = jax.tree.map(lambda a: a[stage], {k: v for k, v in row.items() if not k.startswith(("sends", "late"))})
-        mb, chunk, x = take(micro, here["microbatch"]), here["chunk"], buffers["act"][here["act_slot"]]
+        mb, x = take(micro, here["microbatch"]), buffers["act"][here["act_slot"]]
         # The last tick's sends that nobody reads in this one: they depend on no compute of this tick.
         late_out = send(row["late_forward"], out, forward_pairs, program.late_forward.any())
         late_dx = send(row["late_backward"], dx, backward_pairs, program.late_backward.any())

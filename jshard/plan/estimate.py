@@ -52,7 +52,7 @@ class Hardware:
     gpus_per_node: int
     # Fraction of peak that a step's matmuls sustain. Measured on one H100 (`jshard bench gpu`,
     # docs/benchmarks.md): an 8192² bf16 matmul 681-806 TFLOP/s, a 1B model's matmul and
-    # attention kernels 746 (its profile): 0.75 of the 989 datasheet.
+    # attention kernels 732 (its profile): 0.74-0.75 of the 989 datasheet.
     matmul_efficiency: float = 0.75
     # Where attention may run as cuDNN's fused flash kernel, which keeps no (seq × seq) scores
     # (`nn.attention_implementation`: GPUs, in bf16); XLA's materialises them for backward.
@@ -545,6 +545,8 @@ def estimate(plan: PlanInput) -> dict:
 
     # memory
     memory = state_bytes(step, config.layers)
+    # AdamW's pass over the state once a step: reads and writes params, master and moments, reads the gradients.
+    optimizer_traffic = 2 * (memory["params"] + memory.get("master", 0) + memory["optimizer"]) + memory["grads"]
     if schedule:
         # The executor accumulates gradients in the scan's carry: input and output buffers.
         memory["grads"] *= 2
@@ -607,11 +609,12 @@ def estimate(plan: PlanInput) -> dict:
     peak = hw.peak_flops * (1 if jnp.dtype(config.dtype) == jnp.bfloat16 else 0.5)
     t_compute = flops_run / (n_devices * peak * hw.matmul_efficiency)
     if hw.platform == "gpu":
-        t_compute += elementwise_seconds(config, memory, rows * m * local_seq, layers_local, tensor, sp,
-                                         flops_run / flops_base, hw)
-        if not flash:  # each local query's scores over the whole sequence
+        recompute = flops_run / flops_base  # remat runs the forward's elementwise work again too
+        t_compute += elementwise_seconds(config, optimizer_traffic, rows * m * local_seq, layers_local, tensor, sp,
+                                         recompute, hw)
+        if attention != "cudnn":  # XLA's kernel, or jshard's own under cp: each local query's scores over the sequence
             scores = layers_local * config.heads / tensor * rows * m * local_seq * config.seq_len
-            t_compute += XLA_SCORE_BYTES * scores / hw.hbm_bw
+            t_compute += XLA_SCORE_BYTES * scores * recompute / hw.hbm_bw
     times, rows_out = {}, []
     for (kind, axes), nbytes in sorted(comm.items()):
         n = math.prod(sizes[a] for a in axes.split("+"))
@@ -694,17 +697,18 @@ def estimate(plan: PlanInput) -> dict:
     )
 
 
-def elementwise_seconds(config: DecoderConfig, memory: dict, tokens: int, layers: int, tensor: int, sp: bool,
-                        recompute: float, hw: Hardware) -> float:
+def elementwise_seconds(config: DecoderConfig, optimizer_traffic: float, tokens: int, layers: int, tensor: int,
+                        sp: bool, recompute: float, hw: Hardware) -> float:
     """A GPU step's memory-bound time on one device: each of its `layers`' elementwise work over
     its `tokens` (× `recompute`, the work run again under remat), the loss over the logits, and
-    AdamW's pass over the model state (`memory`: reads and writes params, master and moments,
-    reads the gradients). What tensor parallelism splits is divided by `tensor`."""
+    the optimizer's pass over the model state (`optimizer_traffic` bytes). What tensor
+    parallelism splits is divided by `tensor`; the per-element bytes, fitted in bf16, scale with
+    the compute dtype."""
     width = config.embed / (tensor if sp else 1) + config.mlp / tensor
-    layer = ELEMENTWISE_LAYER_BYTES * tokens * layers * width * recompute
-    logits = ELEMENTWISE_LOGIT_BYTES * tokens * config.vocab / tensor
-    adamw = 2 * (memory["params"] + memory.get("master", 0) + memory["optimizer"]) + memory["grads"]
-    return (layer + logits + adamw) / hw.hbm_bw
+    per_element = jnp.dtype(config.dtype).itemsize / 2
+    layer = ELEMENTWISE_LAYER_BYTES * per_element * tokens * layers * width * recompute
+    logits = ELEMENTWISE_LOGIT_BYTES * tokens * config.vocab / tensor  # the loss is fp32 in any compute dtype
+    return (layer + logits + optimizer_traffic) / hw.hbm_bw
 
 
 def _moe_summary(config: DecoderConfig, params, sizes: dict[str, int], experts_axes) -> dict:
