@@ -70,4 +70,4 @@ gpu-check: $(if $(filter $(VENV)/bin/python,$(GPU_CHECK_PYTHON)),$(STAMP))
 	exit $$(( tests || bench ))
 
 clean:
-	rm -rf $(VENV) .venv-py* build *.egg-info
+	rm -rf $(VENV) .venv-py* .venv-hf build *.egg-info

@@ -17,10 +17,15 @@ of the `like` tree it is given, the new step's state layout.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 import orbax.checkpoint as ocp
+
+from jshard.models import DecoderConfig, GPTConfig, LlamaConfig
+
+FAMILIES = {"GPT": GPTConfig, "Llama": LlamaConfig}  # a record's "family" -> its config
 
 
 class CheckpointError(ValueError):
@@ -145,3 +150,19 @@ def _differences(saved, wanted, path: str = "") -> list[str]:
         saved = saved if isinstance(saved, dict) else {}
         return [d for key, value in wanted.items() for d in _differences(saved.get(key), value, f"{path}{key}.")]
     return [] if saved == wanted else [f"{path[:-1]}: saved {saved!r}, this run {wanted!r}"]
+
+
+def model_of(record: dict, where: str) -> DecoderConfig:
+    """The decoder a checkpoint's record describes: its `family`, or in a record without one
+    the first family whose config has every saved field (a Llama's add kv_heads and more)."""
+    saved = record.get("model")
+    family = record.get("family")
+    if family is None and isinstance(saved, dict):
+        family = next((name for name, config in FAMILIES.items()
+                       if set(saved) <= {f.name for f in dataclasses.fields(config)}), None)
+    try:
+        return FAMILIES[family](**saved)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {where}: its record's model ({family or 'no family'}: {saved!r}) is "
+                              f"not one jshard builds ({e}). Fix: point --checkpoint-dir at a run of `jshard "
+                              "train`.") from None

@@ -35,15 +35,17 @@ from jax import lax
 from jax.sharding import NamedSharding
 
 import jshard
+from jshard import hf
 from jshard import tokenizer as tokenizers
-from jshard.checkpoint import CheckpointError, Checkpoints
+from jshard.checkpoint import Checkpoints, model_of
 from jshard.config import write_json
 from jshard.distributed import initialize, is_main_process
-from jshard.mesh import format_mesh, mesh_shape, mesh_sizes, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags
-from jshard.models import DecoderConfig, GPTConfig, LlamaConfig, decoder
+from jshard.mesh import (fake_device_count, format_mesh, mesh_shape, mesh_sizes, use_fake_cpu_devices_unless_accelerated,
+                         use_gpu_xla_flags)
+from jshard.models import DecoderConfig, decoder
 from jshard.parallel.plan import make_plan
 
-FAMILIES = {"GPT": GPTConfig, "Llama": LlamaConfig}  # a record's "family" -> its config
+FAKE_DEVICES = 1  # one prompt needs no split; give more to try dp or tp on a CPU
 MAX_TOKENS = 200  # when --max-tokens is not given, or fewer where the model's seq_len ends first
 # Presets generation refuses, why, and what to run instead.
 NOT_FOR_GENERATION = {
@@ -63,7 +65,7 @@ class GenerateError(ValueError):
 class GenerateConfig:
     """Everything a generation depends on; `jshard generate`'s flags mirror it."""
 
-    checkpoint_dir: str
+    checkpoint_dir: str | None  # a `jshard train` run's; None: --init-from's
     prompt: str
     max_tokens: int | None = None  # None: MAX_TOKENS, or as many as the model's seq_len leaves
     temperature: float = 0.8  # 0: greedy
@@ -72,10 +74,11 @@ class GenerateConfig:
     num_samples: int = 1
     strategy: str = "dp"
     mesh: str | None = None  # None: the strategy's default mesh over the devices
-    fake_devices: int = 1  # one prompt needs no split; give more to try dp or tp on a CPU
+    fake_devices: int | None = None  # None: XLA_FLAGS's count, else FAKE_DEVICES
     cache: bool = True  # False: --no-cache
     step: int | None = None  # None: the latest
     json: str | None = None
+    init_from: str | None = None  # a Hugging Face model directory instead of a checkpoint (jshard.hf)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,8 +157,9 @@ def _without_cache(batch: int, length: int, steps: int, pick):
 def check_fits(prompt_tokens: int, max_tokens: int, seq_len: int) -> None:
     """The prompt and the new tokens fit in the model's longest sequence."""
     if prompt_tokens + max_tokens > seq_len:
-        fix = (f"--max-tokens {seq_len - prompt_tokens} or less, or a shorter prompt" if prompt_tokens < seq_len
-               else f"a prompt of at most {seq_len - 1} tokens")
+        fixes = [f"--max-tokens {seq_len - prompt_tokens} or less" if prompt_tokens < seq_len else None,
+                 f"a prompt of at most {seq_len - max_tokens} tokens" if max_tokens < seq_len else None]
+        fix = ", or ".join(f for f in fixes if f)
         raise GenerateError(
             f"the prompt ({prompt_tokens} tokens) and --max-tokens {max_tokens} make {prompt_tokens + max_tokens} "
             f"tokens, more than the model's seq_len of {seq_len} (the longest sequence it was built for). "
@@ -231,7 +235,7 @@ def _check_values(c: GenerateConfig) -> None:
         return isinstance(value, int) and not isinstance(value, bool)
 
     for flag, value, optional in (("--max-tokens", c.max_tokens, True), ("--num-samples", c.num_samples, False),
-                                  ("--fake-devices", c.fake_devices, False), ("--step", c.step, True)):
+                                  ("--fake-devices", c.fake_devices, True), ("--step", c.step, True)):
         if not (is_int(value) and value > 0) and not (optional and value is None):
             raise GenerateError(f"{flag} must be a positive int, got {value!r}")
     if not is_int(c.seed) or c.seed < 0:
@@ -267,20 +271,16 @@ def _open(c: GenerateConfig) -> tuple[Checkpoints, int]:
     return checkpoints, steps[-1] if c.step is None else c.step
 
 
-def model_of(record: dict, where: str) -> DecoderConfig:
-    """The decoder a checkpoint's record describes: its `family`, or in a record without one
-    the first family whose config has every saved field (a Llama's add kv_heads and more)."""
-    saved = record.get("model")
-    family = record.get("family")
-    if family is None and isinstance(saved, dict):
-        family = next((name for name, config in FAMILIES.items()
-                       if set(saved) <= {f.name for f in dataclasses.fields(config)}), None)
+def _imported(directory: str):
+    """(directory, step 0, model, tokenizer, record) of a Hugging Face model directory."""
+    directory = os.path.abspath(directory)
     try:
-        return FAMILIES[family](**saved)
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {where}: its record's model ({family or 'no family'}: {saved!r}) is "
-                              f"not one jshard builds ({e}). Fix: point --checkpoint-dir at a run of `jshard "
-                              "train`.") from None
+        hf_config = hf.read_config(directory)
+        model = hf.model_config(hf_config, os.path.join(directory, hf.CONFIG))
+        tokenizer = tokenizers.load(directory)
+    except (hf.HFError, tokenizers.TokenizerError) as e:
+        raise GenerateError(f"--init-from {e}") from None
+    return directory, 0, model, tokenizer, {"model": dataclasses.asdict(model), "hf": hf_config["model_type"]}
 
 
 def _describe(identity: dict) -> str:
@@ -342,16 +342,22 @@ def set_up(c: GenerateConfig) -> Setup:
     _check_values(c)
     use_gpu_xla_flags()  # as `jshard train`: before JAX starts its backends
     initialize()
-    use_fake_cpu_devices_unless_accelerated(c.fake_devices)
+    use_fake_cpu_devices_unless_accelerated(fake_device_count(c.fake_devices, FAKE_DEVICES))
     rules = _rules(c)
-    checkpoints, step = _open(c)
-    try:
-        record = checkpoints.record(step)
-    finally:
-        checkpoints.close()
-    where = os.path.join(checkpoints.directory, str(step))
-    model = model_of(record, where)
-    tokenizer = _tokenizer(checkpoints.directory, record, step)
+    if (c.checkpoint_dir is None) == (c.init_from is None):
+        raise GenerateError("generate from --checkpoint-dir DIR (a jshard run) or --init-from DIR (a Hugging Face "
+                            "model): one of them. Fix: give exactly one.")
+    if c.init_from:
+        directory, step, model, tokenizer, record = _imported(c.init_from)
+    else:
+        checkpoints, step = _open(c)
+        directory = checkpoints.directory
+        try:
+            record = checkpoints.record(step)
+        finally:
+            checkpoints.close()
+        model = model_of(record, os.path.join(directory, str(step)))
+        tokenizer = _tokenizer(directory, record, step)
     if c.top_k is not None and c.top_k > model.vocab:
         raise GenerateError(f"--top-k {c.top_k} is more than the model's vocab of {model.vocab}. Fix: --top-k "
                             f"{model.vocab} or less, or leave it out to sample from every token.")
@@ -369,7 +375,7 @@ def set_up(c: GenerateConfig) -> Setup:
     cache = jax.eval_shape(lambda: abstract.init_cache(c.num_samples, len(prompt) + max_tokens))  # nothing allocated
     rules.spec(("layers", *cache.names), cache.k.shape, mesh, "activation", where="the KV cache")
     sampling = Sampling(max_tokens, float(c.temperature), c.top_k, c.seed)
-    return Setup(c, checkpoints.directory, step, record, model, tokenizer, prompt, sampling, mesh, rules, abstract)
+    return Setup(c, directory, step, record, model, tokenizer, prompt, sampling, mesh, rules, abstract)
 
 
 # -- the run ---------------------------------------------------------------------------------
@@ -380,6 +386,8 @@ def load_model(setup: Setup) -> nnx.Module:
     params = nnx.state(setup.abstract, nnx.Param)
     shardings = jshard.shardings(params, setup.mesh, setup.rules)
     like = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), params, shardings)
+    if setup.config.init_from:  # each device's blocks read from the safetensors
+        return nnx.merge(nnx.graphdef(setup.abstract), hf.load_params(setup.directory, setup.model, like))
     with Checkpoints(setup.directory) as checkpoints:
         restored = checkpoints.restore_params(setup.step, like)
     return nnx.merge(nnx.graphdef(setup.abstract), restored)

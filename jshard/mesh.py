@@ -22,6 +22,7 @@ process, so the outer axes (`data`, then `fsdp`) cross hosts and `tensor` stays 
 
 from __future__ import annotations
 
+import difflib
 import glob
 import importlib.util
 import math
@@ -63,6 +64,16 @@ def use_fake_cpu_devices(n: int) -> None:
     flag = f"--xla_force_host_platform_device_count={n}"
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join(flags + [flag])
+
+
+def fake_device_count(given: int | None, default: int) -> int:
+    """A command's fake CPU device count: `--fake-devices` where given, else the count the
+    environment's XLA_FLAGS asks for (--xla_force_host_platform_device_count=N), else `default`."""
+    if given is not None:
+        return given
+    asked = [f.split("=", 1)[1] for f in os.environ.get("XLA_FLAGS", "").split()
+             if f.startswith("--xla_force_host_platform_device_count=")]
+    return int(asked[-1]) if asked and asked[-1].isdigit() and int(asked[-1]) > 0 else default
 
 
 def use_fake_cpu_devices_unless_accelerated(n: int) -> None:
@@ -140,6 +151,10 @@ def parse_axis_sizes(text: str) -> dict[str, int]:
             sizes[name.strip()] = int(size)
         except ValueError:
             raise MeshError(f"mesh {text!r}: {item!r} is not name=size (e.g. data=2,fsdp=2,tensor=2)") from None
+        if name.strip() not in STANDARD_AXES:
+            near = difflib.get_close_matches(name.strip(), STANDARD_AXES, n=1)
+            raise MeshError(f"mesh {text!r}: unknown mesh axis {name.strip()!r}; known: {', '.join(STANDARD_AXES)}. "
+                            f"Fix: {near[0] + '=' + size.strip() if near else 'one of those'}.")
     return sizes
 
 

@@ -78,18 +78,21 @@ def place(tree, sizes: dict[str, int], rules: Rules, kind: Kind = "param") -> li
         names = leaf.get_metadata().get("out_sharding") if _is_variable(leaf) else None
         flags: list[str] = []
         if names is None:
-            if shape and sharding_axes and (len(shape) > 1 or rules.strict):
+            # ZeRO needs no names: it splits an unnamed param by itself. Other axes (tensor,
+            # experts, a pipeline's stages) split a param by what its dims mean: they need names.
+            needs_names = [a for a in sharding_axes if a not in zero_axes or not isinstance(leaf, nnx.Param)]
+            if shape and (needs_names and len(shape) > 1 or rules.strict and sharding_axes):
                 example = _EXAMPLE_NAMES.get(len(shape), repr((None,) * len(shape)))
                 problems.append(
                     f"{where} (shape {shape}) has no logical axis names, but rules {rules.name!r} "
-                    f"shard {kind}s over {', '.join(sharding_axes)}. Fix: name its {len(shape)} dim(s), e.g. "
+                    f"shard {kind}s over {', '.join(needs_names or sharding_axes)}, which split a param by what its "
+                    f"dims mean (ZeRO alone would split it by itself). Fix: name its {len(shape)} dim(s), e.g. "
                     f"nnx.Param(value, out_sharding={example}), or kernel_metadata=jshard.named(...) "
-                    "on a Flax layer (None for a dim that stays whole)."
+                    f"(bias_metadata=... for a bias) on a Flax layer (None for a dim that stays whole)."
                 )
                 continue
-            spec = jax.P()
-            if shape and sharding_axes:
-                flags.append("no logical names: replicated (unnamed 1-D params are; strict rules refuse them)")
+            spec, flags = _split_by_itself(shape, zero_axes if isinstance(leaf, nnx.Param) else [], sizes,
+                                           bool(sharding_axes))
         else:
             try:
                 spec, flags = resolve(table, tuple(names), shape, sizes, where)
@@ -104,6 +107,25 @@ def place(tree, sizes: dict[str, int], rules: Rules, kind: Kind = "param") -> li
         placed.append(Placement(path_str(path), names, shape, dtype, spec, nbytes, tuple(flags)))
     raise_problems(problems)
     return placed
+
+
+def _full(layout, ndim: int):
+    return tuple(layout) + ((),) * (ndim - len(layout))
+
+
+def _split_by_itself(shape, zero_axes, sizes, could_split: bool) -> tuple[jax.P, list[str]]:
+    """An unnamed param's spec: split over the ZeRO axes on its largest dim they divide, as a
+    named one would be; else whole (flagged where the rules could have split it)."""
+    if not shape or not could_split:
+        return jax.P(), []
+    n = math.prod(sizes[a] for a in zero_axes)
+    dims = sorted((d for d in range(len(shape)) if zero_axes and shape[d] % n == 0), key=lambda d: -shape[d])
+    if not dims:
+        why = f"no dim divides {'×'.join(zero_axes)}={n}" if zero_axes else "unnamed 1-D params are; strict rules refuse them"
+        return jax.P(), [f"no logical names: replicated ({why})"]
+    entry = tuple(zero_axes) if len(zero_axes) > 1 else zero_axes[0]
+    spec = jax.P(*[entry if d == dims[0] else None for d in range(len(shape))])
+    return spec, [f"no logical names: split by itself over {'+'.join(zero_axes)} on dim {dims[0]} (ZeRO)"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,8 +149,9 @@ class ParamLayout:
 
     path = property(lambda self: self.placement.path)
     shape = property(lambda self: self.placement.shape)
-    param = property(lambda self: layout_of(self.placement.spec))
-    opt = property(lambda self: layout_of(self.opt_placement.spec))
+    # One tuple of axes per dim (a whole param's spec may be P(): no dims named)
+    param = property(lambda self: _full(layout_of(self.placement.spec), len(self.shape)))
+    opt = property(lambda self: _full(layout_of(self.opt_placement.spec), len(self.shape)))
 
     @property
     def names(self) -> tuple:

@@ -36,12 +36,13 @@ from flax import nnx
 from tqdm import tqdm
 
 import jshard
-from jshard import data, optim, plot
+from jshard import data, hf, optim, plot
 from jshard import tokenizer as tokenizers
 from jshard.checkpoint import CheckpointError, Checkpoints
 from jshard.config import MODEL_FIELDS, model_config
 from jshard.distributed import axes_across_processes, initialize, is_main_process
-from jshard.mesh import mesh_shape, mesh_sizes, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags
+from jshard.mesh import (fake_device_count, mesh_shape, mesh_sizes, use_fake_cpu_devices_unless_accelerated,
+                         use_gpu_xla_flags)
 from jshard.metrics import PROFILE_STEPS, MetricsFile, device_peak, flops_per_token
 from jshard.nn import attention_implementation
 from jshard.models import SIZES, DecoderConfig, decoder, gpt_loss
@@ -52,6 +53,7 @@ from jshard.parallel.pipeline import STAGE_REMAT
 from jshard.placement import describe, format_bytes
 from jshard.precision import PRECISIONS, REDUCE_DTYPES, precision
 
+FAKE_DEVICES = 8  # CPU devices faked when no accelerator is present (--fake-devices), unless XLA_FLAGS gives a count
 PIPELINE_MICROBATCHES = 4  # when the strategy pipelines and --microbatches is not given
 
 
@@ -64,6 +66,7 @@ class TrainConfig:
     """Everything a run depends on; `jshard train`'s flags and its --config JSON mirror it."""
 
     model: str = "small"
+    init_from: str | None = None  # a Hugging Face model directory: its config, weights and tokenizer (jshard.hf)
     data: str | None = None  # None: the shipped corpus; a text file, a folder of *.txt, or a .bin / .npy of ids
     tokenizer: str | None = None  # of text: bytes, or bpe (trained on the data); None: the checkpoint's, or bytes
     eval_every: int | None = None  # None: no evaluation
@@ -100,7 +103,7 @@ class TrainConfig:
     metrics: str | None = None
     profile: str | None = None
     seed: int | None = None  # None: 0, or the checkpoint's when resuming
-    fake_devices: int = 8
+    fake_devices: int | None = None  # None: XLA_FLAGS's count, else FAKE_DEVICES
     peak_tflops: float | None = None  # per device, for MFU where jshard does not know the device
     log_every: int | None = None  # None: steps // 10
 
@@ -116,8 +119,8 @@ class TrainResult:
 # -- checks, before any device work ------------------------------------------------------
 
 
-REQUIRED_INTS = ("steps", "batch_size", "grad_accum", "fake_devices")
-OPTIONAL_INTS = ("seq_len", "microbatches", "virtual", "checkpoint_every", "log_every", "eval_every",
+REQUIRED_INTS = ("steps", "batch_size", "grad_accum")
+OPTIONAL_INTS = ("fake_devices", "seq_len", "microbatches", "virtual", "checkpoint_every", "log_every", "eval_every",
                  "eval_batches") + MODEL_FIELDS
 EVAL_BATCHES = 8  # at most, where --eval-batches is not given
 CHOICES = {"model": SIZES, "precision": PRECISIONS, "remat": REMAT_POLICIES}
@@ -151,6 +154,10 @@ def _check_values(config: TrainConfig) -> None:
     if isinstance(config.eval_split, bool) or not (isinstance(config.eval_split, (int, float))
                                                    and 0 <= config.eval_split < 1):
         raise TrainError(f"--eval-split must be a fraction in [0, 1), got {config.eval_split!r}")
+    if config.init_from is not None:
+        if given := [flag(f) for f in MODEL_FIELDS + ("tokenizer",) if getattr(config, f) is not None]:
+            raise TrainError(f"--init-from {config.init_from} gives the model and its tokenizer; {given[0]} would "
+                             f"change them. Fix: drop {', '.join(given)}.")
     if config.plot is not None:
         try:
             plot.check_output_path(config.plot)
@@ -190,14 +197,22 @@ def set_up(config: TrainConfig) -> Setup:
     _check_values(config)
     use_gpu_xla_flags()  # on GPUs, unless XLA_FLAGS is set: before JAX starts its backends
     initialize()  # a multi-process run (jshard launch, srun, mpirun): join it; one process: nothing
-    use_fake_cpu_devices_unless_accelerated(config.fake_devices)
+    use_fake_cpu_devices_unless_accelerated(fake_device_count(config.fake_devices, FAKE_DEVICES))
     rules = jshard.preset(config.strategy)
     mesh = jshard.make_mesh(**mesh_sizes(config.mesh, rules, jax.device_count()))
     overrides = {f: getattr(config, f) for f in MODEL_FIELDS + ("attention",) if getattr(config, f) is not None}
-    if _tokenizer_kind(config) == "bpe":  # the model's vocab is the BPE's size: the one it was trained with
+    if _tokenizer_kind(config) == "bpe" and not config.init_from:  # the model's vocab is the BPE's size: the one it was trained with
         overrides.setdefault("vocab", _resumed_vocab(config) or tokenizers.BPE_VOCAB)
     policy = precision(config.precision, config.grad_reduce)
-    model = model_config(config.model, overrides, remat=config.remat)  # computes in the step's precision
+    if config.init_from:  # the model the directory's config.json describes
+        try:
+            model = dataclasses.replace(hf.model_config(hf.read_config(config.init_from), config.init_from),
+                                        remat=config.remat, **overrides)
+        except hf.HFError as e:
+            raise TrainError(f"--init-from {e}") from None
+        config = dataclasses.replace(config, model=os.path.basename(os.path.normpath(config.init_from)))
+    else:
+        model = model_config(config.model, overrides, remat=config.remat)  # computes in the step's precision
     try:
         attention_implementation(model.attention, policy.compute, model.head_dim)
     except ValueError as e:
@@ -254,6 +269,8 @@ def _tokenizer_kind(config: TrainConfig) -> str:
     """--tokenizer, or where not given: a resumed run's (a BPE beside its checkpoints), else bytes."""
     if config.tokenizer:
         return config.tokenizer
+    if config.init_from:  # the imported model's own
+        return "bpe" if os.path.exists(os.path.join(config.init_from, tokenizers.FILE)) else "bytes"
     saved = config.resume and os.path.exists(os.path.join(config.checkpoint_dir, tokenizers.FILE))
     return "bpe" if saved else "bytes"
 
@@ -275,7 +292,8 @@ def _data(config: TrainConfig, model: DecoderConfig, record: dict | None) -> dat
     """The run's tokens: a resumed run's with the tokenizer saved beside its checkpoints,
     which must be the one the checkpoint was trained with; every id inside the model's vocab."""
     kind = _tokenizer_kind(config)
-    saved = tokenizers.load(config.checkpoint_dir) if record and kind == "bpe" else None
+    beside = config.checkpoint_dir if record else config.init_from  # a resumed run's, or the imported model's
+    saved = tokenizers.load(beside) if beside and kind == "bpe" else None
     try:
         tokens = data.load(config.data, kind, model.vocab, saved)
     except (data.DataError, tokenizers.TokenizerError) as e:
@@ -435,6 +453,10 @@ def _start(p: Setup, tx, say) -> tuple[ShardedStep, TrainState, int, int]:
     for line in _setup_lines(p, abstract, jax.eval_shape(tx.init, nnx.state(abstract))):
         say("  " + line)
     step = step_from_plan(p.plan, jshard.init(make_model, p.mesh, p.rules), tx, gpt_loss)
+    if not p.record and p.config.init_from:  # each device's blocks read from the files, in the master's dtype
+        params = hf.load_params(p.config.init_from, p.model, _abstract(step.full_params(step.state)))
+        say(f"  weights     from {p.config.init_from} (Hugging Face {hf.read_config(p.config.init_from)['model_type']})")
+        return step, step.from_model_order(step.with_params(step.state, params)), 0, 0
     if not p.record:
         return step, step.state, 0, 0
     start, position = p.record["step"], p.record["data_position"]
@@ -517,7 +539,7 @@ def _train(p: Setup, out) -> TrainResult:
     say(summary)
     if c.plot and is_main_process():
         history = plot.read_metrics(c.metrics) if c.metrics else records  # a resumed run's file has it all
-        plot.metrics_png(history, c.plot, title=f"jshard train --model {c.model} --strategy {p.rules.name} "
+        plot.metrics_png(history, c.plot, title=f"jshard train {_model_flag(c)} --strategy {p.rules.name} "
                                                f"--mesh {_mesh_str(p.mesh)}")
         say(f"  plot        {c.plot}")
     return TrainResult(losses, start, summary, evaluated)
@@ -567,6 +589,10 @@ def _record(p: Setup, step: int, position: int, loss: float) -> dict:
                 tokenizer=p.data.tokenizer_identity)
 
 
+def _model_flag(c: TrainConfig) -> str:
+    return f"--init-from {c.init_from}" if c.init_from else f"--model {c.model}"
+
+
 def _mesh_str(mesh) -> str:
     return ",".join(f"{k}={v}" for k, v in mesh_shape(mesh).items() if v > 1) or "one device"
 
@@ -579,7 +605,7 @@ def _summary(p: Setup, losses, times, start, wall, peak, flops_per_step, saved_a
     last = losses[-min(10, len(losses)):]
     lines = [
         "",
-        f"summary of jshard train --model {c.model} --strategy {p.rules.name} --mesh {_mesh_str(p.mesh)}",
+        f"summary of jshard train {_model_flag(c)} --strategy {p.rules.name} --mesh {_mesh_str(p.mesh)}",
         f"  steps       {start + 1}..{start + len(losses)} of {c.steps}, {len(losses) * tokens / 1e3:.1f} k tokens "
         f"({c.batch_size} × {p.seq_len} per step)",
         f"  loss        {losses[0]:.4f} at step {start + 1} -> {losses[-1]:.4f} at step {start + len(losses)} "

@@ -38,6 +38,7 @@ FAST = (
     "tests/test_strategies.py::test_batch_not_divisible_by_batch_shards",
     "tests/test_pipeline.py::test_schedule_mlp[4-2-1f1b]",
     "tests/test_train.py::test_bad_flags_are_refused_before_device_work",
+    "tests/test_hf.py::test_hf_logits_match_transformers", "tests/test_hf.py::test_hf_bad_configs_get_one_line",
 )
 
 

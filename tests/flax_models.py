@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 
 import jshard
+from jshard import nn
 from jshard.models.stack import StagedLoss, stack_layers
 
 BATCH = 16  # rows per batch: splits over every test mesh's batch axes
@@ -104,6 +105,57 @@ class Transformer(nnx.Module):
         return self.embed.attend(self.norm(x))  # a head tied to the embedding
 
 
+class UnnamedCNN(nnx.Module):
+    """The Flax docs' MNIST CNN as the docs write it, no logical names at all (smaller)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.conv1 = nnx.Conv(1, 8, kernel_size=(3, 3), rngs=rngs)
+        self.conv2 = nnx.Conv(8, 16, kernel_size=(3, 3), rngs=rngs)
+        self.linear1 = nnx.Linear(16 * 4 * 4, 32, rngs=rngs)
+        self.linear2 = nnx.Linear(32, 10, rngs=rngs)
+
+    def __call__(self, x):
+        x = nnx.avg_pool(jax.nn.relu(self.conv1(x)), window_shape=(2, 2), strides=(2, 2))
+        x = nnx.avg_pool(jax.nn.relu(self.conv2(x)), window_shape=(2, 2), strides=(2, 2))
+        return self.linear2(jax.nn.relu(self.linear1(x.reshape(x.shape[0], -1))))
+
+
+class UnnamedTransformer(nnx.Module):
+    """A language model of nnx.MultiHeadAttention and nnx.Linear with no logical names."""
+
+    def __init__(self, rngs: nnx.Rngs, vocab: int = 64, embed: int = 32, heads: int = 4):
+        self.embed = nnx.Embed(vocab, embed, rngs=rngs)
+        self.attention = nnx.MultiHeadAttention(heads, embed, decode=False, use_bias=False, rngs=rngs)
+        self.norm = nnx.LayerNorm(embed, rngs=rngs)
+        self.up, self.down = nnx.Linear(embed, 4 * embed, rngs=rngs), nnx.Linear(4 * embed, embed, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        x = x + self.attention(x, mask=nnx.make_causal_mask(tokens))
+        x = x + self.down(jax.nn.gelu(self.up(self.norm(x))))
+        return self.embed.attend(x)
+
+
+class ScannedLayer(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.up = nn.Linear(16, 32, in_names="embed", out_names="mlp", rngs=rngs)
+        self.down = nn.Linear(32, 16, in_names="mlp", out_names="embed", rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.relu(self.up(x, ("batch", "embed"))), ("batch", "mlp"))
+
+
+class UserScan(nnx.Module):
+    """jshard.nn layers stacked on `layers`, run by the user's own `jax.lax.scan` (not scan_layers)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.blocks = stack_layers(ScannedLayer, 4, rngs)
+
+    def __call__(self, x):
+        graphdef, state = nnx.split(self.blocks)
+        return jax.lax.scan(lambda x, layer: (nnx.merge(graphdef, layer)(x), None), x, state)[0]
+
+
 class StackedTransformer(nnx.Module):
     """The same blocks stacked on a `layers` axis (`jshard.models.stack_layers`), so that
     a pipeline can split them over stages; `stacked_loss` says where the stack starts and ends."""
@@ -145,4 +197,7 @@ MODELS = {
     "cnn": (CNN, classification_loss, image_batches),
     "transformer": (Transformer, next_token_loss, token_batches),
     "stacked transformer": (StackedTransformer, stacked_loss, token_batches),
+    "unnamed cnn": (UnnamedCNN, classification_loss, image_batches),
+    "unnamed transformer": (UnnamedTransformer, next_token_loss, token_batches),
+    "user scan": (UserScan, mse_loss, regression_batches),
 }

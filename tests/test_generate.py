@@ -177,7 +177,10 @@ def refused(capsys, argv, *messages):
     (["--step", "7"], ["--step 7:", "holds step 2. Fix: --step 2"]),
     (["--prompt", ""], ["--prompt is empty", "Fix: e.g."]),
     (["--max-tokens", "60"], ["the prompt (11 tokens) and --max-tokens 60 make 71 tokens, more than the model's "
-                              "seq_len of 64", "Fix: --max-tokens 53 or less"]),
+                              "seq_len of 64", "Fix: --max-tokens 53 or less, or a prompt of at most 4 tokens."]),
+    (["--max-tokens", "20", "--prompt", "x" * 60], ["the prompt (60 tokens) and --max-tokens 20 make 80 tokens",
+                                                     "Fix: --max-tokens 4 or less, or a prompt of at most 44 tokens."]),
+    (["--prompt", "x" * 70], ["the prompt (70 tokens) and --max-tokens 1 make 71", "Fix: a prompt of at most 63 tokens."]),
     (["--temperature", "-1"], ["--temperature must be a number >= 0", "Fix: e.g. --temperature 0.8"]),
     (["--top-k", "-3"], ["--top-k must be a positive int", "Fix: e.g. --top-k 40"]),
     (["--top-k", "300"], ["--top-k 300 is more than the model's vocab of 256", "Fix: --top-k 256 or less"]),

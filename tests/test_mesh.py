@@ -60,6 +60,9 @@ def test_parse_axis_sizes():
     assert jshard.mesh.parse_axis_sizes("data=2, fsdp=-1") == {"data": 2, "fsdp": -1}
     with pytest.raises(MeshError, match="'fsdp' is not name=size"):
         jshard.mesh.parse_axis_sizes("data=2,fsdp")
+    with pytest.raises(MeshError, match="unknown mesh axis 'dta'; known: data, stage, fsdp, context, expert, tensor. "
+                                        "Fix: data=8"):
+        jshard.mesh.parse_axis_sizes("dta=8")
 
 
 def test_cli_reports_bad_mesh_without_traceback(capsys):
@@ -67,3 +70,11 @@ def test_cli_reports_bad_mesh_without_traceback(capsys):
 
     assert main(["train", "--mesh", "data=3"]) == 2
     assert "jshard train: mesh data=3 needs 3 devices, but JAX sees 8" in capsys.readouterr().err
+
+
+def test_fake_device_count_respects_xla_flags_unless_the_flag_is_given(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=4")
+    assert jshard.mesh.fake_device_count(None, 8) == 4  # the environment's count over the command's default
+    assert jshard.mesh.fake_device_count(2, 8) == 2  # --fake-devices over both
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+    assert jshard.mesh.fake_device_count(None, 8) == 8

@@ -5,14 +5,15 @@ both carried through checkpoints; never a silently wrong number.
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
 
 import jshard
-from flax_models import (CNN, MLP, MODELS, Transformer, classification_loss, image_batches, mse_loss, next_token_loss,
-                         regression_batches, token_batches)
+from flax_models import (CNN, MLP, MODELS, StackedTransformer, Transformer, classification_loss, image_batches, mse_loss,
+                         next_token_loss, regression_batches, stacked_loss, token_batches)
 from jshard.checkpoint import Checkpoints
 from jshard.parallel import build_step
 from parity import (SGD_MOMENTUM, TOLERANCE, assert_trains_like_one_device, assert_trees_close, relative_error, train,
@@ -37,6 +38,7 @@ OPTIMIZER = SGD_MOMENTUM
 # its stack matters: ZeRO-3's per-layer gathers, and pipelines.
 CASES = [(name, preset, sizes, None) for name in ("mlp", "cnn", "transformer") for preset, sizes in PRESETS
          if name != "mlp" or preset in ("dp", "zero3", "dp+fsdp+tp")] + [
+    ("user scan", preset, sizes, None) for preset, sizes in PRESETS if preset in ("zero2", "zero3", "dp+fsdp+tp")] + [
     ("stacked transformer", "zero3", dict(fsdp=8), None),
     ("stacked transformer", "dp+pp", dict(data=2, stage=4), 2),
     ("stacked transformer", "fsdp+tp+pp", dict(fsdp=2, tensor=2, stage=2), 2),
@@ -55,16 +57,40 @@ def test_plain_flax_model_matches_one_device(name, preset, sizes, microbatches):
     assert_trains_like_one_device(step, run, f"{name} {preset}")
 
 
+@pytest.mark.parametrize("name", ["unnamed cnn", "unnamed transformer"])
+@pytest.mark.parametrize("preset", ["zero1", "zero2", "zero3"])
+def test_zero_splits_params_without_names_by_itself(name, preset):
+    """ZeRO needs no names (as PyTorch FSDP): each unnamed param split on its largest dim that
+    divides, and the run is one device's."""
+    make, loss_fn, batches = MODELS[name]
+    run = train_on_one_device(make(nnx.Rngs(SEED)), OPTIMIZER, loss_fn, batches(SEED, 3))
+    step = build_step(make(nnx.Rngs(SEED)), OPTIMIZER, loss_fn, jshard.make_mesh(fsdp=8), jshard.preset(preset))
+    assert_trains_like_one_device(step, run, f"{name} {preset}")
+    flags = {p.path: p.flags for p in step.describe(batches(SEED, 1)[0]).rows}
+    kernel = "conv1/kernel" if name == "unnamed cnn" else "up/kernel"
+    where = "" if preset == "zero3" else "optimizer state: "
+    assert f"{where}no logical names: split by itself over fsdp on dim {3 if name == 'unnamed cnn' else 1} (ZeRO)" \
+        in flags[kernel], flags[kernel]
+
+
+def test_tensor_parallelism_still_needs_names_and_says_which():
+    with pytest.raises(jshard.ShardingError, match=r"param 'conv1/kernel' \(shape \(3, 3, 1, 8\)\) has no logical axis "
+                                                   r"names, but rules 'dp\+zero3\+tp' shard params over tensor"):
+        build_step(MODELS["unnamed cnn"][0](nnx.Rngs(0)), OPTIMIZER, classification_loss,
+                   jshard.make_mesh(data=2, fsdp=2, tensor=2), jshard.preset("dp+fsdp+tp"))
+
+
 def test_describe_lists_the_params_a_plain_layer_reads_whole():
     step = build_step(MLP(nnx.Rngs(0)), OPTIMIZER, mse_loss, jshard.make_mesh(data=2, fsdp=2, tensor=2),
                       jshard.preset("dp+fsdp+tp"))
     flags = {p.path: p.flags for p in step.describe(regression_batches(0, 1)[0]).rows}
     assert any("read whole by a plain layer" in f and "gathered over tensor" in f for f in flags["up/kernel"])
-    assert any("no logical names: replicated" in f for f in flags["up/bias"])
+    assert "no logical names: split by itself over fsdp on dim 0 (ZeRO)" in flags["up/bias"]  # (not over tensor)
     # Under ZeRO-3 alone a whole read gathers what jshard.nn gathers too: nothing to flag.
     step = build_step(MLP(nnx.Rngs(0)), OPTIMIZER, mse_loss, jshard.make_mesh(fsdp=8), jshard.preset("zero3"))
     report = step.describe(regression_batches(0, 1)[0])
-    assert step.whole_reads == {"up/kernel": ("fsdp",), "down/kernel": ("fsdp",)}
+    assert step.whole_reads == {"up/kernel": ("fsdp",), "down/kernel": ("fsdp",), "up/bias": ("fsdp",),
+                                "down/bias": ("fsdp",)}  # (the biases split by ZeRO with no names)
     assert not any("read whole" in f for p in report.rows for f in p.flags), str(report)
 
 
@@ -79,6 +105,88 @@ def test_a_split_params_shape_is_the_whole_params():
     step = build_step(ShapeReadingMLP(nnx.Rngs(0)), OPTIMIZER, mse_loss, jshard.make_mesh(data=2, fsdp=2, tensor=2),
                       jshard.preset("dp+fsdp+tp"))
     train(step, regression_batches(0, 1))
+
+
+class EveryReadMLP(MLP):
+    """Reads its kernels every way Flax's Variable supports; each read must be the whole param."""
+
+    def __call__(self, x):
+        up, down = self.up.kernel, self.down.kernel
+        assert len(up) == 16 and len(up.value) == 16 and up.size == 16 * 64 and len(down) == 64
+        rows = jnp.stack(list(up))  # iteration: the rows of the whole kernel
+        hidden = jax.nn.relu(x @ rows + self.up.bias[...])
+        # Four more spellings of the same matrix, and operators on both sides of it.
+        w = (down.value + jnp.asarray(down) + down.T.T + down.reshape(64, 16)) / 4
+        w = (2.0 * w - down) * (len(down) / 64) + abs(-down) * 0 - (down - down)
+        return hidden @ w + self.down.bias[...] + (up.sum() - up.value.sum())
+
+
+@pytest.mark.parametrize("preset, sizes", [("zero2", dict(fsdp=8)), ("zero3", dict(fsdp=8)),
+                                           ("dp+fsdp+tp", dict(data=2, fsdp=2, tensor=2))])
+def test_every_read_of_a_split_param_gets_the_whole_param(preset, sizes):
+    run = train_on_one_device(EveryReadMLP(nnx.Rngs(SEED)), OPTIMIZER, mse_loss, regression_batches(SEED, 2))
+    step = build_step(EveryReadMLP(nnx.Rngs(SEED)), OPTIMIZER, mse_loss, jshard.make_mesh(**sizes),
+                      jshard.preset(preset))
+    assert_trains_like_one_device(step, run, preset)
+
+
+def loss_and_accuracy(model, batch):
+    """The classification loss, and the accuracy beside it: a loss that returns metrics."""
+    images, labels = batch
+    logits = model(images)
+    loss = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=-1))
+    return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == labels), "mean_logit": logits.mean()}
+
+
+@pytest.mark.parametrize("preset, sizes, collectives", [
+    ("dp", dict(data=8), "explicit"), ("zero3", dict(fsdp=8), "explicit"),
+    ("dp+fsdp+tp", dict(data=2, fsdp=2, tensor=2), "explicit"), ("dp+fsdp+tp", dict(data=2, fsdp=2, tensor=2), "compiler")])
+def test_a_loss_that_returns_metrics_trains_and_returns_them(preset, sizes, collectives):
+    """`has_aux=True`: the step returns (loss, metrics), each the one-device value on the global batch."""
+    batches = image_batches(SEED, 3)
+    one = CNN(nnx.Rngs(SEED), dropout=0.0)
+    step = build_step(CNN(nnx.Rngs(SEED), dropout=0.0), OPTIMIZER, loss_and_accuracy, jshard.make_mesh(**sizes),
+                      jshard.preset(preset), collectives=collectives, has_aux=True)
+    state, reference = step.state, train_on_one_device(one, OPTIMIZER, classification_loss, batches)
+    for batch, expected_loss in zip(batches, reference.losses):
+        evaluated_loss, evaluated = step.loss(state, step.shard_batch(batch))
+        state, (loss, metrics) = step(state, step.shard_batch(batch))
+        assert relative_error(loss, expected_loss) < TOLERANCE and float(evaluated_loss) == pytest.approx(float(loss))
+        assert set(metrics) == {"accuracy", "mean_logit"}
+        assert {k: float(v) for k, v in metrics.items()} == pytest.approx({k: float(v) for k, v in evaluated.items()})
+    # The metrics of the last batch, as one device computes them with the params before its step.
+    before = CNN(nnx.Rngs(SEED), dropout=0.0)
+    nnx.update(before, train_on_one_device(CNN(nnx.Rngs(SEED), dropout=0.0), OPTIMIZER, classification_loss,
+                                           batches[:-1]).state)
+    expected = loss_and_accuracy(before, batches[-1])[1]
+    assert float(metrics["accuracy"]) == pytest.approx(float(expected["accuracy"]))
+    assert float(metrics["mean_logit"]) == pytest.approx(float(expected["mean_logit"]), rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("loss_fn, has_aux, sizes, message", [
+    (loss_and_accuracy, False, dict(data=8), "the loss returned a tuple, not one scalar. Fix: for \\(loss, metrics\\), "
+                                             "build_step\\(..., has_aux=True\\)"),
+    (lambda m, b: (classification_loss(m, b), m(b[0])), True, dict(data=8), "metric metrics has shape \\(2, 10\\)"),
+    (classification_loss, True, dict(data=8), "the loss returned a ArrayImpl|Tracer|not \\(loss, metrics\\)"),
+])
+def test_a_loss_with_metrics_that_does_not_fit_gets_one_error(loss_fn, has_aux, sizes, message):
+    step = build_step(CNN(nnx.Rngs(0), dropout=0.0), OPTIMIZER, loss_fn, jshard.make_mesh(**sizes), jshard.preset("dp"),
+                      has_aux=has_aux)
+    with pytest.raises(jshard.ShardingError, match=message):
+        step(step.state, step.shard_batch(image_batches(0, 1)[0]))
+
+
+@pytest.mark.parametrize("make, loss_fn, has_aux, message", [
+    (StackedTransformer, lambda model, batch: stacked_loss(model, batch), False,
+     "the loss '<lambda>' is a plain function: a pipeline needs a jshard.models.StagedLoss"),
+    (StackedTransformer, stacked_loss, True, "build_step\\(has_aux=True\\): rules 'dp\\+pp' pipeline the layers"),
+    (Transformer, stacked_loss, False, "no param of the model has a 'layers' dim to split: its blocks are separate "
+                                       "modules \\(a list, nnx.Sequential\\). Fix: stack them"),
+])
+def test_a_pipeline_names_what_its_model_or_loss_lacks(make, loss_fn, has_aux, message):
+    with pytest.raises(jshard.ShardingError, match=message):
+        build_step(make(nnx.Rngs(0)), OPTIMIZER, loss_fn, jshard.make_mesh(data=4, stage=2),
+                   jshard.preset("dp+pp"), microbatches=4, has_aux=has_aux)
 
 
 def fold_keys(model, shard: int):

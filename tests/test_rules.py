@@ -189,11 +189,15 @@ class UserModel(nnx.Module):
         return jshard.constrain(x @ self.w + self.b, ("batch", "mlp"))
 
 
-def test_an_unnamed_bias_is_replicated_and_flagged_unless_strict():
+def test_an_unnamed_bias_is_split_by_zero_itself_or_replicated_and_flagged_unless_strict():
     model = nnx.eval_shape(lambda: UserModel(nnx.Rngs(0), named_bias=False))
     mesh = jshard.make_mesh(fsdp=8)
-    assert spec_of(model, mesh, jshard.preset("fsdp"), "b") == P()
+    assert spec_of(model, mesh, jshard.preset("fsdp"), "b") == P("fsdp")  # ZeRO needs no names
     (flagged,) = jshard.describe(model, mesh, jshard.preset("fsdp")).flagged
+    assert flagged.path == "b" and flagged.flags == ("no logical names: split by itself over fsdp on dim 0 (ZeRO)",)
+    tensor = jshard.make_mesh(tensor=8)  # tensor parallelism splits by names: an unnamed bias stays whole
+    assert spec_of(model, tensor, jshard.preset("tp"), "b") == P()
+    (flagged,) = jshard.describe(model, tensor, jshard.preset("tp")).flagged
     assert flagged.path == "b" and flagged.flags == (
         "no logical names: replicated (unnamed 1-D params are; strict rules refuse them)",)
     with pytest.raises(ShardingError) as e:
@@ -210,11 +214,14 @@ class UnnamedKernel(nnx.Module):
         self.w = nnx.Param(jnp.zeros((16, 32)))
 
 
-def test_an_unnamed_matrix_fails_where_params_are_sharded_with_names_of_its_rank():
-    with pytest.raises(ShardingError) as e:
-        jshard.specs(nnx.eval_shape(UnnamedKernel), jshard.make_mesh(fsdp=8), jshard.preset("fsdp"))
+def test_an_unnamed_matrix_is_split_by_zero_itself_and_fails_where_names_split_it():
+    # ZeRO: its largest dim that divides, as a named one would be split
+    assert jshard.specs(nnx.eval_shape(UnnamedKernel), jshard.make_mesh(fsdp=8), jshard.preset("fsdp"))["w"].get_value() \
+        == P(None, "fsdp")
+    with pytest.raises(ShardingError) as e:  # tensor parallelism: by what the dims mean
+        jshard.specs(nnx.eval_shape(UnnamedKernel), jshard.make_mesh(fsdp=4, tensor=2), jshard.preset("fsdp+tp"))
     msg = str(e.value)
-    assert "param 'w' (shape (16, 32)) has no logical axis names" in msg, msg
+    assert "param 'w' (shape (16, 32)) has no logical axis names, but rules 'zero3+tp' shard params over tensor" in msg
     assert "name its 2 dim(s), e.g. nnx.Param(value, out_sharding=('embed', 'mlp'))" in msg, msg
 
 

@@ -1,7 +1,7 @@
 """`jshard` command line: one sub-command per job, each registered by the module that owns it.
 
-Each module of this package (`train`, `generate`, `plan`, `bench`, `pipeline`, `launch`,
-`plot`) holds one command's `add_parser` (its flags: `flags.py`, shared by all) and `run`,
+Each module of this package (`train`, `generate`, `export`, `plan`, `bench`, `pipeline`,
+`launch`, `plot`) holds one command's `add_parser` (its flags: `flags.py`, shared by all) and `run`,
 which turns the flags into a config and calls the library. Nothing outside this package
 imports it.
 """
@@ -14,7 +14,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     # Imported here so `jshard --help` stays fast.
-    from jshard.cli import bench, compile, generate, launch, pipeline, plan, plot, train
+    from jshard.cli import bench, compile, export, generate, launch, pipeline, plan, plot, train
 
     parser = argparse.ArgumentParser(prog="jshard", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     compile.add_parser(commands)
     launch.add_parser(commands)
     generate.add_parser(commands)
+    export.add_parser(commands)
     plot.add_parser(commands)
     return parser
 
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from jshard.config import FlagError
     from jshard.distributed import DistributedError, initialize, leave
     from jshard.generate import GenerateError
+    from jshard.hf import HFError
     from jshard.mesh import MeshError
     from jshard.parallel.schedules import ScheduleError
     from jshard.plot import PlotError
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.run(args) or 0)
     # Bad input: the message is the help.
     except (MeshError, ShardingError, CollectiveError, ScheduleError, TrainError, CheckpointError,
-            DistributedError, FlagError, PlotError, GenerateError, CompileError) as e:
+            DistributedError, FlagError, PlotError, GenerateError, CompileError, HFError) as e:
         print(f"jshard {args.command}: {e}", file=sys.stderr)
         return leave(2)  # in a multi-process run, at once: the others may wait in a collective
     except Exception:

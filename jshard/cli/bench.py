@@ -15,7 +15,8 @@ import jshard
 from jshard.bench import collectives, gpu, pipeline, step, strategies
 from jshard.cli import flags
 from jshard.config import FlagError, model_config, write_json
-from jshard.mesh import GPU_XLA_FLAGS, mesh_sizes, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags
+from jshard.mesh import (GPU_XLA_FLAGS, fake_device_count, mesh_sizes, use_fake_cpu_devices_unless_accelerated,
+                         use_gpu_xla_flags)
 from jshard.metrics import PROFILE_STEPS
 from jshard.parallel.schedules import SCHEDULES
 
@@ -80,7 +81,7 @@ def _ops(text: str) -> tuple[str, ...]:
 
 
 def run_collectives(args) -> int:
-    use_fake_cpu_devices_unless_accelerated(args.fake_devices)
+    use_fake_cpu_devices_unless_accelerated(fake_device_count(args.fake_devices, flags.FAKE_DEVICES))
     sizes = args.sizes or collectives.sweep(args.min_bytes, args.max_bytes, args.factor)
     result = collectives.run_collectives(args.mesh, args.axis, args.ops, sizes, args.dtype, args.warmup, args.repeats)
     write_json(args.json, result)
@@ -102,7 +103,7 @@ def add_strategies(benches) -> None:
 
 
 def run_strategies(args) -> int:
-    use_fake_cpu_devices_unless_accelerated(args.fake_devices)
+    use_fake_cpu_devices_unless_accelerated(fake_device_count(args.fake_devices, flags.FAKE_DEVICES))
     policy = flags.precision_of(args)
     config = flags.built_model(args, "small", {"seq_len": 64})
     rows = strategies.run_strategies(config, policy, args.batch_size, args.repeats, args.strategies)
@@ -125,7 +126,7 @@ def add_pipeline(benches) -> None:
 
 
 def run_pipeline(args) -> int:
-    use_fake_cpu_devices_unless_accelerated(args.fake_devices)
+    use_fake_cpu_devices_unless_accelerated(fake_device_count(args.fake_devices, flags.FAKE_DEVICES))
     config = flags.built_model(args, "small", {"layers": 8, "seq_len": 64})  # 8 layers: 4 stages of 2 chunks
     rows = pipeline.run_schedules(config, args.mesh, list(filter(None, args.schedules.split(","))), args.microbatches,
                                   args.virtual, args.stage_remat, args.batch_size, args.repeats)

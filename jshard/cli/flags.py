@@ -138,9 +138,14 @@ def add_pipeline(parser, microbatches: int | None = None, shown: str | None = No
              "full = its input only, recomputing the forward (a third more work)")
 
 
-def add_fake_devices(parser, default: int | None = 8, shown: int | None = None) -> None:
-    parser.add_argument("--fake-devices", type=positive_int, default=default,
-                        help=_shown("CPU devices to fake when no accelerator is present", default, shown))
+FAKE_DEVICES = 8  # a command's --fake-devices when neither it nor XLA_FLAGS gives a count
+
+
+def add_fake_devices(parser, shown: int = FAKE_DEVICES) -> None:
+    """--fake-devices N; not given (None): XLA_FLAGS's count, else the command's (`mesh.fake_device_count`)."""
+    parser.add_argument("--fake-devices", type=positive_int, default=None,
+                        help=f"CPU devices to fake when no accelerator is present (default: the count "
+                             f"XLA_FLAGS=--xla_force_host_platform_device_count=N asks for, else {shown})")
 
 
 def add_json(parser, what: str = "the result") -> None:

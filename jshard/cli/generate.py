@@ -7,6 +7,7 @@ import dataclasses
 
 from jshard import generate
 from jshard.cli import flags
+from jshard.generate import FAKE_DEVICES as GENERATE_FAKE_DEVICES
 from jshard.generate import MAX_TOKENS, GenerateConfig
 
 
@@ -15,7 +16,9 @@ def add_parser(commands) -> None:
                                  description=generate.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = GenerateConfig("", "")
     add = parser.add_argument
-    add("--checkpoint-dir", required=True, metavar="DIR", help="a `jshard train --checkpoint-dir` directory")
+    add("--checkpoint-dir", metavar="DIR", help="a `jshard train --checkpoint-dir` directory")
+    add("--init-from", metavar="DIR", help="a Hugging Face model directory (config.json, safetensors, "
+                                           "tokenizer.json) instead of a checkpoint (docs/checkpoints.md)")
     add("--prompt", required=True, help="the text to continue")
     add("--max-tokens", type=int, metavar="N",
         help=f"new tokens per sample (default: {MAX_TOKENS}, or what the model's seq_len leaves after the prompt)")
@@ -31,7 +34,7 @@ def add_parser(commands) -> None:
         help="no KV cache: every token runs the model over the whole window (to measure the cache's gain)")
     flags.add_strategy(parser, defaults.strategy)
     flags.add_mesh(parser)
-    flags.add_fake_devices(parser, defaults.fake_devices)
+    flags.add_fake_devices(parser, GENERATE_FAKE_DEVICES)
     flags.add_json(parser, "the samples, their token ids and the timings")
     parser.set_defaults(run=run)
 

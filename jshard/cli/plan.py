@@ -9,7 +9,7 @@ import dataclasses
 from jshard import aot
 from jshard.cli import flags
 from jshard.config import FlagError, write_json
-from jshard.mesh import STANDARD_AXES, mesh_sizes, use_fake_cpu_devices, use_gpu_xla_flags
+from jshard.mesh import STANDARD_AXES, fake_device_count, mesh_sizes, use_fake_cpu_devices, use_gpu_xla_flags
 from jshard.plan import memory_png
 from jshard.plan.estimate import GiB, HARDWARE, Hardware, PlanInput, estimate, report
 from jshard.plan.validate import (MEMORY_TOLERANCE, VALIDATION_MODELS, format_validation, validate_one, validation_cases,
@@ -79,7 +79,7 @@ def run(args) -> int:
             target = aot.target(args.target)
             devices, hardware = aot.target_devices(target), target.hardware
         else:
-            use_fake_cpu_devices(args.fake_devices)
+            use_fake_cpu_devices(fake_device_count(args.fake_devices, flags.FAKE_DEVICES))
         results = []
         print(format_validation([]))
         for case, model in validation_cases():

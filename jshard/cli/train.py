@@ -12,6 +12,7 @@ from jshard import train
 from jshard.cli import flags
 from jshard.metrics import PROFILE_STEPS
 from jshard.train import EVAL_BATCHES, PIPELINE_MICROBATCHES, TrainConfig, TrainError
+from jshard.train import FAKE_DEVICES as TRAIN_FAKE_DEVICES
 
 
 def add_parser(commands) -> None:
@@ -32,6 +33,9 @@ def add_parser(commands) -> None:
     add("--tokenizer", f"of text: {' or '.join(tokenizers.KINDS)} (a byte-level BPE trained on the data, of --vocab "
                        f"tokens, default {tokenizers.BPE_VOCAB}; saved beside the checkpoints)",
         choices=tokenizers.KINDS)
+    add("--init-from", "fine-tune a Hugging Face model: a local directory with config.json, safetensors and "
+                       "tokenizer.json (Llama 3, Mistral, Qwen2, Qwen3, Mixtral; docs/checkpoints.md); in place of "
+                       "--model and the size flags", metavar="DIR")
     flags.add_model(parser, None, defaults.model, seq_len_help="tokens per row (default: 64, or the model's longest "
                                                                "if shorter)")
     flags.add_strategy(parser, None, defaults.strategy)
@@ -57,7 +61,7 @@ def add_parser(commands) -> None:
     add("--plot", "draw loss, eval loss, tokens/s and MFU over steps to FILE.png at the end", metavar="FILE.png")
     add("--profile", f"write a jax.profiler trace of {PROFILE_STEPS} steps to DIR", metavar="DIR")
     add("--seed", "model init and data order (default: 0, or the checkpoint's on --resume)", type=int)
-    flags.add_fake_devices(parser, None, defaults.fake_devices)
+    flags.add_fake_devices(parser, TRAIN_FAKE_DEVICES)
     add("--peak-tflops", "device peak for MFU, per device (default: known GPUs; measured on CPU)", type=float)
     add("--log-every", "print a line every N steps (default: steps // 10)", type=int, metavar="N")
     parser.set_defaults(run=run)

@@ -12,7 +12,7 @@ prompt through it once, then one token per call (`jshard.generate`).
 The layers are `jshard.nn`'s: each is told the names of its input and knows those of its
 weights, so the same code runs on one device, under the compiler's sharding, and in a
 jshard step whose collectives follow from the rules. Linears have no bias (as in most
-current LLMs); the blocks are stacked on a leading `layers` axis (see `stack.py`).
+current LLMs) unless `bias` (GPT-2's, for its checkpoints: `jshard.hf`); the blocks are stacked on a leading `layers` axis (see `stack.py`).
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ class GPTConfig:
     dtype: jnp.dtype | None = None  # compute dtype; None: the step's precision policy's (`nn.compute_dtype`)
     remat: str = "none"  # activation checkpointing of each block: none, full or selective (see stack.py)
     attention: str = "auto"  # the kernel: auto, xla or cudnn (`nn.attention_implementation`)
+    bias: bool = False  # biases on every Linear (GPT-2's)
+    norm_epsilon: float = 1e-6  # the LayerNorms' (GPT-2: 1e-5)
 
     @property
     def head_dim(self) -> int:
@@ -88,11 +90,11 @@ class Attention(nnx.Module):
         heads, self.choice = (config.heads, config.head_dim), config.attention
         self.qkv = nn.Linear(
             config.embed, (3, *heads), in_names="embed", out_names=(None, "heads", "kv"),
-            kernel_init=_init(config), dtype=config.dtype, rngs=rngs,
+            kernel_init=_init(config), bias=config.bias, dtype=config.dtype, rngs=rngs,
         )
         self.out = nn.Linear(
             heads, config.embed, in_names=("heads", "kv"), out_names="embed",
-            kernel_init=_init(config, residual_out=True), dtype=config.dtype, rngs=rngs,
+            kernel_init=_init(config, residual_out=True), bias=config.bias, dtype=config.dtype, rngs=rngs,
         )
 
     def __call__(self, x):
@@ -110,11 +112,11 @@ class MLP(nnx.Module):
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         self.up = nn.Linear(
             config.embed, config.mlp, in_names="embed", out_names="mlp",
-            kernel_init=_init(config), dtype=config.dtype, rngs=rngs,
+            kernel_init=_init(config), bias=config.bias, dtype=config.dtype, rngs=rngs,
         )
         self.down = nn.Linear(
             config.mlp, config.embed, in_names="mlp", out_names="embed",
-            kernel_init=_init(config, residual_out=True), dtype=config.dtype, rngs=rngs,
+            kernel_init=_init(config, residual_out=True), bias=config.bias, dtype=config.dtype, rngs=rngs,
         )
 
     def __call__(self, x):
@@ -123,8 +125,9 @@ class MLP(nnx.Module):
 
 class Block(nnx.Module):
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
-        self.attn_norm, self.attn = nn.LayerNorm(config.embed, dtype=config.dtype), Attention(config, rngs=rngs)
-        self.mlp_norm, self.mlp = nn.LayerNorm(config.embed, dtype=config.dtype), MLP(config, rngs=rngs)
+        norm = dict(epsilon=config.norm_epsilon, dtype=config.dtype)
+        self.attn_norm, self.attn = nn.LayerNorm(config.embed, **norm), Attention(config, rngs=rngs)
+        self.mlp_norm, self.mlp = nn.LayerNorm(config.embed, **norm), MLP(config, rngs=rngs)
 
     def __call__(self, x):
         x = x + self.attn(self.attn_norm(x))
@@ -143,7 +146,7 @@ class GPT(nnx.Module):
         self.token_embed = nn.Embed(config.vocab, config.embed, names=("vocab", "embed"), **embed)
         self.pos_embed = nn.Embed(config.seq_len, config.embed, names=("seq", "embed"), **embed)
         self.blocks = stack_layers(lambda rngs: Block(config, rngs=rngs), config.layers, rngs, config.remat)
-        self.final_norm = nn.LayerNorm(config.embed, dtype=config.dtype)
+        self.final_norm = nn.LayerNorm(config.embed, epsilon=config.norm_epsilon, dtype=config.dtype)
         if not config.tied_head:
             self.head = nn.Linear(
                 config.embed, config.vocab, in_names="embed", out_names="vocab",

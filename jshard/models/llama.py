@@ -46,7 +46,13 @@ class LlamaConfig:
     mlp: int = 384  # the gated MLP's width (three matrices)
     layers: int = 4
     rope_theta: float = 10000.0
+    # Llama 3's long-context rotary frequencies: (factor, low_freq_factor, high_freq_factor,
+    # original context length); None: plain rotary. See `rotary_frequencies`.
+    rope_scaling: tuple[float, float, float, int] | None = None
     tied_head: bool = False
+    head_size: int | None = None  # the per-head dim, where not embed // heads (Qwen3)
+    qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
+    qk_norm: bool = False  # an RMSNorm over each head's queries and keys before rotary (Qwen3)
     dtype: jnp.dtype | None = None  # compute dtype; None: the step's precision policy's (`nn.compute_dtype`)
     remat: str = "none"  # see stack.py
     attention: str = "auto"  # the kernel: auto, xla or cudnn (`nn.attention_implementation`)
@@ -71,23 +77,26 @@ class LlamaConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.embed // self.heads
+        return self.head_size or self.embed // self.heads
 
     family = "Llama"  # what reports and checkpoint records call the model
 
     @property
     def matmul_weights(self) -> int:
-        """N of the 6·N FLOPs per token: q and out (h × h), k and v (h × kv_heads·head_dim), the
-        three MLP matrices (of each of the top_k experts a token goes to, and the router), and
-        the head (tied or not)."""
+        """N of the 6·N FLOPs per token: q and out (h × heads·head_dim), k and v (h ×
+        kv_heads·head_dim), the three MLP matrices (of each of the top_k experts a token goes
+        to, and the router), and the head (tied or not)."""
         h = self.embed
         experts = self.moe_layers * (3 * h * self.mlp * self.top_k + h * self.experts)
         dense = (self.layers - self.moe_layers) * 3 * h * self.mlp
-        return self.layers * (2 * h * h + 2 * h * self.kv_heads * self.head_dim) + experts + dense + self.vocab * h
+        attention = 2 * h * (self.heads + self.kv_heads) * self.head_dim
+        return self.layers * attention + experts + dense + self.vocab * h
 
     def __post_init__(self):
-        if self.embed % self.heads:
-            raise ValueError(f"LlamaConfig: embed={self.embed} must divide by heads={self.heads}")
+        if self.rope_scaling is not None:  # (a JSON record gives a list)
+            object.__setattr__(self, "rope_scaling", tuple(self.rope_scaling))
+        if self.embed % self.heads and not self.head_size:
+            raise ValueError(f"LlamaConfig: embed={self.embed} must divide by heads={self.heads} (or give head_size)")
         if self.heads % self.kv_heads:
             raise ValueError(f"LlamaConfig: heads={self.heads} must divide by kv_heads={self.kv_heads}")
         if self.attention not in nn.ATTENTION:
@@ -118,12 +127,29 @@ LLAMA_SIZES = {
 INIT = nnx.initializers.normal(0.02)
 
 
-def rotary(x: jax.Array, theta: float, first=0, positions: jax.Array | None = None) -> jax.Array:
+def rotary_frequencies(head_dim: int, theta: float, scaling: tuple | None = None) -> jax.Array:
+    """theta^(-2i/head_dim) for each pair i; with Llama 3's `scaling` (factor, low, high,
+    original context): wavelengths longer than original/low slowed by the factor, shorter than
+    original/high kept, those between interpolated (Meta's `apply_scaling`)."""
+    half = head_dim // 2
+    frequencies = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if scaling is None:
+        return frequencies
+    factor, low, high, original = scaling
+    wavelength = 2 * jnp.pi / frequencies
+    smooth = (original / wavelength - low) / (high - low)
+    slowed = jnp.where(wavelength > original / low, frequencies / factor, frequencies)
+    medium = (wavelength <= original / low) & (wavelength >= original / high)
+    return jnp.where(medium, (1 - smooth) * slowed / factor + smooth * slowed, slowed)
+
+
+def rotary(x: jax.Array, theta: float, first=0, positions: jax.Array | None = None,
+           scaling: tuple | None = None) -> jax.Array:
     """Rotary position embedding of (batch, seq, heads, head_dim) queries or keys at `positions`
     (default first..first+seq-1), in float32: each pair (i, i + head_dim/2) turned by position ·
-    theta^(-2i/head_dim)."""
+    `rotary_frequencies`."""
     half = x.shape[-1] // 2
-    frequencies = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    frequencies = rotary_frequencies(x.shape[-1], theta, scaling)
     positions = (first + jnp.arange(x.shape[1])) if positions is None else positions
     angles = positions.astype(jnp.float32)[:, None] * frequencies  # (seq, half)
     cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
@@ -133,27 +159,40 @@ def rotary(x: jax.Array, theta: float, first=0, positions: jax.Array | None = No
 
 class Attention(nnx.Module):
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
-        self.theta, self.choice = config.rope_theta, config.attention
+        self.theta, self.scaling, self.choice = config.rope_theta, config.rope_scaling, config.attention
         linear = dict(kernel_init=INIT, dtype=config.dtype, rngs=rngs)
         self.q = nn.Linear(config.embed, (config.heads, config.head_dim), in_names="embed",
-                           out_names=("heads", "kv"), **linear)
+                           out_names=("heads", "kv"), bias=config.qkv_bias, **linear)
         self.kv = nn.Linear(config.embed, (2, config.kv_heads, config.head_dim), in_names="embed",
-                            out_names=(None, "kv_heads", "kv"), **linear)
+                            out_names=(None, "kv_heads", "kv"), bias=config.qkv_bias, **linear)
         self.out = nn.Linear((config.heads, config.head_dim), config.embed, in_names=("heads", "kv"),
                              out_names="embed", **linear)
+        if config.qk_norm:
+            norm = dict(name="kv", epsilon=config.norm_epsilon, dtype=config.dtype)
+            self.q_norm, self.k_norm = nn.RMSNorm(config.head_dim, **norm), nn.RMSNorm(config.head_dim, **norm)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def queries_keys_values(self, x, first=None):
+        """Rotated queries and keys, and values, of the normed input x: at positions first, ...
+        (decoding), else at this device's share of the sequence."""
+        q, kv = self.q(x, RESIDUAL), self.kv(x, RESIDUAL)
+        k, v = kv[:, :, 0], kv[:, :, 1]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        # q's positions, not x's: sequence parallelism gathers the sequence in the projection
+        positions = nn.positions(q, PER_HEAD) if first is None else None
+        turn = functools.partial(rotary, theta=self.theta, first=0 if first is None else first, positions=positions,
+                                 scaling=self.scaling)
+        return turn(q), turn(k), v
 
     def __call__(self, x):
-        q = self.q(x, RESIDUAL)
-        positions = nn.positions(q, PER_HEAD)  # this device's, under context or sequence parallelism
-        kv = self.kv(x, RESIDUAL)
-        q, k = rotary(q, self.theta, positions=positions), rotary(kv[:, :, 0], self.theta, positions=positions)
-        v = kv[:, :, 1]
+        q, k, v = self.queries_keys_values(x)
         return self.out(nn.attention(q, k, v, self.choice), PER_HEAD)
 
     def decode(self, x, cache: nn.KVCache, position):
-        q = rotary(self.q(x, RESIDUAL), self.theta, position)
-        kv = self.kv(x, RESIDUAL)
-        cache = cache.write(rotary(kv[:, :, 0], self.theta, position), kv[:, :, 1], position)
+        q, k, v = self.queries_keys_values(x, first=position)
+        cache = cache.write(k, v, position)
         return self.out(nn.cached_attention(q, cache, position), PER_HEAD), cache
 
 

@@ -74,19 +74,30 @@ def _as_tuple(x) -> tuple:
 
 
 class Linear(nnx.Module):
-    """y = x · W over named dims: W is `in_names + out_names`, no bias."""
+    """y = x · W (+ b) over named dims: W is `in_names + out_names`, b (with `bias`) `out_names`."""
 
     def __init__(self, in_features, out_features, *, in_names, out_names, rngs: nnx.Rngs,
-                 kernel_init=nnx.initializers.lecun_normal(), dtype=None, param_dtype=jnp.float32):
-        self.names = _as_tuple(in_names) + _as_tuple(out_names)
+                 kernel_init=nnx.initializers.lecun_normal(), bias: bool = False, dtype=None,
+                 param_dtype=jnp.float32):
+        self.out_names = _as_tuple(out_names)
+        self.names = _as_tuple(in_names) + self.out_names
         self.dtype = dtype
         shape = _as_tuple(in_features) + _as_tuple(out_features)
         self.kernel = nnx.Param(kernel_init(rngs.params(), shape, param_dtype), **named(*self.names))
+        out_shape = _as_tuple(out_features)
+        self.bias = nnx.Param(jnp.zeros(out_shape, param_dtype), **named(*self.out_names)) if bias else None
 
     def __call__(self, x: jax.Array, x_names: Sequence[str | None]) -> jax.Array:
         """`x` has dims `x_names`; its trailing ones are this layer's input names."""
         dtype = compute_dtype(self.dtype)
-        return matmul(x.astype(dtype), x_names, param(self.kernel, dtype), self.names)
+        y = matmul(x.astype(dtype), x_names, param(self.kernel, dtype), self.names)
+        if self.bias is None:
+            return y
+        b = param(self.bias, dtype)
+        if in_step():  # the bias as the output has its dims (after any partial sum was reduced)
+            b = relayout_local(b, gathered_layout(self.out_names), layout(self.out_names))
+            y, b = vma.match(y, b)
+        return y + b
 
 
 class Embed(nnx.Module):

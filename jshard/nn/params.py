@@ -76,6 +76,35 @@ class _SplitParam:
     def astype(self, dtype):
         return self.whole().astype(dtype)
 
+    @property
+    def size(self):
+        return math.prod(self.shape)
+
+    def __len__(self):  # without gathering, as `shape`
+        return self.shape[0]
+
+    def __iter__(self):
+        return iter(self.whole())
+
+    def __getattr__(self, name):  # any other array attribute or method (.T, .reshape, .sum, ...): the whole's
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.whole(), name)
+
+
+def _on_whole(op: str):
+    def method(self, *args):
+        return getattr(self.whole(), op)(*args)
+    method.__name__ = op
+    return method
+
+
+# Every operator Flax's Variable forwards to its value, and the unary ones: on the whole param.
+# (Not == and !=: a split param compares as the dataclass it is.)
+for _op in ("add sub mul matmul truediv floordiv mod pow lshift rshift and xor or radd rsub rmul rmatmul rtruediv "
+            "rfloordiv rmod rpow rlshift rrshift rand rxor ror lt le gt ge neg pos abs invert").split():
+    setattr(_SplitParam, f"__{_op}__", _on_whole(f"__{_op}__"))
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -174,6 +203,9 @@ def param(variable: nnx.Variable, dtype=None) -> jax.Array:
     if not in_step():
         return value
     names = variable.get_metadata()["out_sharding"]
+    # A scan over a stack (a user's lax.scan, not scan_layers) hands each layer its slice with
+    # the stack's names still on: the leading names are the dims the scan took away.
+    names = tuple(names)[len(names) - value.ndim:]
     have, want = layout(names, "param"), gathered_layout(names)
     if want == have:
         return value

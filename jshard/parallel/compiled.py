@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding
 from jshard import nn
 from jshard.parallel.model_state import ModelState
 from jshard.parallel.plan import Plan
-from jshard.parallel.state import PlannedStep, TrainState, lower
+from jshard.parallel.state import PlannedStep, TrainState, lower, split_loss
 from jshard.placement import Report
 
 
@@ -133,10 +133,12 @@ class CompiledStep(PlannedStep):
 
         def loss_of(params):  # the model's Variables made here, at the level the forward writes them
             model = nnx.merge(self.graphdef, params, self.others.loaded(stored))
-            return self.loss_fn(model, batch), nnx.state(model, nnx.Not(nnx.Param))
+            loss, metrics = split_loss(self.loss_fn(model, batch), self.plan.has_aux)
+            return loss, (nnx.state(model, nnx.Not(nnx.Param)), metrics)
 
-        (loss, written), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
-        return loss, with_sharding_constraint(grads, self._grad_shardings), self.others.stored(written)
+        (loss, (written, metrics)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+        value = (loss, metrics) if self.plan.has_aux else loss
+        return value, with_sharding_constraint(grads, self._grad_shardings), self.others.stored(written)
 
     @contextlib.contextmanager
     def _traced(self):
@@ -162,5 +164,7 @@ class CompiledStep(PlannedStep):
     def _loss_body(self, params, stored, batch):
         with self._traced():
             params, batch = self._placed(params, batch)
-            return self.loss_fn(nnx.merge(self.graphdef, params, self.others.loaded(stored)), batch)
+            loss, metrics = split_loss(self.loss_fn(nnx.merge(self.graphdef, params, self.others.loaded(stored)), batch),
+                                       self.plan.has_aux)
+            return (loss, metrics) if self.plan.has_aux else loss
 

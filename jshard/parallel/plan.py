@@ -35,7 +35,7 @@ from jshard.models.stack import StagedLoss, has_stack
 from jshard.parallel import pipeline
 from jshard.parallel.model_state import check_no_pipeline
 from jshard.parallel.schedules import Schedule, check_layers, make_schedule
-from jshard.placement import ParamLayout, Report, paths_and_shapes, place, specs_of
+from jshard.placement import ParamLayout, Placement, Report, paths_and_shapes, place, specs_of
 from jshard.precision import Precision, precision as precision_policy
 from jshard.rules import Kind, Rules, ShardingError
 
@@ -61,6 +61,7 @@ class Plan:
     expert_axes: tuple[str, ...]  # the experts' (size > 1)
     tensor_axes: tuple[str, ...]  # the MLP width's (size > 1): tensor parallelism's
     sequence_axes: tuple[str, ...]  # the residual stream's seq (size > 1): sequence and context parallelism's
+    has_aux: bool = False  # the loss returns (loss, metrics): a pytree of scalars, averaged as the loss is
 
     # -- derived from the fields, read by the steps and the planner --------------------------
 
@@ -140,7 +141,14 @@ class Plan:
         return specs_of(opt_state, place(opt_state, self.mesh_sizes, self.rules, "opt"))
 
     def report(self) -> Report:
-        return Report(self.rules, self.mesh_sizes, "param", tuple(p.placement for p in self.params))
+        """The params' placements; where only the optimizer's layout splits an unnamed param
+        (ZeRO-1/2), that too."""
+        def flagged(p: ParamLayout) -> Placement:
+            extra = tuple(f"optimizer state: {f}" for f in p.opt_placement.flags
+                          if "split by itself" in f and f not in p.placement.flags)
+            return dataclasses.replace(p.placement, flags=p.placement.flags + extra)
+
+        return Report(self.rules, self.mesh_sizes, "param", tuple(flagged(p) for p in self.params))
 
     # -- the batch ---------------------------------------------------------------------------
 
@@ -170,13 +178,14 @@ class Plan:
 def make_plan(model, mesh: Mesh | AbstractMesh, rules: Rules, *, loss_fn=None, precision: Precision | str | None = None,
               microbatches: int | None = None, schedule: str | None = None, virtual: int | None = None,
               stage_remat: str | None = None, collectives: str = "explicit",
-              default_microbatches: int | None = None) -> Plan:
+              default_microbatches: int | None = None, has_aux: bool = False) -> Plan:
     """Resolve and check a step of `model` (an NNX module, abstract or not) under `rules` on
     `mesh` (or an AbstractMesh): the one place `build_step`'s inputs are checked.
 
     `loss_fn` None: not known here (the planner, `describe`); a pipeline needs a StagedLoss.
     `default_microbatches`: a pipeline's micro-batches where `microbatches` is not given (a
-    command's default); without it a pipeline needs `microbatches`.
+    command's default); without it a pipeline needs `microbatches`. `has_aux`: `loss_fn`
+    returns (loss, metrics), as for `jax.value_and_grad(..., has_aux=True)`.
     """
     if collectives not in COLLECTIVES:
         raise ShardingError(
@@ -203,10 +212,21 @@ def make_plan(model, mesh: Mesh | AbstractMesh, rules: Rules, *, loss_fn=None, p
                  zip(place(params, sizes, rules, "param"), place(params, sizes, rules, "opt")))
     plan = Plan(rules, mesh, collectives, rows, policy, plan_schedule, microbatches, stage_remat or "none",
                 has_stack(model), rules.axes("batch", mesh), rules.context_axes(mesh), stages[0] if stages else None,
-                split("experts"), split("mlp", "activation"), split("seq", "activation"))
+                split("experts"), split("mlp", "activation"), split("seq", "activation"), bool(has_aux))
+    if has_aux and plan.schedule:
+        raise ShardingError(
+            f"build_step(has_aux=True): rules {rules.name!r} pipeline the layers, and a pipeline's loss is a "
+            "StagedLoss whose micro-batch losses are summed, with no metrics beside them. Fix: compute the "
+            "metrics in an evaluation step (step.loss) of a non-pipelined preset, or drop has_aux.")
     _check_experts(plan)
     if plan.schedule:
         stacked = [p.shape[0] for p in rows if p.param and plan.stage_axis in p.param[0]]
+        if not stacked:
+            raise ShardingError(
+                f"build_step: rules {rules.name!r} pipeline the layers over {plan.stage_axis}, but no param of the "
+                "model has a 'layers' dim to split: its blocks are separate modules (a list, nnx.Sequential). "
+                "Fix: stack them on a 'layers' dim with jshard.models.stack_layers(make_block, n, rngs) and run "
+                "them with jshard.models.scan_layers, or use a preset without pp.")
         check_layers(stacked[0], plan.schedule.stages, plan.schedule.virtual)
     if rules.zero == 2 and collectives == "explicit":
         _check_one_zero_dim(rows)
@@ -244,7 +264,14 @@ def _schedule(rules: Rules, mesh, stages, given: str, loss_fn, microbatches, sch
     if len(stages) > 1:
         raise ShardingError(f"build_step: layers split over several stage axes {stages}; the pipeline uses one.")
     size = mesh_shape(mesh)[stages[0]]
-    if not isinstance(microbatches, int) or microbatches < 1 or not isinstance(loss_fn, (StagedLoss, type(None))):
+    if not isinstance(loss_fn, (StagedLoss, type(None))):
+        raise ShardingError(
+            f"build_step: rules {rules.name!r} split layers over {stages[0]}={size}, which pipelines them, "
+            f"and the loss {getattr(loss_fn, '__name__', type(loss_fn).__name__)!r} is a plain function: a "
+            "pipeline needs a jshard.models.StagedLoss that says where the stack of layers starts and ends "
+            "(its first, the stack, its last). Fix: wrap the loss in StagedLoss(first=..., layers=..., last=...), "
+            "as jshard.models.gpt_loss and mlp_loss are, or use a preset without pp.")
+    if not isinstance(microbatches, int) or microbatches < 1:
         raise ShardingError(
             f"build_step: rules {rules.name!r} split layers over {stages[0]}={size}, "
             f"which pipelines them: it needs microbatches=M >= 1 (got {microbatches!r}) and a "

@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh
@@ -84,3 +85,25 @@ def lower(jitted, mesh, platform: str | None, *args):
     if isinstance(mesh, AbstractMesh):
         return jitted.trace(*args).lower(lowering_platforms=(platform or jax.default_backend(),))
     return jitted.lower(*args)
+
+
+def split_loss(out, has_aux: bool):
+    """(loss, metrics) of what a loss function returned: with `has_aux` a (loss, metrics) pair
+    whose metrics are scalars (as float32, to be averaged); without it the loss alone (metrics
+    None). Anything else: one ShardingError that says what to change."""
+    if not has_aux:
+        if isinstance(out, (tuple, list, dict)):
+            raise ShardingError(
+                f"build_step: the loss returned a {type(out).__name__}, not one scalar. Fix: for (loss, metrics), "
+                "build_step(..., has_aux=True); else return the loss alone.")
+        return out, None
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise ShardingError(f"build_step(has_aux=True): the loss returned a {type(out).__name__}, not (loss, "
+                            "metrics). Fix: return loss, {'accuracy': accuracy}, or drop has_aux.")
+    loss, metrics = out
+    for path, x in jax.tree_util.tree_leaves_with_path(metrics):
+        if jnp.ndim(x) != 0:
+            raise ShardingError(
+                f"build_step(has_aux=True): metric {jax.tree_util.keystr(path) or 'metrics'} has shape "
+                f"{jnp.shape(x)}, not a scalar. Fix: reduce it in the loss (its mean over the batch), as the loss is.")
+    return loss, jax.tree.map(lambda x: jnp.asarray(x).astype(jnp.float32), metrics)

@@ -50,7 +50,7 @@ from jshard.parallel import pipeline
 from jshard.parallel.compiled import CompiledStep
 from jshard.parallel.model_state import ModelState, sync_batch_norms
 from jshard.parallel.plan import Plan, make_plan
-from jshard.parallel.state import PlannedStep, TrainState, lower
+from jshard.parallel.state import PlannedStep, TrainState, lower, split_loss
 from jshard.placement import Report
 from jshard.precision import Precision
 from jshard.rules import Rules, ShardingError, layout_of
@@ -76,7 +76,9 @@ class ShardedStep(PlannedStep):
     """`state, loss = step(state, batch)`: one optimizer step of `loss_fn(model, batch)`.
 
     `loss_fn` returns the mean loss over the batch it is given (inside the step: this
-    device's share, split along dim 0 of every batch leaf over the batch axes).
+    device's share, split along dim 0 of every batch leaf over the batch axes); with
+    `plan.has_aux`, `(loss, metrics)`, and the step returns `state, (loss, metrics)`: each
+    metric (a scalar) averaged over the batch shards as the loss is.
     `.state` is the initial state, placed by the rules (`abstract`: as ShapeDtypeStructs, for
     `lower` only); a step donates the state it is given. `.plan` holds every layout and axis.
     """
@@ -289,6 +291,12 @@ class ShardedStep(PlannedStep):
         spread = tuple(sorted(vma.varying_axes(loss) - set(self.batch_axes) - {self.plan.stage_axis}))
         return lax.pmean(loss, spread) if spread else loss
 
+    def _value(self, out):
+        """(loss, metrics) of what `loss_fn` returned, each one value over the non-batch axes
+        (metrics None without `has_aux`)."""
+        loss, metrics = split_loss(out, self.plan.has_aux)
+        return self._one_value(loss), jax.tree.map(self._one_value, metrics)
+
     @contextlib.contextmanager
     def _splitting_sequences(self):
         """While tracing the loss: under context parallelism, check that the model split its
@@ -321,7 +329,8 @@ class ShardedStep(PlannedStep):
         else:
             def loss_of(diff, mine):
                 model = model_of(diff, mine)
-                return one_value(self.loss_fn(model, batch)), nnx.state(model, nnx.Not(nnx.Param))
+                loss, metrics = self._value(self.loss_fn(model, batch))
+                return loss, (nnx.state(model, nnx.Not(nnx.Param)), metrics)
 
             # ZeRO-3 gathers each weight again in backward. A layer stack does so layer by
             # layer (`scan_layers`); a model without one gets it here. Weights outside a stack
@@ -331,7 +340,7 @@ class ShardedStep(PlannedStep):
             if nn.gathers_weights() and not self.plan.has_stack:
                 loss_of = jax.checkpoint(loss_of, policy=nn.remat_policy)
             with self._splitting_sequences():
-                (loss, new), grads = jax.value_and_grad(loss_of, has_aux=True)(diff, mine)
+                (loss, (new, metrics)), grads = jax.value_and_grad(loss_of, has_aux=True)(diff, mine)
             written = self.others.written(others, new)
 
         def reduce(g, have, want):
@@ -341,7 +350,8 @@ class ShardedStep(PlannedStep):
             return nn.relayout_local(g, have, want, pending) / self.data_shards
 
         grads = self._per_leaf(reduce, grads, grad_layouts, self.opt_layouts)
-        return lax.pmean(loss, self.batch_axes), grads, written
+        value = (loss, metrics) if self.plan.has_aux else loss
+        return lax.pmean(value, self.batch_axes), grads, written
 
     def _body(self, state: TrainState, batch):
         with nn.step_context(self.rules, self.whole_reads, self.plan.compute, self.plan.platform):
@@ -365,11 +375,12 @@ class ShardedStep(PlannedStep):
             model_of = self._model_builder(params, self.others.for_batch_shard(others, self.batch_axes))
             with self._splitting_sequences():
                 if self.schedule:
-                    loss = pipeline.forward_loss(self.schedule, self.loss_fn, model_of, diff, batch, self.plan.stage_axis,
-                                                 self._one_value)
+                    value = pipeline.forward_loss(self.schedule, self.loss_fn, model_of, diff, batch,
+                                                  self.plan.stage_axis, self._one_value)
                 else:
-                    loss = self._one_value(self.loss_fn(model_of(diff), batch))
-            return lax.pmean(loss, self.batch_axes)
+                    loss, metrics = self._value(self.loss_fn(model_of(diff), batch))
+                    value = (loss, metrics) if self.plan.has_aux else loss
+            return lax.pmean(value, self.batch_axes)
 
     def _grads_body(self, params, others, batch, master=None):
         with nn.step_context(self.rules, self.whole_reads, self.plan.compute, self.plan.platform):
@@ -397,7 +408,8 @@ class ShardedStep(PlannedStep):
 
 def build_step(model, tx, loss_fn, mesh: Mesh | AbstractMesh, rules: Rules, microbatches: int | None = None,
                schedule: str | None = None, virtual: int | None = None, collectives: str = "explicit",
-               precision: Precision | str | None = None, stage_remat: str | None = None, abstract: bool = False):
+               precision: Precision | str | None = None, stage_remat: str | None = None, abstract: bool = False,
+               has_aux: bool = False):
     """A sharded train step for `model` under `rules` on `mesh`; `.state` holds its start.
 
     `collectives` picks who places the collectives:
@@ -419,6 +431,10 @@ def build_step(model, tx, loss_fn, mesh: Mesh | AbstractMesh, rules: Rules, micr
     compute dtype is what the layers compute in where they set none (`jshard.nn.compute_dtype`: a
     jshard model whose config leaves `dtype` unset, the default); None: float32.
 
+    `has_aux`: `loss_fn` returns `(loss, metrics)`, metrics a pytree of scalars (accuracy, say);
+    the step returns `state, (loss, metrics)` (and `loss` / `value_and_grad` the pair), each
+    metric averaged over the batch shards as the loss is. Not under a pipeline.
+
     `abstract`: no array is made or placed; `.state` holds `jax.ShapeDtypeStruct`s, and
     `.lower(step.state, batch)` gives the program on any mesh: an `AbstractMesh`, or devices
     this machine does not have (`jax.experimental.topologies`). `model` may then come from
@@ -429,7 +445,8 @@ def build_step(model, tx, loss_fn, mesh: Mesh | AbstractMesh, rules: Rules, micr
     `lower`, ...), so `jshard.train` and user code take either.
     """
     plan = make_plan(model, mesh, rules, loss_fn=loss_fn, precision=precision, microbatches=microbatches,
-                     schedule=schedule, virtual=virtual, stage_remat=stage_remat, collectives=collectives)
+                     schedule=schedule, virtual=virtual, stage_remat=stage_remat, collectives=collectives,
+                     has_aux=has_aux)
     return step_from_plan(plan, model, tx, loss_fn, abstract)
 
 
