@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import time
 
@@ -110,6 +111,8 @@ class MetricsFile:
     """One JSON object per line: `step`, `loss`, `step_s`, `tokens_per_s`, `mfu` (null without a peak)."""
 
     def __init__(self, path: str | None, append: bool = False):
+        if path:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # --metrics runs/demo.jsonl makes runs/
         self._file = open(path, "a" if append else "w") if path else None  # a resumed run continues it
 
     def write(self, **metrics) -> None:

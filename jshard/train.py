@@ -466,6 +466,11 @@ def _start(p: Setup, tx, say) -> tuple[ShardedStep, TrainState, int, int]:
     state = step.from_model_order(step.with_params(state, saved["params"]))
     say(f"  resumed     step {start} from {p.checkpoints.directory} (saved under {p.record['strategy']} "
         f"on {p.record['mesh']}), data position {position} rows")
+    saved, now = p.record.get("schedule"), _schedule(p.config)
+    if saved and saved != now:  # the optimizer's step count carries on; the schedule is this run's
+        changed = ", ".join(f"{k} {saved[k]} -> {now[k]}" for k in now if saved.get(k) != now[k])
+        say(f"  schedule    {changed}: from step {start + 1} the learning rate follows this run's warm-up and "
+            f"cosine, not the checkpoint's run's (an uninterrupted run of {now['steps']} steps differs before it too)")
     return step, state, start, position
 
 
@@ -504,6 +509,8 @@ def _train(p: Setup, out) -> TrainResult:
                 position += micro_rows
                 micro.append(float(loss))  # waits for the micro-step
             loss, seconds = float(np.mean(micro)), time.perf_counter() - tick
+            if not math.isfinite(loss):
+                raise TrainError(_not_finite(p, index + 1, loss, saved_at))
             if traced and index == traced[-1]:
                 trace.close()
             done = index + 1
@@ -586,7 +593,28 @@ def _record(p: Setup, step: int, position: int, loss: float) -> dict:
     return dict(step=step, data_position=position, model=_model_identity(p.model), family=p.model.family,
                 seed=p.seed, loss=loss, strategy=p.rules.name, mesh=_mesh_str(p.mesh), batch_size=p.config.batch_size,
                 seq_len=p.seq_len, precision=p.config.precision, data=p.data.identity, eval_split=p.config.eval_split,
-                tokenizer=p.data.tokenizer_identity)
+                tokenizer=p.data.tokenizer_identity, schedule=_schedule(p.config))
+
+
+def _schedule(c: TrainConfig) -> dict:
+    """The learning-rate schedule's inputs (warm-up, then cosine over `steps`)."""
+    return dict(steps=c.steps, lr=c.lr, warmup=_warmup(c))
+
+
+def _not_finite(p: Setup, step: int, loss: float, saved_at: int | None) -> str:
+    """The line a run stops with at its first non-finite loss: nothing after it is saved."""
+    c = p.config
+    kept = (f"the last checkpoint, step {saved_at or p.record['step']} in {c.checkpoint_dir}, is kept"
+            if saved_at or p.record else "no checkpoint was written")
+    if step == (p.record["step"] + 1 if p.record else 1):  # before any update: what it started from
+        started = (f"checkpoint step {p.record['step']}" if p.record else c.init_from) or "the random init"
+        return (f"step {step}: the loss is {loss} at the first step, before any update: the params it started from "
+                f"({started}) are not finite; training stopped, {kept}. Fix: start from another checkpoint (delete "
+                "this one to resume from the one before), or from other weights.")
+    resume = "; --resume continues from the one kept" if saved_at or p.record else ""
+    return (f"step {step}: the loss is {loss} after the updates before it; training stopped, {kept}, nothing after it "
+            f"saved. Fix: a lower --lr (it is {c.lr}){', --precision fp32' if c.precision != 'fp32' else ''}"
+            f"{resume}.")
 
 
 def _model_flag(c: TrainConfig) -> str:

@@ -241,3 +241,15 @@ def test_hf_commands_refuse_bad_input_in_one_line(tmp_path):
                           str(tmp_path / "out")], capture_output=True, text=True)
     assert cli.returncode == 2 and len(cli.stderr.strip().splitlines()) == 1, cli.stderr
     assert "holds no checkpoint" in cli.stderr
+
+
+def test_hf_weights_that_are_not_finite_stop_the_first_step(tmp_path):
+    directory = str(tmp_path / "model")
+    shutil.copytree(fixture("qwen3"), directory)
+    tensors = load_file(os.path.join(directory, hf.SINGLE))
+    tensors["model.norm.weight"][3] = np.nan
+    from safetensors.numpy import save_file
+    save_file(tensors, os.path.join(directory, hf.SINGLE))
+    with pytest.raises(TrainError, match=f"step 1: the loss is nan at the first step, before any update: the params "
+                                         f"it started from \\({directory}\\) are not finite"):
+        train(TrainConfig(init_from=directory, strategy="dp", steps=2, batch_size=8))

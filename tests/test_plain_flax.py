@@ -16,6 +16,7 @@ from flax_models import (CNN, MLP, MODELS, StackedTransformer, Transformer, clas
                          next_token_loss, regression_batches, stacked_loss, token_batches)
 from jshard.checkpoint import Checkpoints
 from jshard.parallel import build_step
+from meshes import EXPERT_STRATEGIES, STRATEGIES
 from parity import (SGD_MOMENTUM, TOLERANCE, assert_trains_like_one_device, assert_trees_close, relative_error, train,
                     train_on_one_device)
 from seed import SEED
@@ -71,6 +72,21 @@ def test_zero_splits_params_without_names_by_itself(name, preset):
     where = "" if preset == "zero3" else "optimizer state: "
     assert f"{where}no logical names: split by itself over fsdp on dim {3 if name == 'unnamed cnn' else 1} (ZeRO)" \
         in flags[kernel], flags[kernel]
+
+
+@pytest.mark.parametrize("preset, sizes", STRATEGIES + EXPERT_STRATEGIES, ids=[p for p, _ in STRATEGIES + EXPERT_STRATEGIES])
+@pytest.mark.parametrize("name", ["unnamed cnn", "unnamed transformer", "user scan"])
+def test_a_plain_model_under_any_preset_trains_or_gets_one_sharding_error(name, preset, sizes):
+    """First contact: a model as a user writes it either takes its first step or is refused by
+    one jshard error with a Fix, never an exception from deep inside Flax or JAX."""
+    make, loss_fn, batches = MODELS[name]
+    try:
+        step = build_step(make(nnx.Rngs(0)), OPTIMIZER, loss_fn, jshard.make_mesh(**sizes), jshard.preset(preset))
+        state, loss = step(step.state, step.shard_batch(batches(0, 1)[0]))
+    except jshard.ShardingError as e:
+        assert "Fix:" in str(e), str(e)
+    else:
+        assert np.isfinite(float(loss))
 
 
 def test_tensor_parallelism_still_needs_names_and_says_which():

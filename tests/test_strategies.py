@@ -184,6 +184,16 @@ def test_bench_strategies_rows(tmp_path):
         assert row["xla_parity_rel_err"] < 1e-5 and row["xla_comm_bytes"] > 0  # the compiler-placed step
 
 
+def test_bench_strategies_default_leaves_out_what_the_model_cannot_run():
+    """No flags: every preset without a pipeline, and without expert parallelism for a model
+    without experts (it would stop at its first ep row)."""
+    from jshard.bench.strategies import strategies
+
+    dense = [p for p, _ in strategies(None, 8, experts=False)]
+    assert dense and not any("ep" in p.split("+") or "pp" in p.split("+") for p in dense)
+    assert {"ep", "dp+ep"} <= {p for p, _ in strategies(None, 8, experts=True)}
+
+
 class UserMLP(nnx.Module):
     """A user's own module: jshard.nn layers, its own loss; params named via the layers."""
 

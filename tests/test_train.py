@@ -275,6 +275,16 @@ def test_restore_onto_another_mesh_and_strategy_gives_the_same_loss(saved, tmp_p
     np.testing.assert_allclose(resumed.losses, saved[0].losses[3:], rtol=1e-5)
 
 
+def test_resuming_with_another_schedule_says_so(saved, tmp_path, capsys):
+    """--resume --steps 8 continues the optimizer's count, under this run's schedule: it says so."""
+    capsys.readouterr()
+    resumed = run(strategy="zero3", mesh="fsdp=8", steps=8, checkpoint_dir=str(copy_step(saved, 5, tmp_path)),
+                  resume=True)
+    assert resumed.first_step == 5 and len(resumed.losses) == 3
+    assert ("schedule    steps 5 -> 8, warmup 0 -> 0" not in (out := capsys.readouterr().out)
+            and "schedule    steps 5 -> 8: from step 6 the learning rate follows this run's warm-up and cosine" in out), out
+
+
 def test_interleaved_checkpoint_restores_under_another_schedule(tmp_path):
     """The interleaved step holds its layers permuted; checkpoints hold them in model order."""
     small = dict(model="small", steps=3, seq_len=32)
@@ -378,3 +388,30 @@ def test_config_file_is_mirrored_by_flags(capsys, tmp_path):
     refused(capsys, ["train", "--config", str(config), "--steps", "2", "--seq-len", "99"], "--seq-len 99 is longer")
     config.write_text(json.dumps({"model": "tiny", "stesp": 2}))
     refused(capsys, ["train", "--config", str(config)], "unknown field(s) stesp")
+
+
+def test_a_non_finite_loss_stops_the_run_and_saves_nothing_after_it(capsys, tmp_path):
+    """--lr 1e6 diverges: the run stops at the first nan with one line, the checkpoints before it
+    kept, none after; the metrics file (in a folder it made) holds the steps that ran."""
+    metrics = tmp_path / "runs" / "m.jsonl"
+    assert main(CLI[:3] + ["--steps", "10", "--batch-size", "16", "--seq-len", "32", "--lr", "1e6",
+                           "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1",
+                           "--metrics", str(metrics)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the loss is nan after the updates before it; training stopped" in err[0], err
+    stopped = int(err[0].split("step ")[1].split(":")[0])
+    saved = sorted(int(d) for d in os.listdir(tmp_path / "ck") if d.isdigit())
+    assert saved and saved[-1] == stopped - 1 and f"the last checkpoint, step {stopped - 1}" in err[0]
+    assert len(metrics.read_text().splitlines()) == stopped - 1
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"resume": "false"}, 'resume is "false", not true or false. Fix: e.g. "resume": false.'),
+    ({"mesh": {"data": 8}}, 'mesh is {"data": 8}, not a string or null. Fix: e.g. "mesh": "data=2,fsdp=2,tensor=2".'),
+    ({"strategy": ["dp"]}, 'strategy is ["dp"], not a string. Fix: e.g. "strategy": "dp+fsdp+tp".'),
+    ({"seed": "1"}, 'seed is "1", not an integer or null. Fix: e.g. "seed": 1.'),
+])
+def test_a_config_value_of_the_wrong_type_gets_one_line(capsys, tmp_path, config, message):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    refused(capsys, ["train", "--config", str(path)], message)

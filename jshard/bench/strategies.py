@@ -138,22 +138,29 @@ def run_strategies(config: DecoderConfig, policy: Precision, batch_size: int, re
           f"AdamW, {policy.describe()}, median of {repeats}")
     if device.platform == "cpu":
         print("# fake CPU devices: times are threads of one process; bytes and memory are exact")
+    pairs = strategies(text, jax.device_count(), experts=bool(getattr(config, "experts", 0)))
+    if not text and not getattr(config, "experts", 0):
+        left = [s for s in EXAMPLE_MESHES if _splits(jshard.preset(s), "experts") and not _splits(jshard.preset(s), "layers")]
+        print(f"# {', '.join(left)}: left out, the model has no experts (--model moe-tiny runs them)")
     print(HEADER)
     rows = []
-    for preset, sizes in strategies(text, jax.device_count()):
+    for preset, sizes in pairs:
         rows.append(bench_strategy(preset, sizes, config, batch, reference, repeats, policy))
         print(format_row(rows[-1]), flush=True)
     return rows
 
 
-def _pipelined(rules) -> bool:
-    """Whether the rules split the layer stack (a pipeline: not this bench's)."""
-    return any(name == "layers" and axes for name, axes in rules.table("param"))
+def _splits(rules, name: str) -> bool:
+    """Whether the rules split params' `name` dim: `layers` (a pipeline: not this bench's), `experts`."""
+    return any(n == name and axes for n, axes in rules.table("param"))
 
 
-def strategies(text: str | None, devices: int) -> list[tuple[str, dict[str, int]]]:
-    """--strategies as (preset, mesh sizes) pairs, checked before any step is built."""
-    entries = text.split(";") if text else [s for s in EXAMPLE_MESHES if not _pipelined(jshard.preset(s))]
+def strategies(text: str | None, devices: int, experts: bool = True) -> list[tuple[str, dict[str, int]]]:
+    """--strategies as (preset, mesh sizes) pairs, checked before any step is built; by default
+    every preset without a pipeline (and, for a model without experts, without expert parallelism)."""
+    entries = text.split(";") if text else [
+        s for s in EXAMPLE_MESHES if not _splits(jshard.preset(s), "layers")
+        and (experts or not _splits(jshard.preset(s), "experts"))]
     pairs = []
     for entry in filter(None, (e.strip() for e in entries)):
         preset, _, mesh_text = entry.partition("@")

@@ -81,8 +81,33 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         if unknown:
             raise TrainError(f"--config {args.config}: unknown field(s) {', '.join(unknown)}. "
                              f"Known: {', '.join(sorted(fields))}")
+    for field in dataclasses.fields(TrainConfig):  # a JSON value of the wrong type: one line, as a flag's
+        if field.name in values and not _of_type(values[field.name], field.type):
+            raise TrainError(f"--config {args.config}: {field.name} is {json.dumps(values[field.name])}, not "
+                             f"{_TYPE_WORDS[field.type]}. Fix: e.g. \"{field.name}\": {json.dumps(_example(field))}.")
     values.update({k: v for k, v in vars(args).items() if k in fields and v is not None})
     return TrainConfig(**values)
+
+
+# TrainConfig's field types, as JSON must give them (a mesh is text, as --mesh takes it).
+_TYPES = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}
+_TYPE_WORDS = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string",
+               "int | None": "an integer or null", "float | None": "a number or null", "str | None": "a string or null"}
+
+
+def _example(field):
+    """A value of the field's type for the error: its default, or one --help would show."""
+    default = getattr(TrainConfig(), field.name)
+    if field.name == "mesh":
+        return "data=2,fsdp=2,tensor=2"
+    return default if default is not None else {"int": 1, "float": 0.1, "str": "..."}[field.type.split(" ")[0]]
+
+
+def _of_type(value, annotation: str) -> bool:
+    kind, _, optional = annotation.partition(" | ")
+    if value is None:
+        return bool(optional)
+    return isinstance(value, _TYPES[kind]) and (kind == "bool" or not isinstance(value, bool))
 
 
 def run(args) -> int:

@@ -304,14 +304,21 @@ class ShardedStep(PlannedStep):
         A model that never does computes the same on each device of those axes: refused, as a
         mesh axis no rule uses is."""
         splits = nn.current_step().context_splits  # the inputs split while the body traces (`nn.step_context`)
-        yield
+        try:
+            yield
+        except Exception as e:  # (a model that splits nothing may fail first, e.g. its own scan's carry types)
+            if self.plan.context_axes and not splits:
+                raise self._no_context_split() from e
+            raise
         if self.plan.context_axes and not splits:
-            raise ShardingError(
-                f"build_step: rules {self.rules.name!r} split each sequence over {'+'.join(self.plan.context_axes)} (context "
-                "parallelism), but the model's forward split no input over it: no jshard.nn.Embed or "
-                "jshard.nn.cross_entropy reads a (batch, seq) input. Fix: build the model's inputs and loss from "
-                "jshard.nn, or use a preset without cp."
-            )
+            raise self._no_context_split()
+
+    def _no_context_split(self) -> ShardingError:
+        return ShardingError(
+            f"build_step: rules {self.rules.name!r} split each sequence over {'+'.join(self.plan.context_axes)} (context "
+            "parallelism), but the model's forward split no input over it: no jshard.nn.Embed or "
+            "jshard.nn.cross_entropy reads a (batch, seq) input. Fix: build the model's inputs and loss from "
+            "jshard.nn, or use a preset without cp.")
 
     def _loss_and_grads(self, params, others, batch, master=None):
         """Steps 1-3: the mean loss over the global batch, its gradient in the `opt` layout
