@@ -8,11 +8,11 @@ A directory in the Hugging Face layout (`config.json`, `model.safetensors` or sh
 
 The mapping is one table (`weights`): per jshard param, the Hugging Face tensors it is made of
 and how (`Read`: a torch Linear's (out, in) matrix transposed to jshard's (in..., out...) dims;
-`Stack`: several tensors, or the layers, or the experts, on one dim). Loading asks each device
-block of a param of the table (`jax.make_array_from_callback`): a process reads only its own
-devices' blocks, through memory maps of the files (`numpy.memmap`: lazy views, so a block of a
-transposed matrix reads the pages it needs, not the tensor), and converts each block to the
-param's dtype on its own. `export` walks the same table backwards and writes safetensors with
+`Stack`: several tensors, or the layers, or the experts, on one dim). Loading reads each block
+this process's devices hold of a param, through memory maps of the files (`numpy.memmap`: lazy
+views, so a block of a transposed matrix reads the pages it needs, not the tensor), converted to
+the param's dtype part by part into one buffer, and puts it on its device before reading the
+next (`_placed`): the host holds one block at a time. `export` walks the same table backwards and writes safetensors with
 the `safetensors` library (the format's reference writer).
 
 Rotary embeddings need no permutation: Hugging Face's Llama weights are laid out for the
@@ -407,7 +407,7 @@ def stored_tensors(node, value: np.ndarray) -> dict[str, np.ndarray]:
 def load_params(directory: str, config: DecoderConfig, like):
     """The params of `like` (an `nnx.State` of ShapeDtypeStructs with shardings, e.g. a step's
     full params) read from `directory`'s safetensors: each device block read and converted on
-    its own (`jax.make_array_from_callback`)."""
+    its own (`_placed`)."""
     tensors = Tensors(directory)
     table = weights(config)
     flat = dict(nnx.to_flat_state(like))

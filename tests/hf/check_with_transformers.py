@@ -1,6 +1,6 @@
 """Check an exported checkpoint against a fixture's reference logits, in transformers.
 
-    /work/hfvenv/bin/python tests/hf/check_with_transformers.py FIXTURE_DIR EXPORTED_DIR
+    .venv-hf/bin/python tests/hf/check_with_transformers.py FIXTURE_DIR EXPORTED_DIR
 
 Loads EXPORTED_DIR with transformers' AutoModelForCausalLM (float32, eager
 attention), runs the `ids` stored in FIXTURE_DIR/reference.npz, and compares

@@ -2,7 +2,7 @@
 
 Run from the repository root with the side venv that has torch + transformers:
 
-    /work/hfvenv/bin/python tests/hf/make_fixtures.py
+    .venv-hf/bin/python tests/hf/make_fixtures.py
 
 For each model family this writes tests/hf/fixtures/<family>/ with
 
