@@ -326,11 +326,12 @@ class Tensors:
         else:
             raise HFError(f"{directory}: neither {SINGLE} nor {INDEX}. Fix: a directory with the model's "
                           "safetensors (PyTorch .bin files are not read: convert them with transformers first).")
-        self.where: dict[str, tuple[str, dict]] = {}
+        self.where: dict[str, tuple[str, int, dict]] = {}  # name -> file, its data's first byte, entry
         for name in files:
             path = os.path.join(directory, name)
-            for tensor, entry in _header(path).items():
-                self.where[tensor] = (path, entry)
+            data, header = _header(path)
+            for tensor, entry in header.items():
+                self.where[tensor] = (path, data, entry)
         if "wte.weight" in self.where:  # GPT-2 saved from GPT2Model (the original release): no "transformer."
             self.where = {f"transformer.{k}": v for k, v in self.where.items()}
         self._maps: dict[str, np.memmap] = {}
@@ -342,22 +343,17 @@ class Tensors:
         if name not in self.where:
             raise HFError(f"{self.directory}: no tensor {name!r} in its safetensors. Fix: a complete checkpoint "
                           "of the model config.json describes.")
-        path, entry = self.where[name]
+        path, data, entry = self.where[name]
         if path not in self._maps:
             self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
         begin, end = entry["data_offsets"]
-        start = _header_size(path) + begin
-        raw = self._maps[path][start:start + end - begin]
+        raw = self._maps[path][data + begin:data + end]
         return raw.view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
-def _header_size(path: str) -> int:
-    with open(path, "rb") as f:
-        return 8 + int.from_bytes(f.read(8), "little")
-
-
-def _header(path: str) -> dict:
-    """A safetensors file's table: name -> dtype, shape, data_offsets (from the byte after the header)."""
+def _header(path: str) -> tuple[int, dict]:
+    """A safetensors file's data start (8 bytes of length, then the header) and its table:
+    name -> dtype, shape, data_offsets (from the data start)."""
     try:
         with open(path, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
@@ -368,7 +364,7 @@ def _header(path: str) -> dict:
     if bad := sorted({e["dtype"] for e in header.values()} - set(DTYPES)):
         raise HFError(f"{path}: tensors of dtype {', '.join(bad)}; jshard reads {', '.join(DTYPES)}. "
                       "Fix: convert the checkpoint to bf16 or fp32.")
-    return header
+    return 8 + size, header
 
 
 def read_block(node, shape: tuple[int, ...], index: tuple[slice, ...], tensors: Tensors, dtype,
