@@ -157,7 +157,7 @@ class MoE(nnx.Module):
         buffer = nn.relayout(buffer, TOKEN_SIDE, EXPERT_SIDE)  # to the experts' devices
 
         gate_up = self.gate_up(buffer, EXPERT_SIDE)
-        y = self.down(jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :], EXPERT_HIDDEN)
+        y = self.down(nn.swiglu(gate_up[..., 0, :], gate_up[..., 1, :]), EXPERT_HIDDEN)
 
         y = nn.relayout(y, EXPERT_SIDE, TOKEN_SIDE)  # back to the rows' devices
         y = y.transpose(1, 0, 2, 3).reshape(rows, self.experts * slots, -1)

@@ -9,16 +9,20 @@ asynchronous with a matmul scheduled beside them inside the layer scan, cuDNN's 
 """
 
 import importlib.util
+import json
 from pathlib import Path
 
+import jax.numpy as jnp
 import optax
 import pytest
 from flax import nnx
 
 import jshard
 from jshard import aot
+from jshard.cli import main
 from jshard.models import GPTConfig, decoder, gpt_loss
-from jshard.plan.validate import VALIDATION_MODEL, VALIDATION_MODELS, example_mesh, validate_one
+from jshard.plan.estimate import ACTIVATIONS, activation_bytes_per_token_layer
+from jshard.plan.validate import MEMORY_TOLERANCE, VALIDATION_MODEL, VALIDATION_MODELS, example_mesh, validate_one
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -102,3 +106,30 @@ def test_full_remat_keeps_each_layers_bf16_input():
     config = GPTConfig(vocab=1024, seq_len=2048, embed=2048, heads=16, mlp=8192, layers=2, remat="full")
     kept, _ = example.kept_per_token_layer(config, "dp", dict(data=8), aot.target("h100x8"))
     assert kept == 2 * config.embed
+
+
+@pytest.mark.skipif(not cudnn_installed(), reason="cuDNN is not installed (nvidia-cudnn-cu13)")
+def test_a_layer_keeps_no_more_than_megatrons_count_and_what_the_plan_says():
+    """With cuDNN's attention and no remat, a GPT layer keeps at most Korthikanti et al.'s 34
+    s·b·h bytes (the norms and the GELU recomputed in backward, `nn.recomputed`: 76 before),
+    and the planner's GPU activation model (`ACTIVATIONS["gpu"]`) says so within 5%."""
+    spec = importlib.util.spec_from_file_location("gpu_activations", EXAMPLES / "gpu_activations.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    config = GPTConfig(vocab=1024, seq_len=2048, embed=2048, heads=16, mlp=8192, layers=2, attention="cudnn",
+                       dtype=jnp.bfloat16)
+    kept, kernel = example.kept_per_token_layer(config, "dp", dict(data=8), aot.target("h100x8"))
+    assert kernel == "cudnn" and kept <= 34 * config.embed
+    planned = activation_bytes_per_token_layer(config, 1, False, True, ACTIVATIONS["gpu"])
+    assert planned == pytest.approx(kept, rel=0.05)
+
+
+@pytest.mark.parametrize("flags", ["--strategy fsdp --mesh fsdp=8 --remat full", "--strategy tp+sp --mesh tensor=8"])
+def test_the_plans_memory_for_llama_8b_is_the_compilers(flags, tmp_path, capsys):
+    """At a real shape (Llama 3.1 8B, 8192 tokens a row, `mixed`, 8 H100s) the planner's memory
+    per device is within 10% of what XLA:GPU assigns (docs/gpu-compile.md's table)."""
+    out = tmp_path / "compile.json"
+    assert main(["compile", "--model", "llama-3.1-8b", *flags.split(), "--target", "h100x8", "--precision", "mixed",
+                 "--json", str(out)]) == 0
+    compared = json.loads(out.read_text())["compared"]
+    assert abs(compared["memory_rel_err"]) <= MEMORY_TOLERANCE, compared

@@ -120,7 +120,7 @@ class MLP(nnx.Module):
         )
 
     def __call__(self, x):
-        return self.down(jax.nn.gelu(self.up(x, RESIDUAL)), HIDDEN)
+        return self.down(nn.gelu(self.up(x, RESIDUAL)), HIDDEN)
 
 
 class Block(nnx.Module):

@@ -205,7 +205,7 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x):
         gate_up = self.gate_up(x, RESIDUAL)
-        return self.down(jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], HIDDEN)
+        return self.down(nn.swiglu(gate_up[:, :, 0], gate_up[:, :, 1]), HIDDEN)
 
 
 def mixture(config: LlamaConfig, rngs: nnx.Rngs) -> MoE:

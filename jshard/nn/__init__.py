@@ -30,7 +30,8 @@ One module per idea, lower first (none imports a higher one, nor anything above 
   `remat_policy`, `gathers_weights`, `holds_replicas`);
 - `context.py`: context parallelism (`split_input`, `positions`, `ring_attention`,
   `gathered_kv_attention`, `balanced_order`);
-- `layers.py`: `matmul`, `Linear`, `Embed`, `LayerNorm`, `RMSNorm`;
+- `layers.py`: `matmul`, `Linear`, `Embed`, `LayerNorm`, `RMSNorm`, and the elementwise work
+  between them recomputed in backward (`recomputed`, `gelu`, `swiglu`);
 - `attn.py`: the kernel choice (`attention_implementation`, `attention`) and the KV
   cache (`KVCache`, `cached_attention`);
 - `losses.py`: `cross_entropy` and the losses a layer adds (`with_loss_gradient`,
@@ -52,7 +53,7 @@ from jshard.nn.context import (
     ring_attention,
     split_input,
 )
-from jshard.nn.layers import Embed, LayerNorm, Linear, RMSNorm, matmul
+from jshard.nn.layers import Embed, LayerNorm, Linear, RMSNorm, gelu, matmul, recomputed, swiglu
 from jshard.nn.layouts import Layout, layout, relayout, relayout_local
 from jshard.nn.losses import cross_entropy, scaled_losses, with_loss_gradient
 from jshard.nn.params import (
@@ -71,8 +72,8 @@ __all__ = [
     "ATTENTION", "Embed", "KVCache", "LayerNorm", "Layout", "Linear", "LocalBlock", "QUERY_TILE", "RMSNorm",
     "ShardWithReplica", "StepContext", "attention", "attention_implementation", "balanced_order",
     "cached_attention", "check_context_length", "compute_dtype", "context_attention", "context_axes", "cross_entropy",
-    "current_step", "gathered_kv_attention", "gathered_layout", "gathers_weights", "holds_replicas",
+    "current_step", "gathered_kv_attention", "gathered_layout", "gathers_weights", "gelu", "holds_replicas",
     "in_step", "input_layout", "laid_out_input", "layout", "manual_axes", "matmul", "param", "positions",
-    "query_tile", "relayout", "relayout_local", "remat_policy", "ring_attention", "scaled_losses",
-    "split_input", "step_context", "with_loss_gradient",
+    "query_tile", "recomputed", "relayout", "relayout_local", "remat_policy", "ring_attention", "scaled_losses",
+    "split_input", "step_context", "swiglu", "with_loss_gradient",
 ]

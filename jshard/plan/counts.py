@@ -21,3 +21,18 @@ def column_outputs(config: DecoderConfig) -> int:
     if isinstance(config, LlamaConfig):
         return config.embed + 2 * config.kv_heads * config.head_dim + 2 * config.mlp
     return 3 * config.embed + config.mlp
+
+
+def attention_widths(config: DecoderConfig) -> int:
+    """Width per token of attention's projections, split under TP: q, k, v and the attention
+    output (a GPT's 4·embed; a Llama's 2·embed + 2·kv_heads·head_dim)."""
+    if isinstance(config, LlamaConfig):
+        return 2 * config.embed + 2 * config.kv_heads * config.head_dim
+    return 4 * config.embed
+
+
+def mlp_widths(config: DecoderConfig) -> int:
+    """Width per token of the MLP's hidden values that its backward reads, split under TP: the
+    up projection's outputs and the activation's (a GPT's up and GELU, 2·mlp; a Llama's gate,
+    up and their product, 3·mlp)."""
+    return (3 if isinstance(config, LlamaConfig) else 2) * config.mlp

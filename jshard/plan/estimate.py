@@ -28,11 +28,11 @@ from flax import nnx
 
 from jshard import metrics
 from jshard.mesh import STANDARD_AXES as AXES, abstract_mesh
-from jshard.models import DecoderConfig, GPTConfig, decoder
+from jshard.models import DecoderConfig, decoder
 from jshard.parallel.pipeline import STAGE_REMAT, compile_program, work as pipeline_work
 from jshard.parallel.plan import Plan, make_plan
 from jshard.placement import format_bytes
-from jshard.plan.counts import column_outputs, input_projections
+from jshard.plan.counts import attention_widths, column_outputs, input_projections, mlp_widths
 from jshard.moe import capacity
 from jshard.nn import attention_implementation, compute_dtype, query_tile
 from jshard.precision import Precision
@@ -81,32 +81,52 @@ ELEMENTWISE_LOGIT_BYTES = 44  # per token and vocabulary entry: the loss over th
 # cuDNN's, over its scores: 121 (Llama-3.2-1B), 118 (GPT-1B).
 XLA_SCORE_BYTES = 120
 
-# Activations per token per transformer layer, in elements of the compute dtype, that
-# XLA keeps for backward for jshard's GPT block (residual stream h = embed, MLP width f,
-# attention scores heads·seq per token). Measured from compiled.memory_analysis() slopes
-# over batch size (docs/planning.md): replicated-over-tensor parts, parts split by tensor
-# parallelism, and under sequence parallelism the part that stays whole (gathered inputs).
-ACT_H_REPLICATED = 9.1  # norms, residuals, out-projection outputs
-ACT_H_SHARDED = 4.1  # q, k, v and the attention output
-ACT_F = 6.4  # up-projection output, GELU and its derivative's inputs
-ACT_SCORES = 2.33  # scores and probabilities
-ACT_H_SP_WHOLE = 2.65  # under SP: the gathered inputs of the column-parallel linears
+
+@dataclasses.dataclass(frozen=True)
+class Activations:
+    """What one transformer layer keeps for backward per token, in elements of the compute
+    dtype, as one compiler's buffer assignment has it for jshard's GPT block (h = embed, f = MLP
+    width, a·s = attention scores per token); and, once per step, what the backward of one
+    layer holds beside it. Measured from `compiled.memory_analysis()`: double differences of
+    the temporaries over layer counts and batch sizes (docs/planning.md, docs/gpu-compile.md)."""
+
+    h_replicated: float  # per element of h, whole over tensor: the norms' inputs, residuals, the out-projections' outputs
+    attention: float  # per element of q, k, v and the attention output (`counts.attention_widths`), split by TP
+    mlp: float  # per element of the MLP's hidden values (`counts.mlp_widths`), split by TP
+    scores: float  # XLA's attention: scores and probabilities (cuDNN's fused kernel and the ring keep none)
+    h_sp_whole: float  # under SP, the part of h_replicated that stays whole: the column-parallel linears' gathered inputs
+    # Once per step, the backward of one layer (recomputed under remat) beside what the layers
+    # keep: a multiple of what a layer keeps without remat, by remat policy.
+    backward: dict[str, float]
+    logits: float  # the cross-entropy's float32 copies of the logits (per token and vocab entry ÷ tensor)
+
+
+# XLA:CPU, fp32: fitted to the `jshard plan --validate` rows (docs/planning.md); XLA:GPU, bf16:
+# compiled for 8 H100s by `examples/gpu_activations.py` at h = s = 2048, its once-per-step
+# terms on Llama 3.1 8B at 8192 tokens a row (docs/gpu-compile.md). Measured, XLA:GPU keeps
+# less of the MLP's hidden values than XLA:CPU and more per element of attention's projections.
+ACTIVATIONS = {
+    "cpu": Activations(h_replicated=5.1, attention=1.025, mlp=1.2, scores=2.33, h_sp_whole=2.65,
+                       backward={"none": 0.0, "selective": 0.37, "full": 2.0}, logits=6.0),
+    "gpu": Activations(h_replicated=4.0, attention=1.75, mlp=0.625, scores=2.81, h_sp_whole=2.0,
+                       backward={"none": 1.0, "selective": 1.0, "full": 0.5}, logits=1.5),
+}
+# Under remat the same on both compilers:
 ACT_FULL_REMAT = 1.0  # remat full: each layer keeps its input only
 # remat selective keeps what the linear layers output (`dots_with_no_batch_dims_saveable`) and
 # recomputes the rest (attention core, norms, GELU) one layer at a time in backward; measured
 # the same way, and over layer counts to part the two (docs/planning.md):
 ACT_SEL_H_REPLICATED = 2.0  # kept per layer, whole over tensor
-ACT_SEL_SPLIT = 1.0  # kept per layer, per element of q, k, v and the up-projection (3h + f)
+ACT_SEL_SPLIT = 1.0  # kept per layer, per element of the column-parallel linears' outputs (`counts.column_outputs`)
 ACT_SEL_H_SP_WHOLE = 1.0  # under SP: the part of ACT_SEL_H_REPLICATED that stays whole
-ACT_SEL_RECOMPUTE = 0.37  # the one layer being recomputed: this fraction of all it would keep
 # A mixture of experts (`jshard.moe`) in place of the MLP: the dispatch buffer has E·C slots
 # per row (C = `moe.capacity` of the whole row), s = E·C/seq per token (about capacity factor
 # × top_k), every slot computed whether a token fills it or not. Measured as the ACT_* above
 # (slopes over batch size, parted over 2 and 4 layers, varying the MLP width, the capacity
 # factor, the embedding and the experts; ep, dp, dp+ep+tp, fsdp+ep: docs/planning.md), in
-# place of ACT_F · f:
+# place of the dense MLP's `f` term:
 ACT_SLOT_H = 1.0  # per slot: the buffer the experts read (whole over tensor; under ep the all-to-all'd copy)
-ACT_SLOT_F = 6.0  # per slot: gate and up (2f), SiLU, the product and what their backward reads, split over tensor
+ACT_SLOT_F = 3.0  # per slot: gate and up (2f) and their product (SiLU recomputed: `nn.swiglu`), split over tensor
 ACT_ROUTER_FP32 = 1.0  # per expert: the router's probabilities, float32 whatever the compute dtype
 # Once per step, what the backward of one MoE layer holds at once (the gradients of gate_up
 # and the hidden, per slot, split over tensor); under remat (full or selective: the experts'
@@ -116,7 +136,6 @@ ACT_SLOT_BACKWARD_F = 8.0
 ACT_SLOT_RECOMPUTE_F = 9.0
 ACT_SLOT_TP_H = 2.0  # under TP, per slot: the two buffers its all-reduces leave whole (down's output, gate_up's input gradient)
 RING_BLOCK_FP32 = 4  # ring attention: fp32 (query tile × keys) arrays its backward holds at once
-CE_FP32_PER_VOCAB = 6.0  # logits, softmax and their gradient per token, fp32 (3 × fwd/bwd)
 
 
 # --- the model's params, placed by the rules ----------------------------------------
@@ -191,8 +210,8 @@ def param_traffic(plan: Plan, remat: bool = False, tied_head: bool = True, combi
     """{(kind, axes): bytes} of the gradient and weight collectives, per device per step.
 
     ZeRO-3 gathers each param forward and reduce-scatters its gradient; the layer stack's
-    kernels are gathered again in backward (the remat policy frees them; under `remat`, every
-    stacked param, norms too, as the layer's forward runs again), the tied token
+    kernels and norm scales are gathered again in backward (the remat policy frees them; under
+    `remat`, every stacked param, biases too, as the layer's forward runs again), the tied token
     embedding's gradient is reduce-scattered once per use (lookup and head). ZeRO-1/2
     reduce-scatter each gradient and gather the new params (ZeRO-2 per use, inside backward).
     What is left of the batch axes all-reduces the gradient in its optimizer layout.
@@ -214,7 +233,8 @@ def param_traffic(plan: Plan, remat: bool = False, tied_head: bool = True, combi
         tied = p.path.startswith("token_embed") and tied_head and plan.rules.zero >= 2
         if in_param:
             size = p.gathered_bytes // shards(p.param, sizes, skip=in_param)
-            again = p.stacked_kernel or (remat and p.names[:1] == ("layers",))
+            # (a norm's scale: the norm's backward runs it again, `nn.recomputed`; its bias it does not read)
+            again = p.stacked_kernel or (p.names[:1] == ("layers",) and (remat or p.path.endswith("norm/scale")))
             _add(out, "all-gather", sorted(in_param), size * (2 if again else 1))
             _add(out, "reduce-scatter", sorted(in_param), size * (2 if tied else 1))
         elif shards(p.opt, sizes) > shards(p.param, sizes):
@@ -433,7 +453,8 @@ def slots_per_token(config: DecoderConfig) -> float:
     return config.experts * capacity(config.seq_len, config.experts, config.top_k, config.capacity_factor) / config.seq_len
 
 
-def activation_bytes_per_token_layer(config: DecoderConfig, tensor: int, sp: bool, flash: bool) -> float:
+def activation_bytes_per_token_layer(config: DecoderConfig, tensor: int, sp: bool, flash: bool,
+                                     act: Activations) -> float:
     """Bytes per token per block that its backward keeps (a MoE Llama's: the mean over its blocks)."""
     itemsize = jnp.dtype(config.dtype).itemsize
     h = config.embed
@@ -441,53 +462,53 @@ def activation_bytes_per_token_layer(config: DecoderConfig, tensor: int, sp: boo
         return ACT_FULL_REMAT * h * itemsize / (tensor if sp else 1) / (_moe_parts(config)[2] if is_moe(config) else 1)
     if is_moe(config) and config.moe_every > 1:
         block, dense, n = _moe_parts(config)
-        return (activation_bytes_per_token_layer(block, tensor, sp, flash)
-                + (n - 1) * activation_bytes_per_token_layer(dense, tensor, sp, flash)) / n
+        return (activation_bytes_per_token_layer(block, tensor, sp, flash, act)
+                + (n - 1) * activation_bytes_per_token_layer(dense, tensor, sp, flash, act)) / n
     if config.remat == "selective":
         whole = (ACT_SEL_H_SP_WHOLE * h + (ACT_SEL_H_REPLICATED - ACT_SEL_H_SP_WHOLE) * h / tensor if sp
                  else ACT_SEL_H_REPLICATED * h)
         if is_moe(config):  # the experts' matmuls have a batch dim: only the router's output is kept
             return (whole + ACT_SEL_SPLIT * 3 * h / tensor) * itemsize + _router_bytes(config)
-        return (whole + ACT_SEL_SPLIT * (3 * h + config.mlp) / tensor) * itemsize
-    return _all_activations(config, tensor, sp, flash)
+        return (whole + ACT_SEL_SPLIT * column_outputs(config) / tensor) * itemsize
+    return _all_activations(config, tensor, sp, flash, act)
 
 
-def _all_activations(config: DecoderConfig, tensor: int, sp: bool, flash: bool) -> float:
+def _all_activations(config: DecoderConfig, tensor: int, sp: bool, flash: bool, act: Activations) -> float:
     """Bytes per token of one layer that keeps everything for its backward (a MoE layer: its
-    slots and router in place of the MLP's ACT_F · f)."""
+    slots and router in place of the MLP's `f` term)."""
     h, f, scores = config.embed, config.mlp, 0 if flash else config.heads * config.seq_len
-    split = ACT_H_SHARDED * h + ACT_SCORES * scores
-    whole = ACT_H_SP_WHOLE * h + (ACT_H_REPLICATED - ACT_H_SP_WHOLE) * h / tensor if sp else ACT_H_REPLICATED * h
+    split = act.attention * attention_widths(config) + act.scores * scores
+    whole = act.h_sp_whole * h + (act.h_replicated - act.h_sp_whole) * h / tensor if sp else act.h_replicated * h
     itemsize = jnp.dtype(config.dtype).itemsize
     if is_moe(config):
         slots = slots_per_token(config) * (ACT_SLOT_H * h + ACT_SLOT_F * f / tensor)
         return (whole + split / tensor + slots) * itemsize + _router_bytes(config)
-    return (whole + (split + ACT_F * f) / tensor) * itemsize
+    return (whole + (split + act.mlp * mlp_widths(config)) / tensor) * itemsize
 
 
 def _router_bytes(config: DecoderConfig) -> float:
     return ACT_ROUTER_FP32 * config.experts * 4
 
 
-def backward_working_bytes(config: DecoderConfig, tensor: int, sp: bool, flash: bool) -> float:
+def backward_working_bytes(config: DecoderConfig, tensor: int, sp: bool, flash: bool, act: Activations) -> float:
     """Bytes per token the backward adds once per step beyond what each layer keeps, one layer at
-    a time: under remat the layer being recomputed (all of it, or what selective dropped:
-    ACT_SEL_RECOMPUTE of it); a MoE layer's own measured terms, its experts' gradients
-    (ACT_SLOT_BACKWARD_F), under remat with their recompute (ACT_SLOT_RECOMPUTE_F), and under
-    TP two whole buffers (ACT_SLOT_TP_H); under remat with `moe_every` = n, the n - 1 dense
-    blocks recomputed with it."""
-    recomputed = {"full": 1, "selective": ACT_SEL_RECOMPUTE}.get(config.remat, 0)
+    a time (`Activations.backward`: under remat the layer being recomputed with it); a MoE
+    layer's own measured terms, its experts' gradients (ACT_SLOT_BACKWARD_F), under remat with
+    their recompute (ACT_SLOT_RECOMPUTE_F), and under TP two whole buffers (ACT_SLOT_TP_H);
+    under remat with `moe_every` = n, the n - 1 dense blocks recomputed with it."""
+    recomputed = act.backward[config.remat]
     if is_moe(config):
         _, dense, n = _moe_parts(config)
         coefficient = ACT_SLOT_BACKWARD_F if config.remat == "none" else ACT_SLOT_RECOMPUTE_F
         whole = ACT_SLOT_TP_H * config.embed if tensor > 1 else 0.0
         experts = slots_per_token(config) * (coefficient * config.mlp / tensor + whole) * jnp.dtype(config.dtype).itemsize
-        return experts + (n - 1) * recomputed * _all_activations(dense, tensor, sp, flash)
-    return _all_activations(config, tensor, sp, flash) * recomputed
+        dense_layers = (n - 1) * recomputed * _all_activations(dense, tensor, sp, flash, act) if config.remat != "none" else 0.0
+        return experts + dense_layers
+    return _all_activations(config, tensor, sp, flash, act) * recomputed
 
 
 def pipeline_activations(program, config: DecoderConfig, chunk_layers: int, per_token_layer: float, logits: float,
-                         tokens: int, a_mb: int, tensor: int, sp: bool, stage_remat: str) -> float:
+                         tokens: int, a_mb: int, tensor: int, sp: bool, stage_remat: str, act: Activations) -> float:
     """Bytes of a pipelined step's activation buffers per device (`pipeline.compile_program`'s
     slots, each buffer one slot more, which nobody reads) and of one chunk's backward.
 
@@ -503,12 +524,12 @@ def pipeline_activations(program, config: DecoderConfig, chunk_layers: int, per_
 
     h = config.embed
     crossover = ((column_outputs(config) / tensor + (4 * h / tensor if sp else 4 * h)) * itemsize)
-    head = logits / CE_FP32_PER_VOCAB + h * itemsize  # the softmax, fp32, and the final norm's output
+    head = logits / act.logits + h * itemsize  # the softmax, fp32, and the final norm's output
     total = (program.act_slots + program.grad_slots + 2) * a_mb + tokens * (
         program.crossover_slots["layers"] * chunk_layers * crossover  # (measured: not its unread slot)
         + program.crossover_slots["last"] * head)
-    if stage_remat == "full":
-        return total + tokens * (chunk_layers * per_token_layer + logits)
+    if stage_remat == "full":  # one chunk recomputed, and its last layer's backward beside it (as under remat full)
+        return total + tokens * ((chunk_layers + act.backward["full"] - 1) * per_token_layer + logits)
     total += tokens * (slots(program.saved_slots["layers"]) * chunk_layers * per_token_layer
                        + slots(program.saved_slots["last"]) * head)
     # The residual record a tick reads: copied out of its buffer by JAX 0.10's XLA, read in
@@ -551,8 +572,9 @@ def estimate(plan: PlanInput) -> dict:
         # The executor accumulates gradients in the scan's carry: input and output buffers.
         memory["grads"] *= 2
     layers_local = config.layers // stages
-    per_token_layer = activation_bytes_per_token_layer(config, tensor, sp, flash)
-    logits = CE_FP32_PER_VOCAB * config.vocab / tensor * 4
+    act = ACTIVATIONS[hw.platform]
+    per_token_layer = activation_bytes_per_token_layer(config, tensor, sp, flash, act)
+    logits = act.logits * config.vocab / tensor * 4
     if schedule:
         a_mb = rows * local_seq * config.embed * jnp.dtype(config.dtype).itemsize
         chunk_layers = layers_local // schedule.virtual
@@ -562,12 +584,12 @@ def estimate(plan: PlanInput) -> dict:
         # The trade `stage_remat` picks: activation memory against the work of the backward.
         trade = {mode: dict(activations=int(pipeline_activations(
                      compile_program(schedule, mode), config, chunk_layers, per_token_layer, logits, rows * local_seq,
-                     a_mb, tensor, sp, mode)), work=pipeline_work(schedule, mode))
+                     a_mb, tensor, sp, mode, act)), work=pipeline_work(schedule, mode))
                  for mode in STAGE_REMAT}
         memory["activations"] = trade[stage_remat]["activations"]
         in_flight = schedule.peak_in_flight()
     else:
-        recomputed = backward_working_bytes(config, tensor, sp, flash)
+        recomputed = backward_working_bytes(config, tensor, sp, flash, act)
         memory["activations"] = int(rows * local_seq * (config.layers * per_token_layer + recomputed + logits))
         in_flight, trade = 1, None
     if cp > 1 and rules.context_attention == "ring":
@@ -668,14 +690,11 @@ def estimate(plan: PlanInput) -> dict:
                         + (f" (× tensor={tensor} inside it)" if tensor > 1 else "")
                         + f" > {hw.gpus_per_node} GPUs per node: its all-to-alls cross the inter-node links")
     if is_moe(config):
-        warnings.append("activations: the mixture of experts' bytes per token are measured (docs/planning.md); "
-                        "attention's and the norms' are the GPT block's")
+        warnings.append("activations: the mixture of experts' bytes per token are XLA:CPU's, measured on one small "
+                        "model (docs/planning.md)")
         if schedule:
             warnings.append("a mixture of experts under a pipeline: its stage buffers use the dense block's "
                             "formulas (ZB-H1's crossover, the recompute); not validated")
-    elif not isinstance(config, GPTConfig):
-        warnings.append(f"activations: the GPT block's measured bytes per token; a {config.family} "
-                        "block's (gated MLP, grouped KV heads) are not yet measured")
 
     return dict(
         model=dataclasses.asdict(config) | {"kind": config.family, "dtype": jnp.dtype(config.dtype).name,

@@ -1,0 +1,77 @@
+"""The elementwise work between matmuls (`nn.LayerNorm`, `nn.RMSNorm`, `nn.gelu`, `nn.swiglu`):
+the plain formulas' values and gradients, keeping only their inputs for backward, with or
+without an enclosing checkpoint whose policy saves everything (the stack's or ZeRO's)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jshard import nn
+from seed import SEED
+
+H = 64
+
+
+def _layer_norm(x, scale, bias):  # the textbook formula, in float32
+    x = x.astype(jnp.float32)
+    y = (x - x.mean(-1, keepdims=True)) / jnp.sqrt(x.var(-1, keepdims=True) + 1e-6)
+    return y * scale + bias
+
+
+def _rms_norm(x, scale):
+    x = x.astype(jnp.float32)
+    return x / jnp.sqrt(jnp.square(x).mean(-1, keepdims=True) + 1e-6) * scale
+
+
+def _case(name):
+    """(jshard's function of the arrays, the plain one, its inputs)."""
+    keys = jax.random.split(jax.random.key(SEED), 4)
+    x = jax.random.normal(keys[0], (4, 8, H), jnp.float32)
+    scale, bias = 1 + 0.1 * jax.random.normal(keys[1], (H,)), 0.1 * jax.random.normal(keys[2], (H,))
+    if name == "layer_norm":
+        norm = nn.LayerNorm(H)
+        graphdef, _ = nnx.split(norm)
+        return (lambda x, s, b: nnx.merge(graphdef, nnx.State({"scale": nnx.Param(s), "bias": nnx.Param(b)}))(x),
+                _layer_norm, (x, scale, bias))
+    if name == "rms_norm":
+        graphdef, _ = nnx.split(nn.RMSNorm(H))
+        return lambda x, s: nnx.merge(graphdef, nnx.State({"scale": nnx.Param(s)}))(x), _rms_norm, (x, scale)
+    if name == "gelu":
+        return nn.gelu, lambda x: jax.nn.gelu(x, approximate=True), (x,)
+    up = jax.random.normal(keys[3], x.shape)
+    return nn.swiglu, lambda g, u: jax.nn.silu(g) * u, (x, up)
+
+
+NAMES = ["layer_norm", "rms_norm", "gelu", "swiglu"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_values_and_gradients_are_the_plain_formulas(name):
+    jshard_fn, plain, args = _case(name)
+    np.testing.assert_allclose(jshard_fn(*args), plain(*args), rtol=1e-5, atol=1e-6)
+    argnums = tuple(range(len(args)))
+    ours = jax.grad(lambda *a: jnp.sum(jnp.sin(jshard_fn(*a))), argnums)(*args)
+    theirs = jax.grad(lambda *a: jnp.sum(jnp.sin(plain(*a))), argnums)(*args)
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _kept_bytes(f, *args) -> int:
+    """The bytes `jax.vjp` keeps for `f`'s backward: the leaves of its VJP function."""
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(jax.vjp(f, *args)[1]))
+
+
+@pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.everything_saveable], ids=["no remat", "save all"])
+@pytest.mark.parametrize("name", NAMES)
+def test_backward_keeps_only_the_inputs(name, policy):
+    """In bf16, as on a GPU: the plain formulas keep float32 intermediates of x's shape (several
+    times x's bytes); jshard's keep the inputs, even where an enclosing policy would save all."""
+    jshard_fn, plain, args = _case(name)
+    args = tuple(a.astype(jnp.bfloat16) if a.ndim == 3 else a for a in args)
+    if policy is not None:
+        jshard_fn, plain = (jax.checkpoint(f, policy=policy) for f in (jshard_fn, plain))
+    inputs = sum(a.nbytes for a in args)
+    assert _kept_bytes(jshard_fn, *args) <= inputs
+    assert _kept_bytes(plain, *args) > 2 * inputs
