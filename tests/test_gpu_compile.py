@@ -37,6 +37,7 @@ CASES = [
         strict=True, reason="XLA:GPU reassociates the position table's gradient under sp (its tensor all-reduce, "
                             "16 KiB bf16, becomes 32 KiB more fsdp reduce-scatter in f32); the planner does not model it yet")),
     (("dp+tp", None, None, "full", "example", "mixed"), "llama", "h100x8"),  # q's and kv's input gradients: one all-reduce
+    (("dp+tp+sp", None, None, "none"), "gpt", "h100x8"),  # the final norm's gradient: one all-reduce over data+tensor
     (("dp+pp", 4, "1f1b", "none"), "gpt", "h100x8"),
     pytest.param(("cp", None, None, "none", "example", "fp32", None, 8), "gpt", "h100x8", marks=pytest.mark.xfail(
         strict=True, reason="XLA:GPU's ring moves 256 KiB (2.3%) less than the planner's sends on this row; not yet "

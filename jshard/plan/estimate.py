@@ -394,7 +394,30 @@ def traffic(config: DecoderConfig, plan: Plan, rows: int, seq: int, platform: st
     # The mean loss: over the context axes (the loss's own mean), the batch axes, then the stages.
     for axes in context, (a for a in batch_axes if sizes[a] > 1), (stage_axis,) if stage_axis else ():
         _add(comm, "all-reduce", tuple(axes), 4)
+    if platform == "gpu" and sp:
+        _fold_norm_reductions(comm, plan)
     return comm
+
+
+def _fold_norm_reductions(comm: dict, plan: Plan) -> None:
+    """XLA:GPU sums a norm's gradient outside the layer stack (the final norm's) over tensor
+    and over the batch axes in one all-reduce over both, where SP reduces it over tensor
+    (its input is split over seq) and the batch axes all-reduce it whole (not split by ZeRO).
+    Measured on the dp+tp+sp validation rows; the stack's norms, reduced inside the layer
+    scan, and the position table are not folded."""
+    sizes, zero = plan.mesh_sizes, set(plan.zero_axes)
+    plain = tuple(a for a in plan.grad_axes if sizes[a] > 1 and a not in zero)
+    tensor = plan.tensor_axes
+    for p in plan.params:
+        split = {a for axes in p.param for a in axes}
+        if not plain or "norm" not in p.path or p.names[:1] == ("layers",) or split & (zero | set(plain)):
+            continue
+        reduced = p.reduce_bytes // shards(p.opt, sizes)
+        for key, nbytes in ((("all-reduce", "+".join(tensor)), -p.bytes), (("all-reduce", "+".join(plain)), -reduced),
+                            (("all-reduce", "+".join(a for a in plan.mesh_sizes if a in plain or a in tensor)), reduced)):
+            comm[key] = comm.get(key, 0) + nbytes
+            if not comm[key]:
+                del comm[key]
 
 
 def sends(schedule) -> tuple[int, int]:
