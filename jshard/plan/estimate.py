@@ -206,7 +206,28 @@ def _add(table: dict, kind: str, axes, nbytes: float) -> None:
         table[key] = table.get(key, 0) + nbytes
 
 
-def param_traffic(plan: Plan, remat: bool = False, tied_head: bool = True, combined: bool = False) -> dict:
+def plain_grad_axes(plan: Plan) -> tuple[str, ...]:
+    """The axes (size > 1) whose gradient sum is an all-reduce: the batch and context axes but ZeRO's."""
+    zero = set(plan.zero_axes)
+    return tuple(a for a in plan.grad_axes if plan.mesh_sizes[a] > 1 and a not in zero)
+
+
+def folded_norms(plan: Plan) -> frozenset[str]:
+    """The paths of the params whose gradient XLA:GPU sums over tensor and the batch axes in one
+    all-reduce: under SP, a norm outside the layer stack (the final norm), whose input is split
+    over seq (SP reduces its gradient over tensor) and which the batch axes all-reduce whole (not
+    split by ZeRO, not on every pipeline stage). Measured on the dp+tp+sp validation rows; the
+    stack's norms, reduced inside the layer scan, and the position table are not folded."""
+    plain = set(plain_grad_axes(plan))
+    if not plan.sequence_parallel or not plain or plan.stage_axis:
+        return frozenset()
+    apart = plain | set(plan.zero_axes)
+    return frozenset(p.path for p in plan.params if "norm" in p.path and p.names[:1] != ("layers",)
+                     and not apart & {a for axes in p.param for a in axes})
+
+
+def param_traffic(plan: Plan, remat: bool = False, tied_head: bool = True, combined: bool = False,
+                  folded: frozenset[str] = frozenset()) -> dict:
     """{(kind, axes): bytes} of the gradient and weight collectives, per device per step.
 
     ZeRO-3 gathers each param forward and reduce-scatters its gradient; the layer stack's
@@ -216,14 +237,15 @@ def param_traffic(plan: Plan, remat: bool = False, tied_head: bool = True, combi
     reduce-scatter each gradient and gather the new params (ZeRO-2 per use, inside backward).
     What is left of the batch axes all-reduces the gradient in its optimizer layout.
     Under a pipeline, params on every stage (embeddings, final norm) sum over the stage axis:
-    after the batch axes' all-reduce, or (`combined`, as XLA:GPU does) in one all-reduce over both.
+    after the batch axes' all-reduce, or (`combined`, as XLA:GPU does) in one all-reduce over both;
+    and the `folded` params (`folded_norms`) over the batch and tensor axes at once.
     Gathers move the held dtype (ZeRO-3's, of a matrix, the compute dtype where narrower: the
     layers cast before they gather); reductions the reduction dtype, but ZeRO-3's
     reduce-scatter is its gather's transpose, in the gather's dtype.
     """
     sizes, stage_axis, zero = plan.mesh_sizes, plan.stage_axis, set(plan.zero_axes)
     # Gradients are summed over the batch and context axes (the step's grad axes).
-    plain = tuple(a for a in plan.grad_axes if sizes[a] > 1 and a not in zero)
+    plain = plain_grad_axes(plan)
     out: dict = {}
     for p in plan.params:
         in_param = {a for axes in p.param for a in axes} & zero
@@ -246,6 +268,8 @@ def param_traffic(plan: Plan, remat: bool = False, tied_head: bool = True, combi
             _add(out, "all-reduce", tuple(a for a in plan.mesh_sizes if a in reduced or a == stage_axis),
                  p.reduce_bytes // shards(p.opt, sizes))
             continue
+        if p.path in folded:
+            reduced = tuple(a for a in sizes if a in reduced or a in plan.tensor_axes)
         _add(out, "all-reduce", reduced, p.reduce_bytes // shards(p.opt, sizes))
         if on_every_stage:
             _add(out, "all-reduce", (stage_axis,), p.reduce_bytes // shards(p.opt, sizes))
@@ -253,7 +277,7 @@ def param_traffic(plan: Plan, remat: bool = False, tied_head: bool = True, combi
 
 
 def tensor_traffic(config: DecoderConfig, params, rows: int, seq: int, layers_run: int, sp: bool,
-                   tensor: tuple[str, ...], combined: bool = False) -> dict:
+                   tensor: tuple[str, ...], combined: bool = False, folded: frozenset[str] = frozenset()) -> dict:
     """{(kind, tensor axes): bytes} of Megatron TP / SP for `rows` sequences through `layers_run` layers.
 
     Per block, A = (rows, seq, embed) in the compute dtype, and c = the block's input
@@ -264,7 +288,8 @@ def tensor_traffic(config: DecoderConfig, params, rows: int, seq: int, layers_ru
     reading one input share a gather, 2 backward) and reduce-scatters it 2 + c times. The
     vocab-parallel embedding and head add 2 A (forward lookup, head's input gradient),
     the vocab-parallel cross-entropy 3 all-reduces of (rows, seq) in fp32, and under SP the
-    params that see seq-split inputs (norms, position table) all-reduce their gradients.
+    params that see seq-split inputs (norms, position table) all-reduce their gradients, but
+    the `folded` ones, which the batch axes' all-reduce sums over tensor too (`param_traffic`).
     Under remat (full or selective) each block's forward runs again in backward up to its
     last collective, whose output backward does not need: TP's first all-reduce, SP's two
     all-gathers and its first reduce-scatter, once more per block. A layer of the stack that
@@ -285,7 +310,7 @@ def tensor_traffic(config: DecoderConfig, params, rows: int, seq: int, layers_ru
         _add(out, "all-gather", tensor, blocks + 2 * again)
         _add(out, "reduce-scatter", tensor, reductions + again + whole)
         # (the position table's: the gradient of the rows looked up, seq of them)
-        replicated = sum(p.bytes for p in params if "norm" in p.path) + sum(
+        replicated = sum(p.bytes for p in params if "norm" in p.path and p.path not in folded) + sum(
             p.bytes * seq // p.shape[0] for p in params if p.path.startswith("pos_embed"))
         _add(out, "all-reduce", tensor, ce + replicated)
     else:
@@ -376,14 +401,16 @@ def traffic(config: DecoderConfig, plan: Plan, rows: int, seq: int, platform: st
     batch_axes = plan.batch_axes
     # XLA:GPU reassociates reductions of one value's parts (rs(a) + rs(b) -> rs(a + b)): a tied
     # embedding's two gradients (lookup, head), a normed input's gradients from the linears
-    # reading it; and all-reduces a pipeline's shared params over the batch and stage axes at
-    # once. XLA:CPU does each separately.
+    # reading it; all-reduces a pipeline's shared params over the batch and stage axes at once,
+    # and under SP the final norm's over the batch and tensor axes. XLA:CPU does each separately.
+    folded = folded_norms(plan) if platform == "gpu" else frozenset()
     comm = param_traffic(plan, remat=config.remat != "none", tied_head=config.tied_head and platform == "cpu",
-                         combined=platform == "gpu")
+                         combined=platform == "gpu", folded=folded)
     layers_run = config.layers // (sizes[stage_axis] if stage_axis else 1)
     sp, tensor = plan.sequence_parallel, plan.tensor_axes
     local_seq = seq // shards((context,), sizes)
-    for key, nbytes in tensor_traffic(config, params, rows, local_seq, layers_run, sp, tensor, platform == "gpu").items():
+    for key, nbytes in tensor_traffic(config, params, rows, local_seq, layers_run, sp, tensor, platform == "gpu",
+                                      folded).items():
         _add(comm, *key, nbytes)
     for key, nbytes in context_traffic(config, rows, seq, layers_run, context, sizes, shards((tensor,), sizes),
                                        plan.rules.context_attention).items():
@@ -394,30 +421,7 @@ def traffic(config: DecoderConfig, plan: Plan, rows: int, seq: int, platform: st
     # The mean loss: over the context axes (the loss's own mean), the batch axes, then the stages.
     for axes in context, (a for a in batch_axes if sizes[a] > 1), (stage_axis,) if stage_axis else ():
         _add(comm, "all-reduce", tuple(axes), 4)
-    if platform == "gpu" and sp:
-        _fold_norm_reductions(comm, plan)
     return comm
-
-
-def _fold_norm_reductions(comm: dict, plan: Plan) -> None:
-    """XLA:GPU sums a norm's gradient outside the layer stack (the final norm's) over tensor
-    and over the batch axes in one all-reduce over both, where SP reduces it over tensor
-    (its input is split over seq) and the batch axes all-reduce it whole (not split by ZeRO).
-    Measured on the dp+tp+sp validation rows; the stack's norms, reduced inside the layer
-    scan, and the position table are not folded."""
-    sizes, zero = plan.mesh_sizes, set(plan.zero_axes)
-    plain = tuple(a for a in plan.grad_axes if sizes[a] > 1 and a not in zero)
-    tensor = plan.tensor_axes
-    for p in plan.params:
-        split = {a for axes in p.param for a in axes}
-        if not plain or "norm" not in p.path or p.names[:1] == ("layers",) or split & (zero | set(plain)):
-            continue
-        reduced = p.reduce_bytes // shards(p.opt, sizes)
-        for key, nbytes in ((("all-reduce", "+".join(tensor)), -p.bytes), (("all-reduce", "+".join(plain)), -reduced),
-                            (("all-reduce", "+".join(a for a in plan.mesh_sizes if a in plain or a in tensor)), reduced)):
-            comm[key] = comm.get(key, 0) + nbytes
-            if not comm[key]:
-                del comm[key]
 
 
 def sends(schedule) -> tuple[int, int]:
