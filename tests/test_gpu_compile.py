@@ -39,9 +39,8 @@ CASES = [
     (("dp+tp", None, None, "full", "example", "mixed"), "llama", "h100x8"),  # q's and kv's input gradients: one all-reduce
     (("dp+tp+sp", None, None, "none"), "gpt", "h100x8"),  # the final norm's gradient: one all-reduce over data+tensor
     (("dp+pp", 4, "1f1b", "none"), "gpt", "h100x8"),
-    pytest.param(("cp", None, None, "none", "example", "fp32", None, 8), "gpt", "h100x8", marks=pytest.mark.xfail(
-        strict=True, reason="XLA:GPU's ring moves 256 KiB (2.3%) less than the planner's sends on this row; not yet "
-                            "traced to its send")),
+    (("cp", None, None, "none", "example", "fp32", None, 8), "gpt", "h100x8"),  # the ring's combined permutes
+    (("dp+cp+tp", None, None, "none", "example", "fp32", None, 8), "llama", "h100x8"),
     (("dp+ep", None, None, "none"), "moe", "h100x8"),
     (("dp+fsdp", None, None, "none", "example", "mixed"), "llama", "h100x16"),  # data crosses the two hosts
 ]
@@ -53,6 +52,24 @@ def test_collective_bytes_are_the_planners(case, model, target):
     t = aot.target(target)
     row = validate_one(*case, model=VALIDATION_MODELS[model], devices=aot.target_devices(t), hardware=t.hardware)
     assert row["comm_exact"], f"{row['strategy']}: planned {row['comm_predicted']}, compiled {row['comm_compiled']}"
+
+
+# Rows each held to XLA:GPU by its own GPU memory term; without it they read 10% to 16% low.
+GPU_MEMORY_ROWS = [
+    (("dp", None, None, "full"), "gpt"),  # the gradient reduction's peak (`estimate.reduction_bytes`)
+    (("dp", None, None, "none", "example", "mixed"), "gpt"),  # the same: bf16 activations beside an f32 reduction
+    (("zero2", None, None, "none", "example", "mixed"), "llama"),  # the same, reduce-scattered onto shards
+    (("dp+pp", 4, "1f1b", "none"), "gpt"),  # a tick's record copied, one layer's backward, the carry in place
+    (("dp+pp", 4, "1f1b", "none", "example", "fp32", "full"), "llama"),  # a recomputing stage (`stage_recompute`)
+]
+
+
+@pytest.mark.parametrize("case, model", GPU_MEMORY_ROWS,
+                         ids=["-".join(map(str, c[:4])) + f"-{m}" for c, m in GPU_MEMORY_ROWS])
+def test_gpu_memory_terms(case, model):
+    t = aot.target("h100x8")
+    row = validate_one(*case, model=VALIDATION_MODELS[model], devices=aot.target_devices(t), hardware=t.hardware)
+    assert abs(row["memory_rel_err"]) <= MEMORY_TOLERANCE, row
 
 
 @pytest.fixture(scope="module")

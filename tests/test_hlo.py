@@ -143,6 +143,11 @@ GPU_STARTS = [
     ("%rss = ((bf16[768,64]{1,0}), bf16[96,64]{1,0}) reduce-scatter-start(%a)", "reduce-scatter", 8, 2 * 768 * 64),
     ("%cps = (bf16[64]{0}, bf16[64]{0}, u32[], u32[]) collective-permute-start(%a), "
      "source_target_pairs={{0,1},{1,0}}", "collective-permute", 1, 2 * 64),
+    # combined (the ring's K, V and a gradient sent at once): every operand is sent
+    ("%cps = ((f32[8,32]{1,0}, f32[8,32]{1,0}, f32[8,32]{0,1}), (f32[8,32]{1,0}, f32[8,32]{1,0}, f32[8,32]{0,1})) "
+     "collective-permute-start(%a, %b, %c), source_target_pairs={{0,1},{1,0}}", "collective-permute", 1, 3 * 4 * 256),
+    ("%cps = ((f32[8,32]{1,0}), f32[8,32]{1,0}) collective-permute-start(%a), source_target_pairs={{0,1},{1,0}}",
+     "collective-permute", 1, 4 * 256),
 ]
 
 

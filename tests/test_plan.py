@@ -63,6 +63,27 @@ def test_plan_formulas_scale_as_the_textbook():
     assert est["comm_bytes_per_step"]["all-gather"] < 2 * 4 * n  # norms and embeddings: gathered once
 
 
+@pytest.mark.parametrize("model, strategy, mesh, precision, reduction", [
+    # 2 x 4 B a param: the f32 gradients concatenated and the all-reduced copy (under 30 MiB: one buffer)
+    ("tiny", "dp", {"data": 8}, "fp32", lambda n: 2 * 4 * n),
+    # ZeRO-2 scatters onto the optimizer's eighths: the concatenated gradients and one eighth
+    ("tiny", "zero2", {"fsdp": 8}, "mixed", lambda n: 4 * n + 4 * n / 8),
+    # over 30 MiB, one combined buffer of 30 MiB beside the f32 all-reduced gradients
+    ("gpt-125m", "dp", {"data": 8}, "mixed", lambda n: 30 * 2**20 + 4 * n),
+    ("gpt-125m", "zero3", {"fsdp": 8}, "fp32", lambda n: 0),  # reduced layer by layer inside the stack
+])
+def test_gpu_gradient_reduction_is_a_peak_beside_backwards(model, strategy, mesh, precision, reduction):
+    config = dataclasses.replace(GPT_SIZES[model], remat="full")
+    sizes = {"data": 1, "stage": 1, "fsdp": 1, "tensor": 1} | mesh
+    est = plan.estimate(plan.PlanInput(config, sizes, strategy, precision=precision, hardware=plan.HARDWARE["h100"]))
+    mem, n = est["memory_bytes_per_device"], est["model"]["params"]
+    # the larger of backward's peak (gradients and activations) and the reduction's
+    assert mem["grads"] + mem["activations"] + mem.get("reduction", 0) == pytest.approx(
+        max(mem["grads"] + mem["activations"], reduction(n)), rel=1e-4)
+    cpu = plan.estimate(plan.PlanInput(config, sizes, strategy, precision=precision, hardware=plan.HARDWARE["cpu"]))
+    assert "reduction" not in cpu["memory_bytes_per_device"]  # XLA:CPU: not seen in its programs
+
+
 def test_bad_plan_exits_2(capsys):
     assert main(["plan", "--mesh", "tensor=3", "--strategy", "tp"]) == 2
     assert "does not divide by tensor=3" in capsys.readouterr().err

@@ -99,6 +99,14 @@ class Activations:
     # keep: a multiple of what a layer keeps without remat, by remat policy.
     backward: dict[str, float]
     logits: float  # the cross-entropy's float32 copies of the logits (per token and vocab entry ÷ tensor)
+    # A pipeline tick's residual record (one micro-batch's chunk), as a share of one: copied out of
+    # its slot buffer (1) or read in place (0). XLA:CPU copies it under JAX 0.10 and not 0.12
+    # (measured; 0.5 between the two), XLA:GPU copies it.
+    record: float
+    # A pipeline stage that recomputes its chunk (`--stage-remat full`) holds the chunk's layers'
+    # activations, this many layers' worth a layer (measured over chunks of 2 and 4 layers), and one
+    # layer's backward beside them.
+    stage_recompute: float
 
 
 # XLA:CPU, fp32: fitted to the `jshard plan --validate` rows (docs/planning.md); XLA:GPU, bf16:
@@ -107,9 +115,11 @@ class Activations:
 # less of the MLP's hidden values than XLA:CPU and more per element of attention's projections.
 ACTIVATIONS = {
     "cpu": Activations(h_replicated=5.1, attention=1.025, mlp=1.2, scores=2.33, h_sp_whole=2.65,
-                       backward={"none": 0.0, "selective": 0.37, "full": 2.0}, logits=6.0),
+                       backward={"none": 0.0, "selective": 0.37, "full": 2.0}, logits=6.0, record=0.5,
+                       stage_recompute=1.0),
     "gpu": Activations(h_replicated=4.0, attention=1.75, mlp=0.625, scores=2.81, h_sp_whole=2.0,
-                       backward={"none": 1.0, "selective": 1.0, "full": 0.5}, logits=1.5),
+                       backward={"none": 1.0, "selective": 1.0, "full": 0.5}, logits=1.5, record=1.0,
+                       stage_recompute=1.45),
 }
 # Under remat the same on both compilers:
 ACT_FULL_REMAT = 1.0  # remat full: each layer keeps its input only
@@ -195,6 +205,27 @@ def state_bytes(plan: Plan, layers: int) -> dict[str, int]:
 
 
 MODEL_STATE = ("params", "grads", "master", "optimizer")  # ZeRO's "model states" (its Figure 1)
+
+# XLA:GPU combines the collectives that follow backward into buffers of up to this many bytes
+# (xla/service/collective_utils.h, kDefaultAllReduceCombineThreshold and its reduce-scatter twin).
+XLA_GPU_COMBINE_BYTES = 30 * 2**20
+
+
+def reduction_bytes(plan: Plan) -> int:
+    """XLA:GPU: what the gradient reduction after backward holds at once (ZeRO-0/1/2's all-reduce
+    or reduce-scatter; ZeRO-3 reduces each layer's inside the stack): the gradients concatenated
+    in the reduction dtype (one combined buffer, up to `XLA_GPU_COMBINE_BYTES`) beside the reduced
+    ones (whole, or on the optimizer's shards), as the GPU buffer assignment of the validation
+    rows shows them (docs/gpu-compile.md). Where backward keeps little (remat, mixed precision's
+    bf16 activations beside an fp32 reduction), this and not backward is the step's peak."""
+    sizes = plan.mesh_sizes
+    if plan.rules.zero == 3 or plan.stage_axis:
+        return 0
+    batch = {a for a in plan.grad_axes if sizes[a] > 1}
+    reduced = [p for p in plan.params if batch - {a for axes in p.param for a in axes}]
+    combined = sum(local(p.reduce_bytes, p.param, sizes) for p in reduced)
+    out = sum(local(p.reduce_bytes, p.opt, sizes) for p in reduced)
+    return min(combined, XLA_GPU_COMBINE_BYTES) + out if reduced else 0
 
 
 # --- communication --------------------------------------------------------------------
@@ -555,13 +586,13 @@ def pipeline_activations(program, config: DecoderConfig, chunk_layers: int, per_
     total = (program.act_slots + program.grad_slots + 2) * a_mb + tokens * (
         program.crossover_slots["layers"] * chunk_layers * crossover  # (measured: not its unread slot)
         + program.crossover_slots["last"] * head)
-    if stage_remat == "full":  # one chunk recomputed, and its last layer's backward beside it (as under remat full)
-        return total + tokens * ((chunk_layers + act.backward["full"] - 1) * per_token_layer + logits)
+    if stage_remat == "full":  # one chunk recomputed (`Activations.stage_recompute`), one layer's backward beside it
+        return total + tokens * ((chunk_layers * act.stage_recompute + 1) * per_token_layer + logits)
     total += tokens * (slots(program.saved_slots["layers"]) * chunk_layers * per_token_layer
                        + slots(program.saved_slots["last"]) * head)
-    # The residual record a tick reads: copied out of its buffer by JAX 0.10's XLA, read in
-    # place by 0.12's (measured); half of one, between the two. And the head's backward.
-    return total + tokens * (chunk_layers * per_token_layer / 2 + logits)
+    # The residual record a tick reads (`Activations.record`), one layer's backward beside the
+    # kept ones (as unpipelined: `Activations.backward`), and the head's backward.
+    return total + tokens * ((chunk_layers * act.record + act.backward["none"]) * per_token_layer + logits)
 
 
 def estimate(plan: PlanInput) -> dict:
@@ -595,8 +626,9 @@ def estimate(plan: PlanInput) -> dict:
     memory = state_bytes(step, config.layers)
     # AdamW's pass over the state once a step: reads and writes params, master and moments, reads the gradients.
     optimizer_traffic = 2 * (memory["params"] + memory.get("master", 0) + memory["optimizer"]) + memory["grads"]
-    if schedule:
-        # The executor accumulates gradients in the scan's carry: input and output buffers.
+    if schedule and hw.platform == "cpu":
+        # The executor accumulates gradients in the scan's carry: XLA:CPU keeps its input and
+        # output buffers apart, XLA:GPU updates it in place (measured).
         memory["grads"] *= 2
     layers_local = config.layers // stages
     act = ACTIVATIONS[hw.platform]
@@ -626,6 +658,8 @@ def estimate(plan: PlanInput) -> dict:
         # examples/context_parallel.py).
         tile = query_tile(local_seq)
         memory["activations"] += RING_BLOCK_FP32 * 4 * rows * config.heads // tensor * tile * local_seq
+    if hw.platform == "gpu":  # the larger of backward's peak and the reduction's (above what backward counts)
+        memory["reduction"] = max(0, reduction_bytes(step) - memory["grads"] - memory["activations"])
     memory["batch"] = rows * m * (config.seq_len + 1) * 4
     total_memory = sum(memory.values())
 
@@ -826,7 +860,7 @@ def report(est: dict) -> str:
                      f"routed (the experts' FLOPs ×{moe['slots_per_token'] / moe['top_k']:.3g}); {where} "
                      f"({format_bytes(moe['expert_param_bytes_per_device'], 2)} of expert params)")
     lines.append("memory per device")
-    for key in ("params", "grads", "master", "optimizer", "gathered", "chunk_weights", "activations", "batch"):
+    for key in ("params", "grads", "master", "optimizer", "gathered", "chunk_weights", "activations", "reduction", "batch"):
         if mem.get(key):
             lines.append(f"  {key:<14}{format_bytes(mem[key], 2):>12}")
         if key == "optimizer":
