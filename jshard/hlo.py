@@ -159,13 +159,13 @@ def _k_shapes(kind: str, result: str, start: bool, group: int) -> list[tuple[str
     type is `result`. An asynchronous start returns (operands, results) (K: the results; a
     reduce-scatter's, the operands before scattering; XLA before 2025 gave an all-reduce's results
     alone), or (operand, result, contexts) for a permute (K: what is sent; XLA:GPU's combined
-    permutes, ((operands), (results))); a synchronous
-    reduce-scatter returns its scattered part (K: group times it)."""
+    permutes, ((operands), (results))); a synchronous reduce-scatter returns its scattered part
+    (K: group times it)."""
     def shapes(text: str) -> list[tuple[str, int]]:
         return [(m["dtype"], math.prod(_dims(m["dims"]))) for m in _SHAPE.finditer(text)]
 
     parts = _top_level(result)
-    if start and kind == "collective-permute":  # XLA:GPU's combined permutes: ((operands...), (results...))
+    if start and kind == "collective-permute":
         return shapes(parts[0]) if parts[0].startswith("(") else shapes(result)[:1]
     if start and len(parts) == 2 and (parts[0].startswith("(") or kind != "all-reduce"):
         return shapes(parts[0] if kind == "reduce-scatter" else parts[1])

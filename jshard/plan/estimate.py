@@ -4,7 +4,8 @@ precision, remat policy, micro-batch size and a hardware profile, `estimate` giv
     memory   params, grads, Adam's two moments in the layouts the rules give (placed exactly as
              `build_step` places them: the step's own layout table, on an abstract mesh), the
              gathered layers of ZeRO-3, and activations: bytes per token per layer times the
-             tokens in flight (the schedule's activation buffers under a pipeline)
+             tokens in flight (the schedule's activation buffers under a pipeline); on GPUs the
+             gradient reduction's peak where it is above backward's (`reduction_bytes`)
     comm     bytes per collective kind and mesh axis per step (K, as `jshard/hlo.py` counts),
              and their time at the bandwidth of the link the axis falls on (intra- or inter-node)
     time     compute from model FLOPs (6·N + attention, plus the forward that remat and the
