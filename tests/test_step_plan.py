@@ -45,10 +45,15 @@ def test_the_plan_holds_every_axis_the_step_reads(preset, sizes, expected):
     (12, None, 1, "batch size 12 does not split over 8 batch shards (data) = 8. Fix: make batch size a multiple of 8."),
     (8, None, 2, "over 8 batch shards (data) × 2 accumulated steps = 16"),
     (None, 36, 1, "sequence length 36: context parallelism over context = 4 cuts each sequence into 8 equal chunks"),
+    (None, 30, 1, "sequence length 30: sequence parallelism splits each sequence's tokens over tensor = 4. "
+                  "Fix: a sequence length that is a multiple of 4."),
+    (None, 12, 1, "sequence length 12: sequence parallelism splits each sequence's tokens on a device over tensor = 4. "
+                  "Fix: a sequence length that is a multiple of 8."),  # beside cp=2: 12 / 2 = 6 tokens on a device
 ])
 def test_check_batch_names_the_split_it_misses(rows, seq_len, steps, message):
-    sizes = dict(data=2, context=4) if seq_len else dict(data=8)
-    plan = make_plan(decoders.make("gpt", 0), abstract_mesh(**sizes), jshard.preset("dp+cp" if seq_len else "dp"))
+    strategy, sizes = {None: ("dp", dict(data=8)), 36: ("dp+cp", dict(data=2, context=4)),
+                       30: ("dp+tp+sp", dict(data=2, tensor=4)), 12: ("cp+tp+sp", dict(context=2, tensor=4))}[seq_len]
+    plan = make_plan(decoders.make("gpt", 0), abstract_mesh(**sizes), jshard.preset(strategy))
     with pytest.raises(jshard.ShardingError, match=message.replace("(", r"\(").replace(")", r"\)")):
         plan.check_batch(rows, seq_len, steps)
 

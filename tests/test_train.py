@@ -323,6 +323,8 @@ def refused(capsys, argv, message):
     (["--strategy", "dp", "--mesh", "data=8", "--schedule", "1f1b"], "no pipeline to feed"),
     (["--strategy", "dp+cp", "--mesh", "data=2,context=4", "--seq-len", "36"],
      "--seq-len 36: context parallelism over context = 4 cuts each sequence into 8 equal chunks"),
+    (["--strategy", "dp+tp+sp", "--mesh", "data=2,tensor=4", "--seq-len", "30"],
+     "--seq-len 30: sequence parallelism splits each sequence's tokens over tensor = 4"),
     (["--strategy", "cp+pp", "--mesh", "context=4,stage=2"], "Fix: all-gather them instead, preset 'pp+cp-gather'"),
     (["--strategy", "dp+ep", "--mesh", "data=2,expert=4"], "no param of the model has an 'experts' dim"),
     (["--model", "moe-tiny", "--strategy", "dp+cp", "--mesh", "data=2,context=4"], "Fix: a preset without cp"),

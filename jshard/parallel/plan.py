@@ -157,7 +157,8 @@ class Plan:
                     steps_flag: str | None = None) -> None:
         """Whether a global batch of `rows` rows, taken in `steps` accumulated micro-steps, splits over
         the batch axes and a pipeline's micro-batches, and a sequence of `seq_len` tokens into
-        context parallelism's chunks (two per device, load-balanced). The flags name the inputs
+        context parallelism's chunks (two per device, load-balanced) and, on each device,
+        sequence parallelism's (one per tensor shard). The flags name the inputs
         in the error (a command's flags: '--batch-size'; `steps_flag` shows the steps even at 1)."""
         n = self.context_shards
         if seq_len is not None and n > 1 and seq_len % (2 * n):
@@ -165,6 +166,13 @@ class Plan:
                 f"{seq_flag} {seq_len}: context parallelism over {'×'.join(self.context_axes)} = {n} cuts each "
                 f"sequence into {2 * n} equal chunks (two per device, load-balanced). Fix: a {seq_flag} that is a "
                 f"multiple of {2 * n}.")
+        sp = math.prod(self.mesh_sizes[a] for a in self.sequence_axes if a not in self.context_axes)
+        if seq_len is not None and sp > 1 and seq_len % (n * sp):
+            axes = "×".join(a for a in self.sequence_axes if a not in self.context_axes)
+            whole = math.lcm(2 * n, n * sp) if n > 1 else sp
+            raise ShardingError(
+                f"{seq_flag} {seq_len}: sequence parallelism splits each sequence's tokens "
+                f"{'on a device ' if n > 1 else ''}over {axes} = {sp}. Fix: a {seq_flag} that is a multiple of {whole}.")
         per_step = self.batch_shards * steps
         if rows is not None and rows % per_step:
             over = " × ".join([f"{self.data_shards} batch shards ({'×'.join(self.batch_axes) or 'none'})"]
