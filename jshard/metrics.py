@@ -107,8 +107,17 @@ def median_step_seconds(step, batch, repeats: int, compiled=None) -> float:
     return median_seconds(once, repeats)
 
 
+def device_memory() -> dict[str, int]:
+    """This process's first device's memory in use and its peak so far, in bytes, where the
+    backend reports them (GPUs; XLA:CPU reports none: then nothing)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return {key: stats[name] for key, name in (("memory_bytes", "bytes_in_use"), ("peak_memory_bytes", "peak_bytes_in_use"))
+            if name in stats}
+
+
 class MetricsFile:
-    """One JSON object per line: `step`, `loss`, `step_s`, `tokens_per_s`, `mfu` (null without a peak)."""
+    """One JSON object per line: `step`, `loss`, `lr`, `step_s`, `tokens_per_s`, `mfu` (null
+    without a peak), and where reported `memory_bytes` / `peak_memory_bytes` (`device_memory`)."""
 
     def __init__(self, path: str | None, append: bool = False):
         if path:

@@ -3,8 +3,9 @@
     $ jshard plot run.jsonl [-o run.png] [--title TEXT]
 
 The metrics file is what `jshard train --metrics FILE` writes: JSON Lines, one object per
-optimizer step, `{"step", "loss", "step_s", "tokens_per_s", "mfu"}` (`mfu` null without a
-peak), plus `"eval_loss"` and `"eval_perplexity"` on steps that evaluated. A resumed run
+optimizer step, `{"step", "loss", "lr", "step_s", "tokens_per_s", "mfu"}` (`mfu` null without a
+peak; device memory where the backend reports it), plus `"eval_loss"` and `"eval_perplexity"` on
+steps that evaluated. A resumed run
 appends to it, so a step may appear twice; the later line wins. `jshard train --plot FILE`
 calls `metrics_png` at the end of a run.
 
@@ -22,7 +23,8 @@ from pathlib import Path
 DPI = 120  # sharp enough to read, small enough for docs (well under 200 KB)
 FORMAT = ('each line must be one JSON object with at least "step" (a whole number) and "loss" (a number), '
           "as jshard train --metrics FILE writes")
-OPTIONAL_NUMBERS = ("step_s", "tokens_per_s", "mfu", "eval_loss", "eval_perplexity")  # a number or null where present
+OPTIONAL_NUMBERS = ("lr", "step_s", "tokens_per_s", "mfu", "memory_bytes", "peak_memory_bytes", "eval_loss",
+                    "eval_perplexity")  # a number or null where present
 
 
 class PlotError(ValueError):

@@ -43,7 +43,7 @@ from jshard.config import MODEL_FIELDS, model_config
 from jshard.distributed import axes_across_processes, initialize, is_main_process
 from jshard.mesh import (fake_device_count, mesh_shape, mesh_sizes, use_fake_cpu_devices_unless_accelerated,
                          use_gpu_xla_flags)
-from jshard.metrics import PROFILE_STEPS, MetricsFile, device_peak, flops_per_token
+from jshard.metrics import PROFILE_STEPS, MetricsFile, device_memory, device_peak, flops_per_token
 from jshard.nn import attention_implementation
 from jshard.models import SIZES, DecoderConfig, decoder, gpt_loss
 from jshard.models.stack import REMAT_POLICIES
@@ -478,6 +478,7 @@ def _train(p: Setup, out) -> TrainResult:
     c = p.config
     say = functools.partial(print, file=out, flush=True)
     tx = optim.adamw(c.lr, c.steps, _warmup(c), grad_accum=c.grad_accum)
+    learning_rate = optim.schedule(c.lr, c.steps, _warmup(c))  # what the update of optimizer step i used: (i)
     step, state, start, position = _start(p, tx, say)
     stream = p.split.train
     if p.checkpoints and p.data.tokenizer and is_main_process():
@@ -517,7 +518,8 @@ def _train(p: Setup, out) -> TrainResult:
             losses.append(loss)
             times.append(seconds)
             mfu = flops_per_step / seconds / peak.flops if peak else None
-            record = dict(step=done, loss=loss, step_s=seconds, tokens_per_s=tokens / seconds, mfu=mfu)
+            record = dict(step=done, loss=loss, lr=float(learning_rate(index)), step_s=seconds,
+                          tokens_per_s=tokens / seconds, mfu=mfu) | device_memory()
             shown = f"loss {loss:.4f}  {seconds * 1e3:8.1f} ms  {tokens / seconds / 1e3:7.1f}k tok/s" + (
                 f"  MFU {mfu:6.2%}" if peak else "")
             if c.eval_every and (done % c.eval_every == 0 or done == c.steps):

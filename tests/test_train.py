@@ -7,6 +7,7 @@ The strategies train the same model on the same data, so their losses must agree
 import dataclasses
 import gc
 import json
+import math
 import os
 import shutil
 import time
@@ -23,6 +24,7 @@ import jshard
 from jshard import data, optim
 from jshard.checkpoint import Checkpoints
 from jshard.cli import main
+from jshard.metrics import device_memory
 from jshard.models import GPT, gpt_loss
 from jshard.parallel import build_step
 from jshard.placement import specs
@@ -57,10 +59,14 @@ def test_dp_trains_and_reports_metrics_and_a_trace(dp):
     assert_falls(result.losses)
     rows = [json.loads(line) for line in (where / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    evaluated = [r["step"] for r in rows if set(r) == {"step", "loss", "step_s", "tokens_per_s", "mfu", "eval_loss",
-                                                        "eval_perplexity"}]
+    every = {"step", "loss", "lr", "step_s", "tokens_per_s", "mfu"}  # XLA:CPU reports no device memory
+    evaluated = [r["step"] for r in rows if set(r) == every | {"eval_loss", "eval_perplexity"}]
     assert evaluated == [2, 4, 5] == sorted(result.eval_losses)
-    assert all(set(r) == {"step", "loss", "step_s", "tokens_per_s", "mfu"} for r in rows if r["step"] not in evaluated)
+    assert all(set(r) == every for r in rows if r["step"] not in evaluated)
+    # no warm-up at 5 steps (a tenth of them): cosine from lr to lr/10 over the 5 updates
+    lr = RUN["lr"]
+    assert [r["lr"] for r in rows] == pytest.approx([lr / 10 + (lr - lr / 10) * (1 + math.cos(math.pi * i / STEPS)) / 2
+                                                     for i in range(STEPS)], rel=1e-6)
     assert [r["eval_loss"] for r in rows if r["step"] in evaluated] == [result.eval_losses[s] for s in evaluated]
     assert result.eval_losses[5] < result.eval_losses[2]  # held-out loss falls too
     assert [r["loss"] for r in rows] == result.losses
@@ -68,6 +74,13 @@ def test_dp_trains_and_reports_metrics_and_a_trace(dp):
     traced = [f for _, _, files in os.walk(where / "trace") for f in files]
     assert any(f.endswith(".xplane.pb") for f in traced) and "perfetto_trace.json.gz" in traced, traced
     assert "loss        " in result.summary and "MFU" in result.summary and "measured" in result.summary
+
+
+def test_device_memory_is_the_backends_where_it_reports_it(monkeypatch):
+    assert device_memory() == {}  # XLA:CPU reports none
+    reported = {"bytes_in_use": 5 * 2**30, "peak_bytes_in_use": 9 * 2**30, "largest_alloc_size": 2**30}
+    monkeypatch.setattr(jax, "local_devices", lambda: [type("GPU", (), {"memory_stats": lambda self: reported})()])
+    assert device_memory() == {"memory_bytes": 5 * 2**30, "peak_memory_bytes": 9 * 2**30}
 
 
 @pytest.mark.parametrize("strategy, mesh, schedule", [
