@@ -65,9 +65,9 @@ def schedule(lr: float, steps: int, warmup: int) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), lr / 10)
 
 
-def adamw(lr: float, steps: int, warmup: int, *, weight_decay: float = 0.1, clip: float = 1.0,
+def adamw(learning_rate: optax.Schedule, *, weight_decay: float = 0.1, clip: float = 1.0,
           grad_accum: int = 1, b2: float = 0.95) -> optax.GradientTransformation:
-    """Clip, then AdamW on `schedule(lr, steps, warmup)`.
+    """Clip, then AdamW on `learning_rate` (`schedule`: the same one `jshard train` logs).
 
     With `grad_accum` = k > 1 it is wrapped in `optax.MultiSteps`: each call is one
     micro-step, and every k-th applies the update of the k gradients' mean (the others
@@ -75,7 +75,7 @@ def adamw(lr: float, steps: int, warmup: int, *, weight_decay: float = 0.1, clip
     """
     tx = optax.chain(
         clip_by_global_norm(clip),
-        optax.adamw(schedule(lr, steps, warmup), b2=b2, weight_decay=weight_decay, mask=_decayed),
+        optax.adamw(learning_rate, b2=b2, weight_decay=weight_decay, mask=_decayed),
     )
     return optax.MultiSteps(tx, every_k_schedule=grad_accum).gradient_transformation() if grad_accum > 1 else tx
 

@@ -477,8 +477,8 @@ def _start(p: Setup, tx, say) -> tuple[ShardedStep, TrainState, int, int]:
 def _train(p: Setup, out) -> TrainResult:
     c = p.config
     say = functools.partial(print, file=out, flush=True)
-    tx = optim.adamw(c.lr, c.steps, _warmup(c), grad_accum=c.grad_accum)
-    learning_rate = optim.schedule(c.lr, c.steps, _warmup(c))  # what the update of optimizer step i used: (i)
+    learning_rate = optim.schedule(c.lr, c.steps, _warmup(c))  # the update of optimizer step i (from 0) uses (i)
+    tx = optim.adamw(learning_rate, grad_accum=c.grad_accum)
     step, state, start, position = _start(p, tx, say)
     stream = p.split.train
     if p.checkpoints and p.data.tokenizer and is_main_process():

@@ -166,13 +166,14 @@ class Plan:
                 f"{seq_flag} {seq_len}: context parallelism over {'×'.join(self.context_axes)} = {n} cuts each "
                 f"sequence into {2 * n} equal chunks (two per device, load-balanced). Fix: a {seq_flag} that is a "
                 f"multiple of {2 * n}.")
-        sp = math.prod(self.mesh_sizes[a] for a in self.sequence_axes if a not in self.context_axes)
+        sp_axes = [a for a in self.sequence_axes if a not in self.context_axes]
+        sp = math.prod(self.mesh_sizes[a] for a in sp_axes)
         if seq_len is not None and sp > 1 and seq_len % (n * sp):
-            axes = "×".join(a for a in self.sequence_axes if a not in self.context_axes)
-            whole = math.lcm(2 * n, n * sp) if n > 1 else sp
+            multiple = math.lcm(2 * n, n * sp) if n > 1 else sp
             raise ShardingError(
                 f"{seq_flag} {seq_len}: sequence parallelism splits each sequence's tokens "
-                f"{'on a device ' if n > 1 else ''}over {axes} = {sp}. Fix: a {seq_flag} that is a multiple of {whole}.")
+                f"{'on a device ' if n > 1 else ''}over {'×'.join(sp_axes)} = {sp}. Fix: a {seq_flag} that is a "
+                f"multiple of {multiple}.")
         per_step = self.batch_shards * steps
         if rows is not None and rows % per_step:
             over = " × ".join([f"{self.data_shards} batch shards ({'×'.join(self.batch_axes) or 'none'})"]
