@@ -101,10 +101,26 @@ VALIDATION_MODELS = {"gpt": VALIDATION_MODEL,
                      "llama": LlamaConfig(seq_len=64, embed=128, heads=8, kv_heads=4, mlp=384, layers=8),
                      "moe": LLAMA_SIZES["moe-tiny"]}
 MEMORY_TOLERANCE = 0.10
+# XLA:GPU compiles with no device to autotune on, and at 128 tokens a device its heuristics run
+# the tiny models' GEMMs as Triton split-K fusions whose float32 partial products (four times a
+# weight's size, MBs) are temporaries no real model's GEMMs have: a constant that sets these
+# models' peaks (docs/gpu-compile.md). A GPU target validates the same cases on the same models
+# this many times as wide (embed, mlp) and as long (seq), where the per-token and per-param
+# terms the planner models set memory as in real models.
+GPU_VALIDATION_SCALE = 4
+
+
+def validation_models(platform: str = "cpu") -> dict[str, DecoderConfig]:
+    """`VALIDATION_MODELS`, or on "gpu" each `GPU_VALIDATION_SCALE` times as wide and long."""
+    if platform == "cpu":
+        return VALIDATION_MODELS
+    k = GPU_VALIDATION_SCALE
+    return {name: dataclasses.replace(c, embed=k * c.embed, mlp=k * c.mlp, seq_len=k * c.seq_len)
+            for name, c in VALIDATION_MODELS.items()}
 
 
 def validation_cases() -> list[tuple[tuple, str]]:
-    """(case, key of VALIDATION_MODELS) for every row `jshard plan --validate` runs, in order."""
+    """(case, key of `validation_models()`) for every row `jshard plan --validate` runs, in order."""
     return ([(case, model) for model in ("gpt", "llama") for case in VALIDATION]
             + [(case, "moe") for case in MOE_VALIDATION])
 
