@@ -49,8 +49,11 @@ class CNN(nnx.Module):
 
 
 def loss_fn(model, batch):
+    """The loss, and the batch's accuracy beside it (`build_step(..., has_aux=True)`)."""
     images, labels = batch
-    return optax.softmax_cross_entropy_with_integer_labels(model(images), labels).mean()
+    logits = model(images)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == labels)}
 
 
 def make_batch(rng, rows: int):
@@ -65,14 +68,14 @@ def make_batch(rng, rows: int):
 def main(argv=None) -> None:
     args = parser.parse_args(argv)
     mesh, rules = jshard.make_mesh(**jshard.mesh.parse_axis_sizes(args.mesh)), jshard.preset(args.preset)
-    step = jshard.parallel.build_step(CNN(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, mesh, rules)
+    step = jshard.parallel.build_step(CNN(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, mesh, rules, has_aux=True)
     rng = np.random.default_rng(0)
     print(step.describe(make_batch(rng, args.batch_size)))  # placements, and what each param gets
     state = step.state
     for i in range(args.steps):
-        state, loss = step(state, step.shard_batch(make_batch(rng, args.batch_size)))
+        state, (loss, metrics) = step(state, step.shard_batch(make_batch(rng, args.batch_size)))
         if i % 10 == 0 or i == args.steps - 1:
-            print(f"step {i:3d}  loss {float(loss):.4f}")
+            print(f"step {i:3d}  loss {float(loss):.4f}  accuracy {float(metrics['accuracy']):.3f}")
     model = step.model(state)  # a plain Flax model again: its params, batch statistics and RNG state
     model.eval()  # running statistics, no dropout
     images, labels = make_batch(np.random.default_rng(1), 512)

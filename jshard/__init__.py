@@ -22,7 +22,7 @@ from jshard.mesh import (
     use_fake_cpu_devices,
     use_fake_cpu_devices_unless_accelerated,
 )
-from jshard.parallel import build_step
+from jshard.parallel import build_step, summed
 from jshard.parallel.schedules import ScheduleError
 from jshard.placement import Placement, Report, describe, init, shard, shardings, specs
 from jshard.rules import (
@@ -45,5 +45,5 @@ _nnx.use_eager_sharding(False)
 # and lives, documented, in its own module.
 __all__ = [
     "MeshError", "Rules", "ShardingError", "activate", "build_step", "constrain", "describe", "init", "initialize",
-    "make_mesh", "models", "named", "nn", "preset", "shard", "use_fake_cpu_devices",
+    "make_mesh", "models", "named", "nn", "preset", "shard", "summed", "use_fake_cpu_devices",
 ]

@@ -251,6 +251,7 @@ class Report:
     mesh_sizes: dict[str, int]
     kind: str
     rows: tuple[Placement, ...]
+    warnings: tuple[str, ...] = ()  # what looks wrong beyond one Variable (the step's, from its program)
 
     @property
     def bytes_per_device(self) -> int:
@@ -281,6 +282,7 @@ class Report:
         )
         for p in self.flagged:
             lines.extend(f"! {p.path}: {flag}" for flag in p.flags)
+        lines.extend(f"! {warning}" for warning in self.warnings)
         return "\n".join(lines)
 
 

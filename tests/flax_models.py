@@ -5,9 +5,12 @@ transformer also stacks its blocks with `jshard.models.stack_layers`, which a pi
 Each entry of `MODELS` gives the model, its loss and fresh random batches for a seed.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 import jshard
@@ -171,6 +174,74 @@ class CausalBlock(Block):
         return super().__call__(x, nnx.make_causal_mask(jnp.ones(x.shape[:2])))
 
 
+def causal_attention_mask(seq_len):
+    return jnp.tril(jnp.ones((seq_len, seq_len)))
+
+
+def _names(named: bool, *names):
+    """Logical names where the model is `named` (the only change to the Flax tutorial's code)."""
+    return dict(kernel_metadata=jshard.named(*names)) if named else {}
+
+
+class MiniGPTBlock(nnx.Module):
+    """The Flax / JAX AI Stack tutorial's TransformerBlock ("Train a miniGPT language model"):
+    post-norm attention and ReLU MLP of plain Flax layers, biases everywhere, dropout; its
+    `nnx.with_partitioning(..., NamedSharding(mesh, P(None, 'model')))` initializers replaced
+    by logical names (`named`) or by nothing."""
+
+    def __init__(self, embed_dim, num_heads, ff_dim, *, rngs, named: bool, rate=0.1):
+        attention_names = dict(kernel_metadata=jshard.named("embed", "heads", "kv"),
+                               out_kernel_metadata=jshard.named("heads", "kv", "embed"),
+                               bias_metadata=jshard.named("heads", "kv"), out_bias_metadata=jshard.named("embed"),
+                               ) if named else {}
+        self.mha = nnx.MultiHeadAttention(num_heads=num_heads, in_features=embed_dim,
+                                          kernel_init=nnx.initializers.xavier_uniform(), rngs=rngs, **attention_names)
+        self.dropout1 = nnx.Dropout(rate=rate, rngs=rngs)
+        self.layer_norm1 = nnx.LayerNorm(epsilon=1e-6, num_features=embed_dim, rngs=rngs)
+        self.linear1 = nnx.Linear(embed_dim, ff_dim, kernel_init=nnx.initializers.xavier_uniform(), rngs=rngs,
+                                  **_names(named, "embed", "mlp"))
+        self.linear2 = nnx.Linear(ff_dim, embed_dim, kernel_init=nnx.initializers.xavier_uniform(), rngs=rngs,
+                                  **_names(named, "mlp", "embed"))
+        self.dropout2 = nnx.Dropout(rate=rate, rngs=rngs)
+        self.layer_norm2 = nnx.LayerNorm(epsilon=1e-6, num_features=embed_dim, rngs=rngs)
+
+    def __call__(self, inputs, training: bool = False):
+        _, seq_len, _ = inputs.shape
+        attention_output = self.mha(inputs_q=inputs, mask=causal_attention_mask(seq_len), decode=False)
+        attention_output = self.dropout1(attention_output, deterministic=not training)
+        out1 = self.layer_norm1(inputs + attention_output)
+        ffn_output = self.linear2(nnx.relu(self.linear1(out1)))
+        ffn_output = self.dropout2(ffn_output, deterministic=not training)
+        return self.layer_norm2(out1 + ffn_output)
+
+
+class MiniGPT(nnx.Module):
+    """The tutorial's MiniGPT: token and position embeddings, a list of blocks, a linear head."""
+
+    def __init__(self, rngs: nnx.Rngs, named: bool = True, maxlen=16, vocab_size=64, embed_dim=32, num_heads=4,
+                 feed_forward_dim=64, num_transformer_blocks=2):
+        embed_names = dict(embedding_metadata=jshard.named("vocab", "embed")) if named else {}
+        self.token_emb = nnx.Embed(num_embeddings=vocab_size, features=embed_dim, rngs=rngs, **embed_names)
+        self.pos_emb = nnx.Embed(num_embeddings=maxlen, features=embed_dim, rngs=rngs,
+                                 **(dict(embedding_metadata=jshard.named(None, "embed")) if named else {}))
+        self.transformer_blocks = nnx.List([MiniGPTBlock(embed_dim, num_heads, feed_forward_dim, rngs=rngs, named=named)
+                                            for _ in range(num_transformer_blocks)])
+        self.output_layer = nnx.Linear(embed_dim, vocab_size, kernel_init=nnx.initializers.xavier_uniform(), rngs=rngs,
+                                       **_names(named, "embed", "vocab"))
+
+    def __call__(self, inputs, training: bool = False):
+        x = self.token_emb(inputs) + self.pos_emb(jnp.arange(0, inputs.shape[1])[None, :])
+        for transformer_block in self.transformer_blocks:
+            x = transformer_block(x, training=training)
+        return self.output_layer(x)
+
+
+def minigpt_loss(model, tokens):
+    """The tutorial's: softmax cross-entropy of the next token (its loss returns the logits beside)."""
+    logits = model(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits=logits, labels=tokens[:, 1:]).mean()
+
+
 stacked_loss = StagedLoss(
     first=lambda model, tokens: model.embed(tokens[:, :-1]),
     layers=lambda model: model.blocks,
@@ -200,4 +271,6 @@ MODELS = {
     "unnamed cnn": (UnnamedCNN, classification_loss, image_batches),
     "unnamed transformer": (UnnamedTransformer, next_token_loss, token_batches),
     "user scan": (UserScan, mse_loss, regression_batches),
+    "minigpt": (MiniGPT, minigpt_loss, token_batches),
+    "unnamed minigpt": (functools.partial(MiniGPT, named=False), minigpt_loss, token_batches),
 }

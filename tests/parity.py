@@ -29,6 +29,9 @@ OPTIMIZER = optax.adamw(1e-3, eps=1e-4)
 SGD_MOMENTUM = optax.sgd(0.03, momentum=0.9)
 
 
+ZERO = 1e-6  # below this everywhere, a float leaf of the one-device run is zero but for rounding
+
+
 def relative_error(a, b) -> float:
     """|a - b| / |b| (Frobenius norms, in float64)."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -46,7 +49,12 @@ def assert_trees_close(actual: nnx.State, expected: nnx.State, what: str, tolera
         where = f"{what} {'/'.join(map(str, path))}"
         if jax.dtypes.issubdtype(want.dtype, jax.dtypes.prng_key):
             got, want = jax.random.key_data(got), jax.random.key_data(want)
-        if jax.dtypes.issubdtype(want.dtype, np.inexact):
+        if jax.dtypes.issubdtype(want.dtype, np.inexact) and np.abs(np.asarray(want, np.float64)).max(initial=0) < ZERO:
+            # Zero but for rounding on one device (an attention key's bias: softmax ignores it, so its
+            # gradient is zero): rounding noise on both sides, equal only in being that small.
+            error = float(np.abs(np.asarray(got, np.float64)).max(initial=0))
+            assert error < ZERO, f"{where}: {error:.2e} where one device keeps it within {ZERO} of zero (seed {SEED})"
+        elif jax.dtypes.issubdtype(want.dtype, np.inexact):
             error = relative_error(got, want)
             assert error <= tolerance, f"{where}: relative error {error:.2e} (seed {SEED})"
         else:

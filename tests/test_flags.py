@@ -125,6 +125,37 @@ def test_plan_json_is_written_the_shared_way(tmp_path):
     assert est["mesh"]["fsdp"] == 4 and out.read_text().endswith("\n")
 
 
+@pytest.mark.parametrize("command", ["plan", "compile"])
+def test_plan_and_compile_take_trains_batch_size_or_a_micro_batch_not_both(command, capsys):
+    args = build_parser().parse_args([command, "--batch-size", "16"])
+    assert (args.batch_size, args.micro_batch_size) == (16, None)
+    with pytest.raises(SystemExit) as exit:
+        main([command, "--batch-size", "16", "--micro-batch-size", "2"])
+    assert exit.value.code == 2 and "not allowed with argument --batch-size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, rows", [([], 1), (["--batch-size", "16"], 2), (["--micro-batch-size", "3"], 3)])
+def test_plan_batch_size_is_the_steps_rows_over_its_data_shards(tmp_path, argv, rows):
+    out = tmp_path / "e.json"
+    assert main(["plan", "--strategy", "dp+fsdp", "--mesh", "data=2,fsdp=4", *argv, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["micro_batch_size"] == rows
+
+
+def test_plan_batch_size_that_does_not_split_gets_one_line(capsys):
+    assert main(["plan", "--batch-size", "12"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "jshard plan: --batch-size 12 does not split over 8 batch shards (data) = 8. Fix: make --batch-size a multiple of 8."]
+
+
+def test_plan_says_which_of_its_defaults_differ_from_trains(capsys):
+    assert main(["plan"]) == 0
+    line, = [x for x in capsys.readouterr().out.splitlines() if x.startswith("  defaults")]
+    assert line.startswith("  defaults    strategy dp (train: dp+fsdp+tp), precision bf16 (train: fp32), seq 128 (train: "
+                           "64 or the model's if shorter), batch 8 rows (train: 16): plan's are for the GPUs"), line
+    assert main(["plan", "--strategy", "dp+fsdp+tp", "--precision", "fp32", "--seq-len", "64", "--batch-size", "16"]) == 0
+    assert "defaults" not in capsys.readouterr().out
+
+
 def test_plan_remat_selective_lies_between_none_and_full():
     def activations(remat):
         args = build_parser().parse_args(["plan", "--model", "gpt-125m", "--remat", remat])

@@ -37,7 +37,7 @@ OPTIMIZER = SGD_MOMENTUM
 # (model, preset, mesh sizes, micro-batches): the CNN and the transformer under every preset,
 # the MLP under a data, a ZeRO-3 and a tensor-parallel layout; the stacked transformer where
 # its stack matters: ZeRO-3's per-layer gathers, and pipelines.
-CASES = [(name, preset, sizes, None) for name in ("mlp", "cnn", "transformer") for preset, sizes in PRESETS
+CASES = [(name, preset, sizes, None) for name in ("mlp", "cnn", "transformer", "minigpt") for preset, sizes in PRESETS
          if name != "mlp" or preset in ("dp", "zero3", "dp+fsdp+tp")] + [
     ("user scan", preset, sizes, None) for preset, sizes in PRESETS if preset in ("zero2", "zero3", "dp+fsdp+tp")] + [
     ("stacked transformer", "zero3", dict(fsdp=8), None),
@@ -58,7 +58,7 @@ def test_plain_flax_model_matches_one_device(name, preset, sizes, microbatches):
     assert_trains_like_one_device(step, run, f"{name} {preset}")
 
 
-@pytest.mark.parametrize("name", ["unnamed cnn", "unnamed transformer"])
+@pytest.mark.parametrize("name", ["unnamed cnn", "unnamed transformer", "unnamed minigpt"])
 @pytest.mark.parametrize("preset", ["zero1", "zero2", "zero3"])
 def test_zero_splits_params_without_names_by_itself(name, preset):
     """ZeRO needs no names (as PyTorch FSDP): each unnamed param split on its largest dim that
@@ -68,14 +68,14 @@ def test_zero_splits_params_without_names_by_itself(name, preset):
     step = build_step(make(nnx.Rngs(SEED)), OPTIMIZER, loss_fn, jshard.make_mesh(fsdp=8), jshard.preset(preset))
     assert_trains_like_one_device(step, run, f"{name} {preset}")
     flags = {p.path: p.flags for p in step.describe(batches(SEED, 1)[0]).rows}
-    kernel = "conv1/kernel" if name == "unnamed cnn" else "up/kernel"
+    kernel, dim = {"unnamed cnn": ("conv1/kernel", 3), "unnamed transformer": ("up/kernel", 1),
+                   "unnamed minigpt": ("transformer_blocks/0/linear1/kernel", 1)}[name]
     where = "" if preset == "zero3" else "optimizer state: "
-    assert f"{where}no logical names: split by itself over fsdp on dim {3 if name == 'unnamed cnn' else 1} (ZeRO)" \
-        in flags[kernel], flags[kernel]
+    assert f"{where}no logical names: split by itself over fsdp on dim {dim} (ZeRO)" in flags[kernel], flags[kernel]
 
 
 @pytest.mark.parametrize("preset, sizes", STRATEGIES + EXPERT_STRATEGIES, ids=[p for p, _ in STRATEGIES + EXPERT_STRATEGIES])
-@pytest.mark.parametrize("name", ["unnamed cnn", "unnamed transformer", "user scan"])
+@pytest.mark.parametrize("name", ["unnamed cnn", "unnamed transformer", "unnamed minigpt", "user scan"])
 def test_a_plain_model_under_any_preset_trains_or_gets_one_sharding_error(name, preset, sizes):
     """First contact: a model as a user writes it either takes its first step or is refused by
     one jshard error with a Fix, never an exception from deep inside Flax or JAX."""
@@ -108,6 +108,26 @@ def test_describe_lists_the_params_a_plain_layer_reads_whole():
     assert step.whole_reads == {"up/kernel": ("fsdp",), "down/kernel": ("fsdp",), "up/bias": ("fsdp",),
                                 "down/bias": ("fsdp",)}  # (the biases split by ZeRO with no names)
     assert not any("read whole" in f for p in report.rows for f in p.flags), str(report)
+
+
+def loss_with_a_key_of_its_own(model, batch):
+    """One Flax tutorial's dropout: a key made inside the loss, a constant of the program."""
+    images, labels = batch
+    logits = nnx.Dropout(0.5)(model(images), rngs=nnx.Rngs(dropout=1))
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=-1))
+
+
+@pytest.mark.parametrize("loss_fn, sizes, warned", [
+    (loss_with_a_key_of_its_own, dict(data=8), True),
+    (loss_with_a_key_of_its_own, dict(fsdp=8), True),  # ZeRO's axes split the batch too
+    (loss_with_a_key_of_its_own, dict(tensor=8), False),  # one batch shard: one device's run
+    (classification_loss, dict(data=8), False),  # the model's own stream, folded per batch shard
+])
+def test_describe_warns_of_a_random_key_the_loss_makes_from_a_constant(loss_fn, sizes, warned):
+    rules = jshard.preset("dp" if "data" in sizes else "zero3" if "fsdp" in sizes else "dp+tp")
+    step = build_step(CNN(nnx.Rngs(0)), OPTIMIZER, loss_fn, jshard.make_mesh(**sizes), rules)
+    report = step.describe(image_batches(0, 1)[0])
+    assert ("! the loss makes a random key from a constant" in str(report)) == warned, str(report)
 
 
 class ShapeReadingMLP(MLP):
@@ -151,14 +171,16 @@ def loss_and_accuracy(model, batch):
     images, labels = batch
     logits = model(images)
     loss = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=-1))
-    return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == labels), "mean_logit": logits.mean()}
+    right = jnp.argmax(logits, -1) == labels
+    return loss, {"accuracy": jnp.mean(right), "mean_logit": logits.mean(), "correct": jshard.summed(jnp.sum(right))}
 
 
 @pytest.mark.parametrize("preset, sizes, collectives", [
     ("dp", dict(data=8), "explicit"), ("zero3", dict(fsdp=8), "explicit"),
     ("dp+fsdp+tp", dict(data=2, fsdp=2, tensor=2), "explicit"), ("dp+fsdp+tp", dict(data=2, fsdp=2, tensor=2), "compiler")])
 def test_a_loss_that_returns_metrics_trains_and_returns_them(preset, sizes, collectives):
-    """`has_aux=True`: the step returns (loss, metrics), each the one-device value on the global batch."""
+    """`has_aux=True`: the step returns (loss, metrics), each the one-device value on the global batch:
+    averaged over the batch shards as the loss is, or added up where the loss marks it `jshard.summed`."""
     batches = image_batches(SEED, 3)
     one = CNN(nnx.Rngs(SEED), dropout=0.0)
     step = build_step(CNN(nnx.Rngs(SEED), dropout=0.0), OPTIMIZER, loss_and_accuracy, jshard.make_mesh(**sizes),
@@ -168,7 +190,7 @@ def test_a_loss_that_returns_metrics_trains_and_returns_them(preset, sizes, coll
         evaluated_loss, evaluated = step.loss(state, step.shard_batch(batch))
         state, (loss, metrics) = step(state, step.shard_batch(batch))
         assert relative_error(loss, expected_loss) < TOLERANCE and float(evaluated_loss) == pytest.approx(float(loss))
-        assert set(metrics) == {"accuracy", "mean_logit"}
+        assert set(metrics) == {"accuracy", "mean_logit", "correct"}
         assert {k: float(v) for k, v in metrics.items()} == pytest.approx({k: float(v) for k, v in evaluated.items()})
     # The metrics of the last batch, as one device computes them with the params before its step.
     before = CNN(nnx.Rngs(SEED), dropout=0.0)
@@ -176,6 +198,7 @@ def test_a_loss_that_returns_metrics_trains_and_returns_them(preset, sizes, coll
                                            batches[:-1]).state)
     expected = loss_and_accuracy(before, batches[-1])[1]
     assert float(metrics["accuracy"]) == pytest.approx(float(expected["accuracy"]))
+    assert float(metrics["correct"]) == float(expected["correct"].value) == float(expected["accuracy"]) * len(batches[-1][1])
     assert float(metrics["mean_logit"]) == pytest.approx(float(expected["mean_logit"]), rel=1e-5, abs=1e-6)
 
 

@@ -58,6 +58,17 @@ def test_check_batch_names_the_split_it_misses(rows, seq_len, steps, message):
         plan.check_batch(rows, seq_len, steps)
 
 
+def test_a_step_given_a_sequence_its_tensor_shards_do_not_divide_says_so():
+    """From Python the step has no --seq-len to check first: the split itself names the dim and
+    the multiple, where JAX's reduce-scatter would raise from deep inside the model."""
+    step = build_step(decoders.make("gpt", 0), optax.adamw(1e-3), gpt_loss, jshard.make_mesh(data=2, tensor=4),
+                      jshard.preset("dp+tp+sp"))
+    tokens = np.zeros((4, 15), np.int32)  # 14 tokens in (seq_len 16 fits them), 14 targets
+    with pytest.raises(jshard.ShardingError, match=r"splits its dim 1 \(size 14\) over tensor = 4, which does not "
+                                                   r"divide it. Fix: make that dim a multiple of 4"):
+        step(step.state, step.shard_batch(tokens))
+
+
 def first_loss(precision, **fields):
     step = build_step(decoders.make("gpt", 0, **fields), optax.adamw(1e-3), gpt_loss, jshard.make_mesh(data=8),
                       jshard.preset("dp"), precision=precision)

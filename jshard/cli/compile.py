@@ -26,7 +26,7 @@ def add_parser(commands) -> None:
     flags.add_strategy(parser, "dp")
     flags.add_mesh(parser, shown="the strategy's axes over the target's devices: each inner one 2, the outermost the rest")
     flags.add_pipeline(parser)
-    add("--micro-batch-size", type=flags.positive_int, default=1, help="rows per micro-batch per data shard (default: 1)")
+    flags.add_batch(parser)
     flags.add_precision(parser, "mixed")
     flags.add_remat(parser)
     add("--target", choices=aot.TARGETS, default="h100x8", help="GPUs to compile for, hosts of 8 (default: h100x8)")

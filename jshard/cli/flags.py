@@ -101,6 +101,15 @@ def add_mesh(parser, default: str | None = None, shown: str | None = None) -> No
                     shown or "the strategy's axes over the devices: each inner one 2, the outermost the rest"))
 
 
+def add_batch(parser) -> None:
+    """A planned step's rows: --batch-size, per step over every data shard and micro-batch as
+    `jshard train`'s, or --micro-batch-size, per micro-batch per data shard (default: 1)."""
+    rows = parser.add_mutually_exclusive_group()
+    rows.add_argument("--batch-size", type=positive_int,
+                      help="rows per step over every data shard and micro-batch, as jshard train's")
+    rows.add_argument("--micro-batch-size", type=positive_int, help="rows per micro-batch per data shard (default: 1)")
+
+
 def add_precision(parser, default: str | None, shown: str | None = None) -> None:
     parser.add_argument("--precision", choices=PRECISIONS, default=default,
                         help=_shown("fp32; bf16 (bf16 compute over fp32 params); mixed (bf16 params and grads, "

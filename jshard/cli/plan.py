@@ -12,10 +12,11 @@ from jshard.config import FlagError, write_json
 from jshard.mesh import STANDARD_AXES, fake_device_count, mesh_sizes, use_fake_cpu_devices, use_gpu_xla_flags
 from jshard.plan import memory_png
 from jshard.plan.estimate import GiB, HARDWARE, Hardware, PlanInput, estimate, report
-from jshard.plan.validate import (MEMORY_TOLERANCE, VALIDATION_MODELS, format_validation, validate_one, validation_cases,
+from jshard.plan.validate import (MEMORY_TOLERANCE, format_validation, validate_one, validation_cases, validation_models,
                                   within_tolerance)
 from jshard.plot import check_output_path
 from jshard.rules import ShardingError, preset
+from jshard.train import SEQ_LEN, TrainConfig
 
 HARDWARE_FLAGS = (  # flag, Hardware field, unit
     ("--peak-tflops", "peak_flops", 1e12), ("--hbm-gib", "hbm_bytes", GiB), ("--hbm-bw-gbs", "hbm_bw", 1e9),
@@ -23,16 +24,22 @@ HARDWARE_FLAGS = (  # flag, Hardware field, unit
 )
 
 
+# Where plan's defaults differ from `jshard train`'s: a plan is for the GPUs a run is bound for
+# (--hardware), train's defaults for a first run on this machine's CPU devices. The set-up says
+# which differ (`defaults_line`).
+DEFAULTS = dict(strategy="dp", precision="bf16")
+
+
 def add_parser(commands) -> None:
     parser = commands.add_parser("plan", help="memory, communication and overlap estimates; --validate checks them against XLA")
     add = parser.add_argument
     flags.add_model(parser, None, "small", seq_len_help="tokens per row, and the model's longest (default: the model's)")
-    flags.add_strategy(parser, "dp")
+    flags.add_strategy(parser, DEFAULTS["strategy"])
     flags.add_mesh(parser, shown="the strategy's axes over --devices: each inner one 2, the outermost the rest")
     add("--devices", type=flags.positive_int, default=8, help="devices to plan for when --mesh is not given (default: 8)")
     flags.add_pipeline(parser)
-    add("--micro-batch-size", type=flags.positive_int, default=1, help="rows per micro-batch per data shard (default: 1)")
-    flags.add_precision(parser, "bf16")
+    flags.add_batch(parser)
+    flags.add_precision(parser, DEFAULTS["precision"])
     flags.add_remat(parser)
     add("--hardware", choices=HARDWARE, default="h100", help="device profile (default: h100)")
     for flag, field, unit in HARDWARE_FLAGS:
@@ -44,7 +51,8 @@ def add_parser(commands) -> None:
     add("--validate", action="store_true",
         help="build small steps on --fake-devices CPU devices and compare with XLA (ignores the model flags)")
     add("--target", choices=aot.TARGETS, help="with --validate: compile every step for these GPUs with XLA:GPU, on "
-        "this machine (no GPU needed; `jshard compile`), instead of for the CPU")
+        "this machine (no GPU needed; `jshard compile`), instead of for the CPU; the models 4 times as wide and "
+        "long (plan.validate.GPU_VALIDATION_SCALE)")
     flags.add_fake_devices(parser)
     parser.set_defaults(run=run)
 
@@ -61,7 +69,7 @@ def plan_input(args, hw: Hardware | None = None, devices: int | None = None) -> 
     if -1 in sizes.values():
         raise ShardingError(f"--mesh {args.mesh}: give every size; the planner has no devices to fill '-1' from")
     return PlanInput(config, sizes, args.strategy, args.schedule, args.microbatches, args.virtual,
-                     args.micro_batch_size, hw, policy, args.stage_remat)
+                     args.micro_batch_size or 1, hw, policy, args.stage_remat, args.batch_size)
 
 
 def run(args) -> int:
@@ -73,26 +81,46 @@ def run(args) -> int:
         raise FlagError("--target compiles the validation steps for GPUs: give --validate too "
                         "(one plan's program for a target: jshard compile)")
     if args.validate:
-        devices, hardware = None, "cpu"
+        devices, hardware, models = None, "cpu", validation_models("cpu")
         if args.target:
             use_gpu_xla_flags(compiling_for_gpu=True)
             target = aot.target(args.target)
-            devices, hardware = aot.target_devices(target), target.hardware
+            devices, hardware, models = aot.target_devices(target), target.hardware, validation_models("gpu")
         else:
             use_fake_cpu_devices(fake_device_count(args.fake_devices, flags.FAKE_DEVICES))
         results = []
         print(format_validation([]))
         for case, model in validation_cases():
-            results.append(validate_one(*case, model=VALIDATION_MODELS[model], devices=devices, hardware=hardware))
+            results.append(validate_one(*case, model=models[model], devices=devices, hardware=hardware))
             print(format_validation(results[-1:]).splitlines()[1], flush=True)
         write_json(args.json, results)
         ok = all(map(within_tolerance, results))
         print(f"{'all' if ok else 'NOT all'} within {MEMORY_TOLERANCE:.0%} of compiled memory with exact collective bytes")
         return 0 if ok else 1
     est = estimate(plan_input(args))
-    print(report(est))
+    lines = report(est).splitlines()
+    if line := defaults_line(args, est):
+        lines.insert(4, line)  # after the set-up's strategy line
+    print("\n".join(lines))
     write_json(args.json, est)
     if args.png:
         memory_png(est, args.png)
         print(f"wrote {args.png}")
     return 0
+
+
+def defaults_line(args, est: dict) -> str | None:
+    """One set-up line naming plan's defaults in force that differ from `jshard train`'s (None
+    where none do), and why they differ."""
+    train = TrainConfig()
+    rows = est["tokens_per_step"] // est["model"]["seq_len"]
+    differ = [f"{what} {mine} (train: {theirs})" for what, mine, theirs, in_force in (
+        ("strategy", args.strategy, train.strategy, args.strategy == DEFAULTS["strategy"]),
+        ("precision", args.precision, train.precision, args.precision == DEFAULTS["precision"]),
+        ("seq", est["model"]["seq_len"], f"{SEQ_LEN} or the model's if shorter", args.seq_len is None),
+        ("batch", f"{rows} rows", train.batch_size, args.batch_size is None and args.micro_batch_size is None),
+    ) if in_force and str(mine) != str(theirs)]
+    if not differ:
+        return None
+    return (f"  defaults    {', '.join(differ)}: plan's are for the GPUs a run is bound for (--hardware), "
+            "train's for a first run on this machine")

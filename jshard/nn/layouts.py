@@ -13,7 +13,7 @@ from jax import lax
 
 from jshard import vma
 from jshard.nn.step import in_step
-from jshard.rules import active_rules, constrain, layout_of
+from jshard.rules import ShardingError, active_rules, constrain, layout_of
 
 Layout = tuple[tuple[str, ...], ...]
 
@@ -41,6 +41,7 @@ def relayout_local(x: jax.Array, src: Layout, dst: Layout, partial: Sequence[str
     for axis in partial:  # reduce-scatters first: the all-reduces then move smaller blocks
         dims = [d for d, axes in enumerate(dst) if axis in axes and axis not in src[d]]
         if dims and src[dims[0]] + (axis,) == tuple(dst[dims[0]]):
+            _check_splits(x, dims[0], (axis,))
             x = lax.psum_scatter(x, axis, scatter_dimension=dims[0], tiled=True)
             src[dims[0]] = src[dims[0]] + (axis,)
         else:
@@ -61,12 +62,24 @@ def relayout_local(x: jax.Array, src: Layout, dst: Layout, partial: Sequence[str
         if have[keep:]:
             x = lax.all_gather(x, have[keep:], axis=dim, tiled=True, to="invarying" if invariant else "varying")
         if want[keep:]:
+            _check_splits(x, dim, want[keep:])
             n = lax.axis_size(want[keep:])
             size = x.shape[dim] // n
             # Each device keeps its own slice: varying over those axes, even if x was alike.
             x = vma.vary(x, want[keep:])
             x = lax.dynamic_slice_in_dim(x, lax.axis_index(want[keep:]) * size, size, axis=dim)
     return x
+
+
+def _check_splits(x: jax.Array, dim: int, axes: tuple[str, ...]) -> None:
+    """One error, not XLA's (or, for a slice, tokens silently dropped), where a dim is to be split
+    over mesh axes whose size does not divide it."""
+    n = lax.axis_size(axes)
+    if x.shape[dim] % n:
+        raise ShardingError(
+            f"an activation of shape {tuple(x.shape)} splits its dim {dim} (size {x.shape[dim]}) over {'×'.join(axes)} = "
+            f"{n}, which does not divide it. Fix: make that dim a multiple of {n} (under sequence parallelism dim 1 is "
+            f"the sequence: a sequence length that is a multiple of {n}), or change the mesh.")
 
 
 def _moves(src, dst) -> list[tuple[int, int]]:

@@ -3,7 +3,8 @@ XLA's partitioner under the same layouts (`compiled.py`); both read one `Plan` (
 
 from jshard.parallel.compiled import CompiledStep
 from jshard.parallel.plan import Plan, make_plan
-from jshard.parallel.state import TrainState, abstract_batch
+from jshard.parallel.state import Summed, TrainState, abstract_batch, summed
 from jshard.parallel.step import ShardedStep, build_step
 
-__all__ = ["CompiledStep", "Plan", "ShardedStep", "TrainState", "abstract_batch", "build_step", "make_plan"]
+__all__ = ["CompiledStep", "Plan", "ShardedStep", "Summed", "TrainState", "abstract_batch", "build_step", "make_plan",
+           "summed"]

@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding
 from jshard import nn
 from jshard.parallel.model_state import ModelState
 from jshard.parallel.plan import Plan
-from jshard.parallel.state import PlannedStep, TrainState, lower, split_loss
+from jshard.parallel.state import PlannedStep, TrainState, lower, split_loss, unmarked
 from jshard.placement import Report
 
 
@@ -137,7 +137,7 @@ class CompiledStep(PlannedStep):
             return loss, (nnx.state(model, nnx.Not(nnx.Param)), metrics)
 
         (loss, (written, metrics)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
-        value = (loss, metrics) if self.plan.has_aux else loss
+        value = (loss, unmarked(metrics)) if self.plan.has_aux else loss
         return value, with_sharding_constraint(grads, self._grad_shardings), self.others.stored(written)
 
     @contextlib.contextmanager
@@ -166,5 +166,5 @@ class CompiledStep(PlannedStep):
             params, batch = self._placed(params, batch)
             loss, metrics = split_loss(self.loss_fn(nnx.merge(self.graphdef, params, self.others.loaded(stored)), batch),
                                        self.plan.has_aux)
-            return (loss, metrics) if self.plan.has_aux else loss
+            return (loss, unmarked(metrics)) if self.plan.has_aux else loss
 

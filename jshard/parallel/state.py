@@ -87,9 +87,41 @@ def lower(jitted, mesh, platform: str | None, *args):
     return jitted.lower(*args)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Summed:
+    """A loss's metric that the step adds up over the batch shards (a count: correct predictions,
+    tokens seen) where every other metric is averaged as the loss is: `jshard.summed(x)`."""
+
+    value: jax.Array
+
+
+def summed(value) -> Summed:
+    """Mark one of a loss's metrics to be summed over the batch shards, not averaged:
+    `return loss, {"correct": jshard.summed((logits.argmax(-1) == labels).sum())}`."""
+    return Summed(value)
+
+
+def _is_summed(x) -> bool:
+    return isinstance(x, Summed)
+
+
+def over_batch_shards(value, axes):
+    """A step's loss (and metrics) over the batch `axes`: each shard's mean averaged, each
+    `Summed` metric's shard sums added, then unmarked."""
+    return jax.tree.map(lambda x: jax.lax.psum(x.value, axes) if _is_summed(x) else jax.lax.pmean(x, axes),
+                        value, is_leaf=_is_summed)
+
+
+def unmarked(value):
+    """`value` with each `Summed` metric replaced by its number (the compiler-placed step's loss
+    sees the global batch, so its sums are already whole)."""
+    return jax.tree.map(lambda x: x.value if _is_summed(x) else x, value, is_leaf=_is_summed)
+
+
 def split_loss(out, has_aux: bool):
     """(loss, metrics) of what a loss function returned: with `has_aux` a (loss, metrics) pair
-    whose metrics are scalars (as float32, to be averaged); without it the loss alone (metrics
+    whose metrics are scalars (as float32, to be averaged, or `Summed`); without it the loss alone (metrics
     None). Anything else: one ShardingError that says what to change."""
     if not has_aux:
         if isinstance(out, (tuple, list, dict)):

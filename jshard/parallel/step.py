@@ -43,6 +43,7 @@ import jax
 import optax
 from flax import nnx
 from jax import lax
+from jax.extend import core
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from jshard import nn, vma
@@ -50,7 +51,7 @@ from jshard.parallel import pipeline
 from jshard.parallel.compiled import CompiledStep
 from jshard.parallel.model_state import ModelState, sync_batch_norms
 from jshard.parallel.plan import Plan, make_plan
-from jshard.parallel.state import PlannedStep, TrainState, lower, split_loss
+from jshard.parallel.state import PlannedStep, TrainState, lower, over_batch_shards, split_loss
 from jshard.placement import Report
 from jshard.precision import Precision
 from jshard.rules import Rules, ShardingError, layout_of
@@ -358,7 +359,7 @@ class ShardedStep(PlannedStep):
 
         grads = self._per_leaf(reduce, grads, grad_layouts, self.opt_layouts)
         value = (loss, metrics) if self.plan.has_aux else loss
-        return lax.pmean(value, self.batch_axes), grads, written
+        return over_batch_shards(value, self.batch_axes), grads, written
 
     def _body(self, state: TrainState, batch):
         with nn.step_context(self.rules, self.whole_reads, self.plan.compute, self.plan.platform):
@@ -387,7 +388,7 @@ class ShardedStep(PlannedStep):
                 else:
                     loss, metrics = self._value(self.loss_fn(model_of(diff), batch))
                     value = (loss, metrics) if self.plan.has_aux else loss
-            return lax.pmean(value, self.batch_axes)
+            return over_batch_shards(value, self.batch_axes)
 
     def _grads_body(self, params, others, batch, master=None):
         with nn.step_context(self.rules, self.whole_reads, self.plan.compute, self.plan.platform):
@@ -399,8 +400,14 @@ class ShardedStep(PlannedStep):
         """Where each param lives and what looks wrong: `jshard.describe`'s report, plus each
         param a plain layer reads whole (gathered before use: no tensor parallelism for it).
         Those are known once the step is traced: pass a batch if it has not run yet."""
+        warnings = ()
         if batch is not None:
-            jax.eval_shape(self._grads_sharded, self.state.params, self.state.model_state, batch, self.state.master)
+            program = jax.make_jaxpr(self._grads_sharded)(self.state.params, self.state.model_state, batch, self.state.master)
+            if self.data_shards > 1 and _constant_keys(program.jaxpr):
+                warnings = ("the loss makes a random key from a constant (nnx.Rngs(dropout=1), jax.random.key(0)): "
+                            f"each of the {self.data_shards} batch shards draws the same numbers (dropout masks), "
+                            "so the run is not one device's. Fix: give the model its own stream at construction "
+                            "(nnx.Dropout(rate, rngs=rngs)), which the step folds per batch shard",)
         report, rows = self.plan.report(), []
         for p in report.rows:
             gathered = [a for a in self.whole_reads.get(p.path, ()) if a not in self.batch_axes]
@@ -410,7 +417,21 @@ class ShardedStep(PlannedStep):
                     "before use, so its compute is not split (no tensor parallelism); build the layer "
                     "from jshard.nn to split it",))
             rows.append(p)
-        return dataclasses.replace(report, rows=tuple(rows))
+        return dataclasses.replace(report, rows=tuple(rows), warnings=warnings)
+
+
+def _constant_keys(jaxpr) -> bool:
+    """Whether `jaxpr` (or one inside it) seeds a random key from a literal: the same key on
+    every device, whatever the batch shard."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "random_seed" and all(isinstance(v, core.Literal) for v in eqn.invars):
+            return True
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's
+                if isinstance(inner, core.Jaxpr) and _constant_keys(inner):
+                    return True
+    return False
 
 
 def build_step(model, tx, loss_fn, mesh: Mesh | AbstractMesh, rules: Rules, microbatches: int | None = None,

@@ -479,6 +479,7 @@ class PlanInput:
     hardware: Hardware = HARDWARE["h100"]
     precision: Precision | str | None = None  # `jshard.precision`; None: the model's params as they are
     stage_remat: str | None = None  # a pipeline stage keeps its residuals (None, "none") or recomputes ("full")
+    batch_size: int | None = None  # rows per step over every data shard and micro-batch (`jshard train`'s); replaces micro_batch_size
 
 
 def _link(axes: str, sizes: dict[str, int], hw: Hardware) -> tuple[float, str]:
@@ -602,7 +603,7 @@ def estimate(plan: PlanInput) -> dict:
     sizes = {a: 1 for a in AXES} | dict(plan.sizes)  # standard axes not given: size 1
     step = step_plan(config, sizes, preset(plan.strategy), plan.precision, microbatches=plan.microbatches,
                      schedule=plan.schedule, virtual=plan.virtual, stage_remat=plan.stage_remat)
-    step.check_batch(seq_len=config.seq_len, seq_flag="--seq-len")
+    step.check_batch(plan.batch_size, config.seq_len, rows_flag="--batch-size", seq_flag="--seq-len")
     config = computed(config, step)
     rules, schedule, stage_remat, params = step.rules, step.schedule, step.stage_remat, step.params
     batch_axes, data_shards, context, cp = step.batch_axes, step.data_shards, step.context_axes, step.context_shards
@@ -610,7 +611,8 @@ def estimate(plan: PlanInput) -> dict:
     tensor = shards((tensor_axes,), sizes)
     m = plan.microbatches or 1
     # The tokens of one sequence on a device (context parallelism splits it).
-    rows, local_seq = plan.micro_batch_size, config.seq_len // cp
+    rows = plan.batch_size // step.batch_shards if plan.batch_size else plan.micro_batch_size
+    local_seq = config.seq_len // cp
     stages = schedule.stages if schedule else 1
     n_devices = math.prod(sizes.values())
     try:
