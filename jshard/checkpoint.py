@@ -17,8 +17,15 @@ of the `like` tree it is given, the new step's state layout.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import logging
 import os
+import sys
+import tempfile
+import threading
+import traceback
 from typing import Any
 
 import orbax.checkpoint as ocp
@@ -30,6 +37,63 @@ FAMILIES = {"GPT": GPTConfig, "Llama": LlamaConfig}  # a record's "family" -> it
 
 class CheckpointError(ValueError):
     """A checkpoint directory that cannot be used as asked; nothing in it was changed."""
+
+
+# A save that fails in orbax's background threads (a full disk) reports itself from each of
+# them, as log errors and tracebacks, for as long as its writes run (past the process's own
+# exit): dozens to hundreds of them. A command (`jshard train`) sends what comes from any thread
+# but the main one, and orbax's logs from inside a save, to this log instead of the terminal
+# (`reports_to_log`), and the CheckpointError names it.
+BACKGROUND_LOG = os.path.join(tempfile.gettempdir(), f"jshard-checkpoint-{os.getpid()}.log")
+
+
+def _to_log(text: str) -> None:
+    with open(BACKGROUND_LOG, "a") as log:
+        log.write(text if text.endswith("\n") else text + "\n")
+
+
+_IN_ORBAX = threading.Event()  # set while the main thread is inside a save or a wait
+
+
+@contextlib.contextmanager
+def _orbax_call():
+    _IN_ORBAX.set()
+    try:
+        yield
+    finally:
+        _IN_ORBAX.clear()
+
+
+@functools.cache
+def reports_to_log() -> None:
+    """For the rest of this process (once): other threads' exceptions and log records, and
+    orbax's records from inside a save, to `BACKGROUND_LOG`. For commands: a library user's
+    threads keep their own reporting."""
+    main, excepthook, unraisable = threading.main_thread(), sys.excepthook, sys.unraisablehook
+
+    def from_main() -> bool:
+        return threading.current_thread() is main
+
+    def on_exception(kind, value, tb):  # what C callbacks print (PyErr_Print) goes through here
+        (excepthook if from_main() else lambda *e: _to_log("".join(traceback.format_exception(*e))))(kind, value, tb)
+
+    def on_unraisable(report):  # "Exception ignored in ..." from a coroutine left behind
+        if from_main() and not sys.is_finalizing():
+            return unraisable(report)
+        _to_log(f"{report.err_msg or 'Exception ignored in'}: {report.object!r}\n"
+                + "".join(traceback.format_exception(report.exc_type, report.exc_value, report.exc_traceback)))
+
+    class ToLog(logging.Filter):  # orbax logs through absl: its threads', and its own calls' from ours
+        def filter(self, record):
+            if from_main() and not _IN_ORBAX.is_set():
+                return True
+            _to_log(logging.Formatter("%(levelname)s %(threadName)s %(message)s").format(record))
+            return False
+
+    sys.excepthook, sys.unraisablehook = on_exception, on_unraisable
+    threading.excepthook = lambda args: _to_log("".join(traceback.format_exception(
+        args.exc_type, args.exc_value, args.exc_traceback)))
+    logging.getLogger("absl").addFilter(ToLog())
 
 
 class Checkpoints:
@@ -44,6 +108,7 @@ class Checkpoints:
             item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=False, cleanup_tmp_directories=True),
         )
+        self._writing: int | None = None  # the step whose save is in flight
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -96,10 +161,47 @@ class Checkpoints:
         return record
 
     def save(self, step: int, state: Any, record: dict[str, Any]) -> None:
-        """Start saving `state` (arrays, any sharding) and `record` as `step`."""
-        os.makedirs(self.directory, exist_ok=True)
-        self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(record)), force=True)
+        """Start saving `state` (arrays, any sharding) and `record` as `step`. The write goes on
+        in the background; one that fails (a full disk, a permission) is a CheckpointError here,
+        at the next save, or at `wait`, naming the step that was not written."""
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            with _orbax_call():
+                self._manager.save(step, args=ocp.args.Composite(  # waits for the save before it first
+                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(record)), force=True)
+        except Exception as e:  # orbax's and tensorstore's errors, of many kinds
+            self._failed(self._writing or step, e)
+        self._writing = step
+
+    def wait(self) -> None:
+        """Until the save in flight is complete (renamed into place); a CheckpointError if it failed."""
+        if self._manager is None:
+            return
+        try:
+            with _orbax_call():
+                self._manager.wait_until_finished()
+        except Exception as e:
+            self._failed(self._writing, e)
+        self._writing = None
+
+    def _failed(self, step: int | None, why: Exception):
+        """Stop writing (the save's other threads end now, not in tracebacks at exit) and say which
+        step was not written and which is the latest that was."""
+        self._writing, manager, self._manager = None, self._manager, None
+        try:
+            with _orbax_call():
+                manager.close()
+        except Exception:  # the same failure again
+            pass
+        why = str(why).splitlines()[0] if str(why).strip() else type(why).__name__
+        why = why.split(": ")[-1] if "os_error_code" in why or "Errno" in why else why  # the OS's reason
+        latest = max((int(name) for name in os.listdir(self.directory) if name.isdigit()), default=None) \
+            if os.path.isdir(self.directory) else None
+        raise CheckpointError(
+            f"checkpoint step {step} could not be written to {self.directory} ({why[:200]}); the latest complete "
+            f"checkpoint is {f'step {latest}' if latest is not None else 'none'}. Fix: free space or give write access "
+            "there (or choose another --checkpoint-dir), then --resume." + (f" orbax's own reports: {BACKGROUND_LOG}"
+                                                          if os.path.exists(BACKGROUND_LOG) else ""))
 
     def restore(self, step: int, like: Any) -> Any:
         """The state saved as `step`, laid out as `like`: a tree of `jax.ShapeDtypeStruct`
@@ -125,9 +227,13 @@ class Checkpoints:
             reader.close()
 
     def close(self) -> None:
-        """Wait for a save in flight to be complete (renamed into place)."""
-        self._manager.wait_until_finished()
+        """Wait for a save in flight to be complete (renamed into place), then let go; after a
+        failed save, nothing is left to wait for."""
+        if self._manager is None:
+            return
+        self.wait()
         self._manager.close()
+        self._manager = None
 
     def __enter__(self) -> Checkpoints:
         return self

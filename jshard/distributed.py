@@ -21,6 +21,7 @@ process's exit code; Ctrl-C stops them all.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -202,6 +203,13 @@ def _child_env(index: int, processes: int, devices: int, address: str, base: dic
     return env
 
 
+# gloo (JAX's CPU collectives) reports each communicator it connects on stderr, one line per
+# process and communicator (38 for a short 2-process run), written from its own threads into
+# the middle of other lines: the launcher leaves them out and joins what they split.
+GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
+                            r"Expected number of connected peer ranks is : \d+")
+
+
 def _command(command: list[str]) -> list[str]:
     """`jshard ...` runs with this Python (the same jshard), wherever PATH points."""
     return [sys.executable, "-m", "jshard.cli", *command[1:]] if command[0] == "jshard" else list(command)
@@ -234,10 +242,20 @@ def launch(command: list[str], processes: int, devices_per_process: int | None =
             print(f"[launch] {text}", file=err, flush=True)
 
     def relay(index: int, pipe) -> None:
+        before = ""  # what preceded a gloo line written into the middle of one of the process's
         for raw in iter(pipe.readline, b""):
-            line = raw.decode(errors="replace").rstrip("\r\n")
+            line, gloo = before + raw.decode(errors="replace").rstrip("\r\n"), 0
+            while (cut := GLOO_CONNECTED.subn("", line))[1]:  # (one gloo line may split another)
+                line, gloo = cut[0], gloo + cut[1]
+            if gloo:  # the rest of the interrupted line comes next
+                before = line
+                continue
+            before = ""
             with lock:
                 print(f"[{index}] {line}", file=out, flush=True)
+        if before:
+            with lock:
+                print(f"[{index}] {before}", file=out, flush=True)
         pipe.close()
 
     say(f"{processes} process(es) × {devices} CPU device(s), coordinator {address}: {' '.join(command)}")

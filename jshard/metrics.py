@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import platform
 import statistics
 import time
 
@@ -54,15 +55,50 @@ def device_peak(devices, dtype, per_device_tflops: float | None = None) -> Peak 
     if per_device_tflops:
         return Peak(per_device_tflops * 1e12 * n, f"--peak-tflops: {per_device_tflops:g} TFLOP/s × {n} devices")
     if devices[0].platform == "cpu":
-        flops = measured_matmul_flops(devices[0], dtype)
-        return Peak(flops, f"measured: a {CPU_MATMUL}² {jnp.dtype(dtype).name} matmul on this host (all its cores; "
-                           f"the {n} CPU devices share them)")
+        flops, cached = cpu_peak(devices[0], dtype)
+        return Peak(flops, f"measured{' once' if cached else ''}: a {CPU_MATMUL}² {jnp.dtype(dtype).name} matmul on this "
+                           f"host (all its cores; the {n} CPU devices share them), kept in "
+                           f"{peak_cache().replace(os.path.expanduser('~'), '~', 1)}")
     for name, bf16 in GPU_BF16_PEAKS.items():
         if name in kind:
             per_device = bf16 if jnp.dtype(dtype) == jnp.bfloat16 else bf16 / 2
             label = "bf16" if per_device == bf16 else "TF32 (fp32 matmuls)"
             return Peak(per_device * n, f"{name} {label} datasheet: {per_device / 1e12:.0f} TFLOP/s × {n} devices")
     return None
+
+
+def peak_cache() -> str:
+    """Where a CPU host's measured peak is kept: `$XDG_CACHE_HOME/jshard/cpu-peak.json`."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jshard", "cpu-peak.json")
+
+
+def cpu_peak(device, dtype) -> tuple[float, bool]:
+    """This host's matmul FLOP/s in `dtype`, and whether it was kept from an earlier run.
+
+    Measured once per host, core count, dtype, JAX version and XLA flags, then kept
+    (`peak_cache`): on a shared machine the load moves a fresh measure twofold from one run to
+    the next, and the MFU of two runs of one command would differ by that alone. Where the cache
+    cannot be written, each run measures anew."""
+    path = peak_cache()
+    key = " | ".join((platform.node(), f"{os.cpu_count()} cores", jnp.dtype(dtype).name, f"jax {jax.__version__}",
+                      os.environ.get("XLA_FLAGS", "")))
+    try:
+        with open(path) as f:
+            kept = json.load(f)
+    except (OSError, ValueError):
+        kept = {}
+    if isinstance(kept, dict) and isinstance(kept.get(key), (int, float)):
+        return float(kept[key]), True
+    flops = measured_matmul_flops(device, dtype)
+    kept = (kept if isinstance(kept, dict) else {}) | {key: flops}
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(f"{path}.{os.getpid()}", "w") as f:
+            json.dump(kept, f, indent=1)
+        os.replace(f"{path}.{os.getpid()}", path)  # whole, even with two processes writing
+    except OSError:
+        pass
+    return flops, False
 
 
 def measured_matmul_flops(device, dtype, n: int = CPU_MATMUL, repeats: int = 10) -> float:
@@ -117,18 +153,32 @@ def device_memory() -> dict[str, int]:
 
 class MetricsFile:
     """One JSON object per line: `step`, `loss`, `lr`, `step_s`, `tokens_per_s`, `mfu` (null
-    without a peak), and where reported `memory_bytes` / `peak_memory_bytes` (`device_memory`)."""
+    without a peak), and where reported `memory_bytes` / `peak_memory_bytes` (`device_memory`);
+    with a `tensorboard` folder, each number of them also as a TensorBoard scalar at its step."""
 
-    def __init__(self, path: str | None, append: bool = False):
+    def __init__(self, path: str | None, append: bool = False, tensorboard: str | None = None):
         if path:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # --metrics runs/demo.jsonl makes runs/
         self._file = open(path, "a" if append else "w") if path else None  # a resumed run continues it
+        self._events = None
+        if tensorboard:
+            # tensorboardX: TensorBoard's event format written without TensorFlow (what PyTorch's
+            # and many JAX trainers log with); a resumed run adds a file beside the first one's.
+            from tensorboardX import SummaryWriter
+
+            self._events = SummaryWriter(tensorboard, flush_secs=10)
 
     def write(self, **metrics) -> None:
         if self._file:
             self._file.write(json.dumps(metrics) + "\n")
             self._file.flush()
+        if self._events:
+            for name, value in metrics.items():  # scalars only (a MoE's per-expert lists stay in the file)
+                if name != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._events.add_scalar(name, value, metrics["step"])
 
     def close(self) -> None:
         if self._file:
             self._file.close()
+        if self._events:
+            self._events.close()

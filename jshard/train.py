@@ -57,6 +57,9 @@ FAKE_DEVICES = 8  # CPU devices faked when no accelerator is present (--fake-dev
 PIPELINE_MICROBATCHES = 4  # when the strategy pipelines and --microbatches is not given
 
 
+SEQ_LEN = 64  # tokens per row where --seq-len is not given (the model's, where it takes fewer)
+
+
 class TrainError(ValueError):
     """A training run that cannot start as asked."""
 
@@ -90,7 +93,7 @@ class TrainConfig:
     microbatches: int | None = None  # pipeline micro-batches; None: 4 when the strategy pipelines
     steps: int = 400
     batch_size: int = 16
-    seq_len: int | None = None  # None: 64, or the model's when shorter
+    seq_len: int | None = None  # None: SEQ_LEN, or the model's when shorter
     lr: float = 3e-3
     warmup: int | None = None  # None: steps // 10
     precision: str = "fp32"  # jshard.precision: fp32, bf16 (compute), mixed (bf16 params, fp32 master)
@@ -101,6 +104,7 @@ class TrainConfig:
     checkpoint_every: int | None = None  # None: only at the end
     resume: bool = False
     metrics: str | None = None
+    tensorboard: str | None = None  # a folder of TensorBoard event files: the metrics file's numbers
     profile: str | None = None
     seed: int | None = None  # None: 0, or the checkpoint's when resuming
     fake_devices: int | None = None  # None: XLA_FLAGS's count, else FAKE_DEVICES
@@ -163,6 +167,21 @@ def _check_values(config: TrainConfig) -> None:
             plot.check_output_path(config.plot)
         except plot.PlotError as e:
             raise TrainError(f"--plot {e}") from None
+    for name, folder in (("metrics", os.path.dirname(config.metrics or "") or "."), ("tensorboard", config.tensorboard),
+                         ("profile", config.profile)):
+        if getattr(config, name) is not None:
+            _make_folder(flag(name), getattr(config, name), folder)
+
+
+def _make_folder(flag: str, value: str, folder: str) -> None:
+    """The folder an output flag writes into, made now: before any device work, not after set-up."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError(13, "permission denied")
+    except OSError as e:
+        raise TrainError(f"{flag} {value}: cannot write into {folder} ({e.strerror.lower()}). "
+                         f"Fix: a path in a folder you can write to.") from None
 
 
 @dataclasses.dataclass
@@ -217,7 +236,7 @@ def set_up(config: TrainConfig) -> Setup:
         attention_implementation(model.attention, policy.compute, model.head_dim)
     except ValueError as e:
         raise TrainError(f"--attention {model.attention}: {e}") from None
-    seq_len = config.seq_len or min(64, model.seq_len)
+    seq_len = config.seq_len or min(SEQ_LEN, model.seq_len)
     if seq_len > model.seq_len:
         raise TrainError(
             f"--seq-len {seq_len} is longer than model {config.model!r} takes ({model.seq_len}, its position "
@@ -496,8 +515,9 @@ def _train(p: Setup, out) -> TrainResult:
     bar = tqdm(range(start, c.steps), initial=start, total=c.steps, desc="train", unit="step",
                dynamic_ncols=True, mininterval=0.5,  # None: no bar where stderr is no terminal
                disable=None if is_main_process() else True)
-    metrics_file = c.metrics if is_main_process() else None  # one writer of the shared file
-    with bar, contextlib.closing(MetricsFile(metrics_file, append=bool(p.record))) as metrics, \
+    writes = is_main_process()  # one writer of the shared files
+    with bar, contextlib.closing(MetricsFile(c.metrics if writes else None, append=bool(p.record),
+                                             tensorboard=c.tensorboard if writes else None)) as metrics, \
             contextlib.ExitStack() as trace:
         for index in bar:
             if traced and index == traced.start:
@@ -543,6 +563,8 @@ def _train(p: Setup, out) -> TrainResult:
             if p.checkpoints and (done == c.steps or (c.checkpoint_every and done % c.checkpoint_every == 0)):
                 p.checkpoints.save(done, _portable(step, step.to_model_order(state)), _record(p, done, position, loss))
                 saved_at = done
+    if p.checkpoints:
+        p.checkpoints.wait()  # the summary names a checkpoint once it is written
     summary = _summary(p, losses, times, start, time.perf_counter() - begin, peak, flops_per_step, saved_at, evaluated,
                        routed)
     say(summary)
@@ -665,6 +687,8 @@ def _summary(p: Setup, losses, times, start, wall, peak, flops_per_step, saved_a
         lines.append(f"  checkpoint  step {saved_at} in {p.checkpoints.directory} (resume with --resume)")
     if c.metrics:
         lines.append(f"  metrics     {c.metrics} (one JSON object per step)")
+    if c.tensorboard:
+        lines.append(f"  tensorboard {c.tensorboard} (the same numbers as scalars: tensorboard --logdir {c.tensorboard})")
     if c.profile:
         traced = _traced(c, start)
         lines.append(f"  profile     {c.profile} (jax.profiler trace of steps {traced.start + 1}..{traced[-1] + 1}: "

@@ -128,6 +128,15 @@ def test_launch_sets_each_process_up_and_prefixes_its_lines():
     assert len(lines) == 6
 
 
+def test_launch_leaves_out_gloos_lines_and_joins_what_they_split():
+    gloo = "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
+    script = (f"import sys; w = sys.stdout.write; w('{gloo}\\n'); w('jshard train: GPT '); w('{gloo}\\n'); "
+              f"w('{gloo[:50]}'); w('{gloo}\\n'); w('{gloo[50:]}\\n'); w('tiny on corpus.txt\\n'); w('last')")
+    out = io.StringIO()
+    assert launch([sys.executable, "-c", script], 1, 1, out=out, err=io.StringIO()) == 0
+    assert out.getvalue().splitlines() == ["[0] jshard train: GPT tiny on corpus.txt", "[0] last"]
+
+
 def test_a_failed_process_stops_the_others(tmp_path):
     # Process 1 fails after a second; process 0 would sleep for 2 minutes.
     script = textwrap.dedent(f"""
@@ -211,11 +220,12 @@ def test_two_processes_train_as_one_and_checkpoints_cross_process_counts(tmp_pat
     np.testing.assert_allclose([r["eval_loss"] for r in evaluated if "eval_loss" in r],
                                [alone.eval_losses[2], alone.eval_losses[4]], rtol=1e-6)
     lines = run.stdout.splitlines()
+    assert "[Gloo]" not in run.stdout + run.stderr
     assert ("[0]   devices     8 × cpu, mesh data=2 stage=1 fsdp=2 context=1 expert=1 tensor=2, 2 processes × 4 devices, "
             "across processes: data") in lines
     assert sum(line.startswith("[0] step ") for line in lines) == 4
-    # Process 0 alone prints the run's report. Both log the native runtime's lines (gloo's,
-    # whose threads can split one another's lines), so compare the report's lines only.
+    # Process 0 alone prints the run's report (the native runtime's lines aside), so compare
+    # the report's lines only.
     by = {i: {line[4:] for line in lines if line.startswith(f"[{i}] ") and line[4:].strip()} for i in (0, 1)}
     report = {line for line in by[0] if re.match(r"(jshard |step |summary |  [a-z])", line)}
     assert len(report) > 4 and not report & by[1], sorted(by[1])

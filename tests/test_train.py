@@ -9,7 +9,10 @@ import gc
 import json
 import math
 import os
+import re
 import shutil
+import subprocess
+import sys
 import time
 
 import jax
@@ -24,6 +27,7 @@ import jshard
 from jshard import data, optim
 from jshard.checkpoint import Checkpoints
 from jshard.cli import main
+from jshard import metrics
 from jshard.metrics import device_memory
 from jshard.models import GPT, gpt_loss
 from jshard.parallel import build_step
@@ -46,7 +50,7 @@ def dp(tmp_path_factory):
     """The DP run every other strategy is compared with; it also evaluates, writes metrics and a trace."""
     where = tmp_path_factory.mktemp("dp")
     result = run(strategy="dp", mesh="data=8", eval_every=EVAL_EVERY, metrics=str(where / "metrics.jsonl"),
-                 profile=str(where / "trace"))
+                 profile=str(where / "trace"), tensorboard=str(where / "tb"))
     return result, where
 
 
@@ -74,6 +78,39 @@ def test_dp_trains_and_reports_metrics_and_a_trace(dp):
     traced = [f for _, _, files in os.walk(where / "trace") for f in files]
     assert any(f.endswith(".xplane.pb") for f in traced) and "perfetto_trace.json.gz" in traced, traced
     assert "loss        " in result.summary and "MFU" in result.summary and "measured" in result.summary
+
+
+def test_tensorboard_holds_the_metrics_files_numbers(dp):
+    """--tensorboard DIR: every number of the metrics file as a scalar at its step, as
+    TensorBoard's own reader returns them (float32, as TensorBoard stores scalars)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, where = dp
+    events = EventAccumulator(str(where / "tb"))
+    events.Reload()
+    rows = [json.loads(line) for line in (where / "metrics.jsonl").read_text().splitlines()]
+    assert set(events.Tags()["scalars"]) == {name for r in rows for name in r} - {"step"}
+    for name in events.Tags()["scalars"]:
+        shown = [(e.step, e.value) for e in events.Scalars(name)]
+        written = [(r["step"], r[name]) for r in rows if name in r]
+        assert [s for s, _ in shown] == [s for s, _ in written], name
+        assert [v for _, v in shown] == pytest.approx([v for _, v in written], rel=1e-6), name
+
+
+def test_a_cpu_hosts_peak_is_measured_once_and_kept(monkeypatch, tmp_path):
+    """MFU on CPU: the matmul peak of this host, measured by the first run and read by the next
+    (a shared machine's load would move a fresh measure, and every MFU with it); per dtype."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    measured = []
+    monkeypatch.setattr(metrics, "measured_matmul_flops", lambda device, dtype: measured.append(dtype) or 1e11 * len(measured))
+    first, again = (metrics.device_peak(jax.devices(), np.float32) for _ in range(2))
+    assert len(measured) == 1 and first.flops == again.flops == 1e11
+    assert first.source.startswith("measured: a 1024² float32 matmul") and again.source.startswith("measured once: ")
+    assert str(tmp_path / "jshard" / "cpu-peak.json") in again.source
+    assert metrics.device_peak(jax.devices(), jax.numpy.bfloat16).flops == 2e11 and len(measured) == 2
+    (tmp_path / "jshard" / "cpu-peak.json").write_text("{not json")  # damaged: measured again, and kept again
+    assert metrics.device_peak(jax.devices(), np.float32).flops == 3e11 and len(measured) == 3
+    assert metrics.device_peak(jax.devices(), np.float32).flops == 3e11 and len(measured) == 3
 
 
 def test_device_memory_is_the_backends_where_it_reports_it(monkeypatch):
@@ -343,6 +380,9 @@ def refused(capsys, argv, message):
     (["--model", "moe-tiny", "--strategy", "dp+cp", "--mesh", "data=2,context=4"], "Fix: a preset without cp"),
     (["--model", "moe-tiny", "--strategy", "ep", "--mesh", "expert=8", "--batch-size", "4"],
      "--batch-size 4 does not split over 8 batch shards (expert)"),
+    (["--metrics", "/proc/no/m.jsonl"], "--metrics /proc/no/m.jsonl: cannot write into /proc/no (no such file"),
+    (["--tensorboard", "/proc/no"], "--tensorboard /proc/no: cannot write into /proc/no (no such file"),
+    (["--profile", "/proc/no"], "--profile /proc/no: cannot write into /proc/no (no such file"),
 ])
 def test_bad_flags_are_refused_before_device_work(capsys, flags, message):
     refused(capsys, CLI + flags, message)
@@ -394,6 +434,29 @@ def test_corrupt_array_data_is_refused_with_the_same_error(capsys, saved, tmp_pa
     assert f"checkpoint {step} cannot be read" in capsys.readouterr().err
     time.sleep(1)
     gc.collect()
+
+
+def test_a_full_disk_stops_the_run_with_one_line_and_keeps_the_last_checkpoint(tmp_path):
+    """A disk that fills during an asynchronous save (a 2 MiB tmpfs holds one tiny checkpoint,
+    not two): exit 2, one jshard line naming the step not written and the latest that was, no
+    traceback from orbax's threads, no summary claiming a checkpoint; the one before is whole."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a 2 MiB tmpfs needs root: the full disk is made, not simulated")
+    try:
+        done = subprocess.run([sys.executable, "-m", "jshard.cli", "train", "--model", "tiny", "--steps", "6",
+                               "--checkpoint-dir", str(disk / "run"), "--checkpoint-every", "1"],
+                              capture_output=True, text=True, timeout=600)
+        kept = sorted(os.listdir(disk / "run"))
+    finally:
+        subprocess.run(["umount", str(disk)])
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stdout + done.stderr and "summary of" not in done.stdout
+    line, = done.stderr.strip().splitlines()
+    failed = int(re.search(r"checkpoint step (\d+) could not be written", line).group(1))
+    assert f"the latest complete checkpoint is step {failed - 1}. Fix: free space" in line, line
+    assert "No space left on device" in line and str(failed - 1) in kept, (line, kept)
 
 
 def test_config_file_is_mirrored_by_flags(capsys, tmp_path):

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 
+from jshard import checkpoint
 from jshard import tokenizer as tokenizers
 from jshard import train
 from jshard.cli import flags
@@ -58,6 +59,7 @@ def add_parser(commands) -> None:
         type=int, metavar="K")
     add("--eval-split", "fraction of the data held out for evaluation, never trained on", type=float)
     add("--metrics", "write one JSON object per step to FILE", metavar="FILE")
+    add("--tensorboard", "also write the step's numbers as TensorBoard scalars to DIR", metavar="DIR")
     add("--plot", "draw loss, eval loss, tokens/s and MFU over steps to FILE.png at the end", metavar="FILE.png")
     add("--profile", f"write a jax.profiler trace of {PROFILE_STEPS} steps to DIR", metavar="DIR")
     add("--seed", "model init and data order (default: 0, or the checkpoint's on --resume)", type=int)
@@ -111,5 +113,8 @@ def _of_type(value, annotation: str) -> bool:
 
 
 def run(args) -> int:
-    train.train(config_from_args(args))
+    config = config_from_args(args)
+    if config.checkpoint_dir:
+        checkpoint.reports_to_log()  # a failed save is one line here, not orbax's threads' tracebacks
+    train.train(config)
     return 0
