@@ -1,7 +1,8 @@
-"""The docs' transcripts are today's output: every fenced block in README.md and docs/*.md that
-shows a `$ jshard plan ...` or `$ jshard pipeline show ...` command (deterministic, no devices,
-seconds) is run, and its lines must be the command's output, line for line. Slower commands'
-transcripts (train, bench, generate) are held by their own tests of the numbers they print."""
+"""The docs' transcripts are today's output. Every `$ jshard plan ...` and `$ jshard pipeline
+show ...` in a fenced block of README.md or docs/*.md (deterministic, no devices, seconds), and
+every `$ jshard train ...` shown refused with its one line and needing no files, is run, and what
+the block shows after it must be the command's output, line for line. Slower commands'
+transcripts (training, benches, generation) are held by their own tests of the numbers they print."""
 
 import re
 import shlex
@@ -15,21 +16,30 @@ ROOT = Path(__file__).resolve().parent.parent
 CHECKED = ("jshard plan ", "jshard pipeline show ")
 
 
+def checked(command: str, shown: list[str]) -> bool:
+    if command.startswith(CHECKED):
+        return True
+    refused = len(shown) == 1 and shown[0].startswith("jshard train: ")
+    return command.startswith("jshard train ") and refused and "runs/" not in command  # (runs/: made by earlier runs)
+
+
 def transcripts() -> list[tuple[str, str, list[str]]]:
     """(where, command, the lines shown after it) for every checked transcript."""
     found = []
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         text = path.read_text()
         for block in re.finditer(r"^```[a-z]*\n(.*?)^```", text, re.S | re.M):
+            first = text[:block.start()].count("\n") + 2
             lines = block.group(1).splitlines()
-            if not lines or not lines[0].startswith("$ ") or not lines[0][2:].startswith(CHECKED):
-                continue
-            command = lines[0][2:]
-            while command.endswith("\\"):  # a command continued over lines
-                lines.pop(0)
-                command = command[:-1] + lines[0].strip()
-            line = text[:block.start()].count("\n") + 1
-            found.append((f"{path.relative_to(ROOT)}:{line}", command, lines[1:]))
+            starts = [i for i, line in enumerate(lines) if line.startswith("$ ")] + [len(lines)]
+            for start, end in zip(starts, starts[1:]):
+                command, at = lines[start][2:], start
+                while command.endswith("\\"):  # a command continued over lines
+                    at += 1
+                    command = command[:-1] + lines[at].strip()
+                shown = lines[at + 1:end]
+                if checked(command, shown):
+                    found.append((f"{path.relative_to(ROOT)}:{first + start}", command, shown))
     return found
 
 
@@ -37,7 +47,7 @@ TRANSCRIPTS = transcripts()
 
 
 def test_the_docs_show_transcripts_of_the_checked_commands():
-    assert len(TRANSCRIPTS) >= 8, TRANSCRIPTS  # the plan and pipeline transcripts of planning.md and pipeline.md
+    assert len(TRANSCRIPTS) >= 14, TRANSCRIPTS  # planning.md's and pipeline.md's, training.md's refusals
 
 
 @pytest.mark.parametrize("where, command, shown", TRANSCRIPTS, ids=[t[0] for t in TRANSCRIPTS])
