@@ -20,6 +20,7 @@ process's exit code; Ctrl-C stops them all.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import signal
@@ -31,6 +32,8 @@ import time
 
 import jax
 import numpy as np
+
+from jshard.mesh import runs_on_cpu
 
 # Read by jshard (JAX itself reads JAX_COORDINATOR_ADDRESS and JAX_LOCAL_DEVICE_IDS too).
 COORDINATOR_ENV, PROCESSES_ENV, PROCESS_ID_ENV = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
@@ -106,6 +109,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         raise DistributedError(f"process id {index} of {count} processes: ids run 0..{count - 1}")
     if not given and not cluster:
         return False
+    if problem := _gloo_address_problem(address):
+        raise DistributedError(problem)
     try:
         jax.distributed.initialize(
             address, count, index, local_device_ids, initialization_timeout=timeout_s,
@@ -122,6 +127,27 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
             "JAX computation."
         ) from e
     return True
+
+
+def _gloo_address_problem(address: str | None) -> str | None:
+    """What JAX cannot tell is wrong before the first collective hangs or is refused: gloo (its
+    CPU collectives) tells the other processes to connect to the address this host's name
+    resolves to. Where that is a loopback address and the coordinator is on another host (a
+    default /etc/hosts line '127.0.1.1 <name>'), they connect to themselves."""
+    if not address or not runs_on_cpu():  # (GPUs: NCCL finds its own interface)
+        return None
+    try:
+        coordinator = ipaddress.ip_address(socket.gethostbyname(address.rsplit(":", 1)[0].strip("[]")))
+        name = socket.gethostname()
+        own = ipaddress.ip_address(socket.gethostbyname(name))
+    except (OSError, ValueError):  # unresolvable: JAX's own error says so
+        return None
+    if coordinator.is_loopback or not own.is_loopback:  # one machine (jshard launch), or a routable name
+        return None
+    return (f"this host's name {name!r} resolves to {own}, a loopback address, which gloo (JAX's CPU collectives) "
+            f"gives the other processes to connect to; with the coordinator at {address}, on another host, they "
+            f"would connect to themselves (Connection refused). Fix: make {name!r} resolve to this host's address on "
+            f"the coordinator's network (an /etc/hosts line '<that address> {name}'), on every host.")
 
 
 def is_main_process() -> bool:

@@ -86,8 +86,7 @@ def use_fake_cpu_devices_unless_accelerated(n: int) -> None:
     """
     if os.environ.get("JAX_NUM_CPU_DEVICES"):
         return
-    platforms = jax.config.jax_platforms
-    if platforms == "cpu" or (not platforms and not _gpu_expected() and not _installed(("libtpu",))):
+    if runs_on_cpu():
         try:
             use_fake_cpu_devices(n)
         except MeshError:
@@ -125,6 +124,13 @@ def use_gpu_xla_flags(compiling_for_gpu: bool = False) -> bool:
         return False
     os.environ["XLA_FLAGS"] = " ".join(GPU_XLA_FLAGS)
     return True
+
+
+def runs_on_cpu() -> bool:
+    """Whether JAX will start on the CPU, asked without starting its backends: JAX_PLATFORMS=cpu,
+    or it is unset and no accelerator (a CUDA plugin with an NVIDIA device, a TPU) is there."""
+    platforms = jax.config.jax_platforms
+    return platforms == "cpu" or (not platforms and not _gpu_expected() and not _installed(("libtpu",)))
 
 
 def _gpu_expected() -> bool:

@@ -6,11 +6,13 @@ Every child process has a timeout, so a hang fails a test instead of stalling CI
 
 import contextlib
 import io
+import ipaddress
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -51,7 +53,14 @@ def clean_env(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     calls = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **kw: calls.append((a, kw)))
+    resolves(monkeypatch, "node7", "10.0.0.7")  # this host's name: routable (this machine's is loopback)
     return calls
+
+
+def resolves(monkeypatch, name: str, address: str) -> None:
+    """This host is `name`, resolving to `address`; other names resolve as IP literals do."""
+    monkeypatch.setattr(socket, "gethostname", lambda: name)
+    monkeypatch.setattr(socket, "gethostbyname", lambda host: address if host == name else str(ipaddress.ip_address(host)))
 
 
 def test_one_process_is_a_no_op(clean_env, monkeypatch):
@@ -99,6 +108,27 @@ def test_bad_settings_are_one_clear_error(clean_env, monkeypatch, env, message):
     with pytest.raises(DistributedError, match=message):
         initialize()
     assert clean_env == []
+
+
+@pytest.mark.parametrize("own, coordinator, on_cpu, refused", [
+    ("127.0.1.1", "10.0.0.1:1234", True, True),  # Debian's /etc/hosts line for the host's own name
+    ("127.0.0.1", "127.0.0.1:1234", True, False),  # one machine, as jshard launch runs it
+    ("10.0.0.2", "10.0.0.1:1234", True, False),  # a routable name
+    ("127.0.1.1", "10.0.0.1:1234", False, False),  # GPUs: NCCL, not gloo, carries the collectives
+])
+def test_a_host_name_that_resolves_to_loopback_is_refused_before_joining(clean_env, monkeypatch, own, coordinator,
+                                                                          on_cpu, refused):
+    """gloo gives the other processes the address this host's name resolves to: a loopback one,
+    with the coordinator elsewhere, has them connect to themselves (Connection refused)."""
+    resolves(monkeypatch, "node7", own)
+    monkeypatch.setattr(distributed, "runs_on_cpu", lambda: on_cpu)
+    if refused:
+        with pytest.raises(DistributedError, match=r"this host's name 'node7' resolves to 127.0.1.1, a loopback address, "
+                                                   r".*Fix: make 'node7' resolve to this host's address"):
+            initialize(coordinator, 2, 1)
+        assert clean_env == []
+    else:
+        assert initialize(coordinator, 2, 1) is True and len(clean_env) == 1
 
 
 def test_jax_failures_become_one_error_with_the_fix(monkeypatch):
