@@ -37,6 +37,10 @@ from jshard.mesh import runs_on_cpu
 
 # Read by jshard (JAX itself reads JAX_COORDINATOR_ADDRESS and JAX_LOCAL_DEVICE_IDS too).
 COORDINATOR_ENV, PROCESSES_ENV, PROCESS_ID_ENV = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
+# A process that stops answering (a lost host or link, a stopped process) is declared dead by
+# JAX's coordination service after this long, and every process then ends; JAX's default, 100 s,
+# left the others waiting in a collective for 88 s on a cut link.
+HEARTBEAT_TIMEOUT_S = 20
 FORCE_ENV = "JSHARD_DISTRIBUTED"  # "1": let jax.distributed.initialize() detect the cluster
 LAUNCH_GRACE_S = 5.0  # after SIGTERM, how long a stopped process has before SIGKILL
 
@@ -114,6 +118,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     try:
         jax.distributed.initialize(
             address, count, index, local_device_ids, initialization_timeout=timeout_s,
+            heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
             # All three given: use them as they are, not what a cluster's environment says.
             cluster_detection_method="deactivate" if len(given) == 3 else None,
         )
@@ -267,9 +272,16 @@ def launch(command: list[str], processes: int, devices_per_process: int | None =
         with lock:
             print(f"[launch] {text}", file=err, flush=True)
 
+    lost: set[int] = set()  # processes JAX's coordination service declared dead (no heartbeat)
+
     def relay(index: int, pipe) -> None:
         before = ""  # what preceded a gloo line written into the middle of one of the process's
+        unhealthy = False  # the next line lists the processes that stopped sending heartbeats
         for raw in iter(pipe.readline, b""):
+            text = raw.decode(errors="replace")
+            if unhealthy:
+                lost.update(int(n) for n in re.findall(r"\d+", text))
+            unhealthy = "stopped sending heartbeats" in text
             line, gloo = before + raw.decode(errors="replace").rstrip("\r\n"), 0
             while (cut := GLOO_CONNECTED.subn("", line))[1]:  # (one gloo line may split another)
                 line, gloo = cut[0], gloo + cut[1]
@@ -337,6 +349,9 @@ def launch(command: list[str], processes: int, devices_per_process: int | None =
         return 0
     for i, child in enumerate(children):
         say(f"process {i}: {_describe(_exit_code(child.returncode))}")
+    if lost:
+        say(f"process {', '.join(map(str, sorted(lost)))} stopped answering JAX's coordination service for "
+            f"{HEARTBEAT_TIMEOUT_S} s (a lost host or link, or a stopped process), so every process ended")
     return first_failure
 
 

@@ -82,6 +82,7 @@ def test_explicit_settings_go_to_jax(clean_env, monkeypatch):
     assert initialize() is True
     (args, kwargs), = clean_env
     assert args == ("10.0.0.1:1234", 4, 3, None) and kwargs["cluster_detection_method"] == "deactivate"
+    assert kwargs["heartbeat_timeout_seconds"] == distributed.HEARTBEAT_TIMEOUT_S  # a lost process ends the run in 20 s
     clean_env.clear()
     assert initialize("10.0.0.2:99", 2, 1) is True  # arguments win over the environment
     assert clean_env[0][0] == ("10.0.0.2:99", 2, 1, None)
@@ -319,7 +320,12 @@ def _children(pid: int) -> dict[int, int]:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the launched processes in /proc (Linux)")
-def test_a_process_killed_mid_run_ends_the_launch_within_60_s(tmp_path):
+@pytest.mark.parametrize("sig, said", [
+    (signal.SIGKILL, "process 1: exit code 137 (killed by SIGKILL)"),
+    # Stopped, not dead: only JAX's heartbeat (HEARTBEAT_TIMEOUT_S) tells the others, as for a lost host.
+    (signal.SIGSTOP, f"process 1 stopped answering JAX's coordination service for {distributed.HEARTBEAT_TIMEOUT_S} s"),
+], ids=["killed", "stopped"])
+def test_a_process_killed_or_stopped_mid_run_ends_the_launch_within_60_s(tmp_path, sig, said):
     metrics, out, err = tmp_path / "m.jsonl", tmp_path / "out", tmp_path / "err"
     with open(out, "w") as stdout, open(err, "w") as stderr:  # files: no pipe to fill up
         launcher = subprocess.Popen(
@@ -336,10 +342,10 @@ def test_a_process_killed_mid_run_ends_the_launch_within_60_s(tmp_path):
         assert launcher.poll() is None, out.read_text()[-3000:] + err.read_text()[-3000:]
         children = _children(launcher.pid)
         assert sorted(children) == [0, 1]
-        os.kill(children[1], signal.SIGKILL)
-        killed = time.monotonic()
+        os.kill(children[1], sig)
+        signalled = time.monotonic()
         launcher.wait(timeout=60)
-        took = time.monotonic() - killed
+        took = time.monotonic() - signalled
     finally:  # whatever failed, leave nothing running (an exited launcher has reaped its processes)
         if launcher.poll() is None:
             for pid in _children(launcher.pid).values():
@@ -347,10 +353,10 @@ def test_a_process_killed_mid_run_ends_the_launch_within_60_s(tmp_path):
                     os.kill(pid, signal.SIGKILL)
         launcher.kill()
         launcher.wait(timeout=30)
-    print(f"launcher exited {took:.2f} s after process 1 was killed")
+    print(f"launcher exited {took:.2f} s after process 1 got {sig.name}")
     assert launcher.returncode != 0
     assert took < 60
-    assert "process 1: exit code 137 (killed by SIGKILL)" in err.read_text(), err.read_text()
+    assert said in err.read_text(), err.read_text()
     for pid in children.values():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
