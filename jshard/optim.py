@@ -10,6 +10,8 @@ here sums each gradient's squares over the mesh axes it is split on first.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -35,15 +37,32 @@ def global_norm(updates) -> jax.Array:
     return jnp.sqrt(sum(squares(g) for g in jax.tree.leaves(updates)))
 
 
+class ClipState(NamedTuple):
+    norm: jax.Array  # the last update's gradients' global norm, before clipping: the run reports it
+
+
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
-    """`optax.clip_by_global_norm`, with the norm taken over every shard (`global_norm`)."""
+    """`optax.clip_by_global_norm`, with the norm taken over every shard (`global_norm`) and
+    kept in its state, where `jshard train` reads it (`grad_norm`) with no computation of its own."""
+
+    def init(params):
+        del params
+        return ClipState(jnp.zeros((), jnp.float32))
 
     def update(updates, state, params=None):
-        del params
-        scale = jnp.minimum(1.0, max_norm / global_norm(updates))
-        return optax.tree.scale(scale, updates), state
+        del params, state
+        norm = global_norm(updates)
+        return optax.tree.scale(jnp.minimum(1.0, max_norm / norm), updates), ClipState(norm)
 
-    return optax.GradientTransformation(optax.init_empty_state, update)
+    return optax.GradientTransformation(init, update)
+
+
+def grad_norm(opt_state) -> jax.Array | None:
+    """The global gradient norm of the last optimizer step (`ClipState`), if the optimizer keeps it."""
+    for state in jax.tree.leaves(inner_state(opt_state), is_leaf=lambda x: isinstance(x, ClipState)):
+        if isinstance(state, ClipState):
+            return state.norm
+    return None
 
 
 def _decayed(params):

@@ -23,8 +23,8 @@ from pathlib import Path
 DPI = 120  # sharp enough to read, small enough for docs (well under 200 KB)
 FORMAT = ('each line must be one JSON object with at least "step" (a whole number) and "loss" (a number), '
           "as jshard train --metrics FILE writes")
-OPTIONAL_NUMBERS = ("lr", "step_s", "tokens_per_s", "mfu", "memory_bytes", "peak_memory_bytes", "eval_loss",
-                    "eval_perplexity")  # a number or null where present
+OPTIONAL_NUMBERS = ("lr", "grad_norm", "step_s", "tokens_per_s", "mfu", "memory_bytes", "peak_memory_bytes",
+                    "eval_loss", "eval_perplexity")  # a number or null where present
 
 
 class PlotError(ValueError):

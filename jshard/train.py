@@ -118,6 +118,7 @@ class TrainResult:
     first_step: int  # the step the run started from (0, or the checkpoint's)
     summary: str
     eval_losses: dict[int, float] = dataclasses.field(default_factory=dict)  # step -> held-out loss
+    grad_norms: list[float] = dataclasses.field(default_factory=list)  # each step's gradients' global norm, clipped from
 
 
 # -- checks, before any device work ------------------------------------------------------
@@ -530,15 +531,17 @@ def _train(p: Setup, out) -> TrainResult:
                 position += micro_rows
                 micro.append(float(loss))  # waits for the micro-step
             loss, seconds = float(np.mean(micro)), time.perf_counter() - tick
-            if not math.isfinite(loss):
-                raise TrainError(_not_finite(p, index + 1, loss, saved_at))
+            norm = optim.grad_norm(state.opt_state)  # of this step's gradients (the clip keeps it)
+            norm = float(norm) if norm is not None else None
+            if not math.isfinite(loss) or (norm is not None and not math.isfinite(norm)):
+                raise TrainError(_not_finite(p, index + 1, loss, norm, saved_at))
             if traced and index == traced[-1]:
                 trace.close()
             done = index + 1
             losses.append(loss)
             times.append(seconds)
             mfu = flops_per_step / seconds / peak.flops if peak else None
-            record = dict(step=done, loss=loss, lr=float(learning_rate(index)), step_s=seconds,
+            record = dict(step=done, loss=loss, lr=float(learning_rate(index)), grad_norm=norm, step_s=seconds,
                           tokens_per_s=tokens / seconds, mfu=mfu) | device_memory()
             shown = f"loss {loss:.4f}  {seconds * 1e3:8.1f} ms  {tokens / seconds / 1e3:7.1f}k tok/s" + (
                 f"  MFU {mfu:6.2%}" if peak else "")
@@ -573,7 +576,7 @@ def _train(p: Setup, out) -> TrainResult:
         plot.metrics_png(history, c.plot, title=f"jshard train {_model_flag(c)} --strategy {p.rules.name} "
                                                f"--mesh {_mesh_str(p.mesh)}")
         say(f"  plot        {c.plot}")
-    return TrainResult(losses, start, summary, evaluated)
+    return TrainResult(losses, start, summary, evaluated, [r["grad_norm"] for r in records])
 
 
 def _router_stats(step: ShardedStep):
@@ -625,8 +628,9 @@ def _schedule(c: TrainConfig) -> dict:
     return dict(steps=c.steps, lr=c.lr, warmup=_warmup(c))
 
 
-def _not_finite(p: Setup, step: int, loss: float, saved_at: int | None) -> str:
-    """The line a run stops with at its first non-finite loss: nothing after it is saved."""
+def _not_finite(p: Setup, step: int, loss: float, norm: float | None, saved_at: int | None) -> str:
+    """The line a run stops with at its first non-finite loss or gradient norm: nothing after it
+    is saved (an update of non-finite gradients would have made the params so)."""
     c = p.config
     kept = (f"the last checkpoint, step {saved_at or p.record['step']} in {c.checkpoint_dir}, is kept"
             if saved_at or p.record else "no checkpoint was written")
@@ -636,6 +640,10 @@ def _not_finite(p: Setup, step: int, loss: float, saved_at: int | None) -> str:
                 f"({started}) are not finite; training stopped, {kept}. Fix: start from another checkpoint (delete "
                 "this one to resume from the one before), or from other weights.")
     resume = "; --resume continues from the one kept" if saved_at or p.record else ""
+    if math.isfinite(loss):  # a finite loss whose gradients are not: the update made the params non-finite
+        return (f"step {step}: the gradient norm is {norm} (the loss {loss:.4f} is finite); training stopped, {kept}, "
+                f"nothing after it saved. Fix: a lower --lr (it is {c.lr})"
+                f"{', --precision fp32' if c.precision != 'fp32' else ''}{resume}.")
     return (f"step {step}: the loss is {loss} after the updates before it; training stopped, {kept}, nothing after it "
             f"saved. Fix: a lower --lr (it is {c.lr}){', --precision fp32' if c.precision != 'fp32' else ''}"
             f"{resume}.")

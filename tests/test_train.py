@@ -63,7 +63,7 @@ def test_dp_trains_and_reports_metrics_and_a_trace(dp):
     assert_falls(result.losses)
     rows = [json.loads(line) for line in (where / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    every = {"step", "loss", "lr", "step_s", "tokens_per_s", "mfu"}  # XLA:CPU reports no device memory
+    every = {"step", "loss", "lr", "grad_norm", "step_s", "tokens_per_s", "mfu"}  # XLA:CPU reports no device memory
     evaluated = [r["step"] for r in rows if set(r) == every | {"eval_loss", "eval_perplexity"}]
     assert evaluated == [2, 4, 5] == sorted(result.eval_losses)
     assert all(set(r) == every for r in rows if r["step"] not in evaluated)
@@ -73,7 +73,7 @@ def test_dp_trains_and_reports_metrics_and_a_trace(dp):
                                                      for i in range(STEPS)], rel=1e-6)
     assert [r["eval_loss"] for r in rows if r["step"] in evaluated] == [result.eval_losses[s] for s in evaluated]
     assert result.eval_losses[5] < result.eval_losses[2]  # held-out loss falls too
-    assert [r["loss"] for r in rows] == result.losses
+    assert [r["loss"] for r in rows] == result.losses and [r["grad_norm"] for r in rows] == result.grad_norms
     assert all(r["step_s"] > 0 and r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 for r in rows)
     traced = [f for _, _, files in os.walk(where / "trace") for f in files]
     assert any(f.endswith(".xplane.pb") for f in traced) and "perfetto_trace.json.gz" in traced, traced
@@ -130,6 +130,7 @@ def test_strategy_trains_as_dp_does(dp, strategy, mesh, schedule, tmp_path, monk
     assert_falls(result.losses)
     assert os.listdir(tmp_path) == []  # no trace, metrics or checkpoints unless asked for
     np.testing.assert_allclose(result.losses, dp[0].losses, rtol=1e-4)
+    np.testing.assert_allclose(result.grad_norms, dp[0].grad_norms, rtol=1e-4)  # summed over every shard
     # The held-out loss, forward only in this strategy's layouts (a pipeline's F ticks), as DP's.
     assert list(result.eval_losses) == list(dp[0].eval_losses)
     np.testing.assert_allclose(list(result.eval_losses.values()), list(dp[0].eval_losses.values()), rtol=1e-4)
@@ -469,18 +470,23 @@ def test_config_file_is_mirrored_by_flags(capsys, tmp_path):
 
 
 def test_a_non_finite_loss_stops_the_run_and_saves_nothing_after_it(capsys, tmp_path):
-    """--lr 1e6 diverges: the run stops at the first nan with one line, the checkpoints before it
-    kept, none after; the metrics file (in a folder it made) holds the steps that ran."""
+    """--lr 1e6 diverges: the run stops at the first non-finite gradient norm or loss with one line,
+    the checkpoints before it kept and finite, none after; the metrics file (in a folder it made)
+    holds the steps that ran. (The gradients go non-finite a step before the loss: checked on
+    the loss alone, the run saved that step's update, non-finite params, as its last checkpoint.)"""
     metrics = tmp_path / "runs" / "m.jsonl"
     assert main(CLI[:3] + ["--steps", "10", "--batch-size", "16", "--seq-len", "32", "--lr", "1e6",
                            "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1",
                            "--metrics", str(metrics)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "the loss is nan after the updates before it; training stopped" in err[0], err
+    assert len(err) == 1 and re.search(r"step \d+: the gradient norm is (nan|inf) \(the loss \S+ is finite\); "
+                                       r"training stopped", err[0]), err
     stopped = int(err[0].split("step ")[1].split(":")[0])
     saved = sorted(int(d) for d in os.listdir(tmp_path / "ck") if d.isdigit())
     assert saved and saved[-1] == stopped - 1 and f"the last checkpoint, step {stopped - 1}" in err[0]
     assert len(metrics.read_text().splitlines()) == stopped - 1
+    kept = ocp.PyTreeCheckpointer().restore(str(tmp_path / "ck" / str(saved[-1]) / "state"))
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(kept))
 
 
 @pytest.mark.parametrize("config, message", [
