@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import logging
 import os
 import sys
@@ -36,7 +37,10 @@ FAMILIES = {"GPT": GPTConfig, "Llama": LlamaConfig}  # a record's "family" -> it
 
 
 class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be used as asked; nothing in it was changed."""
+    """A checkpoint directory that cannot be used as asked, or a save that failed (`abandoned`:
+    its writes were left running); no checkpoint written before is changed."""
+
+    abandoned = False
 
 
 # A save that fails in orbax's background threads (a full disk) reports itself from each of
@@ -193,15 +197,18 @@ class Checkpoints:
                 manager.close()
         except Exception:  # the same failure again
             pass
+        gc.collect()  # the save's abandoned coroutines report now, to the log
         why = str(why).splitlines()[0] if str(why).strip() else type(why).__name__
         why = why.split(": ")[-1] if "os_error_code" in why or "Errno" in why else why  # the OS's reason
         latest = max((int(name) for name in os.listdir(self.directory) if name.isdigit()), default=None) \
             if os.path.isdir(self.directory) else None
-        raise CheckpointError(
+        error = CheckpointError(
             f"checkpoint step {step} could not be written to {self.directory} ({why[:200]}); the latest complete "
             f"checkpoint is {f'step {latest}' if latest is not None else 'none'}. Fix: free space or give write access "
             "there (or choose another --checkpoint-dir), then --resume." + (f" orbax's own reports: {BACKGROUND_LOG}"
                                                           if os.path.exists(BACKGROUND_LOG) else ""))
+        error.abandoned = True  # orbax's writes still run, and report again past the interpreter's shutdown:
+        raise error  # a command stopping on this exits at once (`distributed.leave`)
 
     def restore(self, step: int, like: Any) -> Any:
         """The state saved as `step`, laid out as `like`: a tree of `jax.ShapeDtypeStruct`

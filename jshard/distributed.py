@@ -160,15 +160,15 @@ def is_main_process() -> bool:
     return jax.process_index() == 0
 
 
-def leave(code: int, traceback: bool = False) -> int:
-    """Exit code `code` now in a multi-process run (after printing the exception being
-    handled, with `traceback`); otherwise return it.
+def leave(code: int, traceback: bool = False, at_once: bool = False) -> int:
+    """Exit code `code` now in a multi-process run, or `at_once` (after printing the exception
+    being handled, with `traceback`); otherwise return it.
 
     A process that ends normally waits at JAX's shutdown barrier for the others; one that
     fails while the others wait in a collective would wait there for minutes. Leaving at
     once lets the launcher (or the cluster) see the failure and stop the others.
     """
-    if jax.distributed.is_initialized() and jax.process_count() > 1:
+    if at_once or (jax.distributed.is_initialized() and jax.process_count() > 1):
         if traceback:
             import traceback as tb
 

@@ -454,7 +454,9 @@ def test_a_full_disk_stops_the_run_with_one_line_and_keeps_the_last_checkpoint(t
         subprocess.run(["umount", str(disk)])
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stdout + done.stderr and "summary of" not in done.stdout
-    line, = done.stderr.strip().splitlines()
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    line, = lines
     failed = int(re.search(r"checkpoint step (\d+) could not be written", line).group(1))
     assert f"the latest complete checkpoint is step {failed - 1}. Fix: free space" in line, line
     assert "No space left on device" in line and str(failed - 1) in kept, (line, kept)

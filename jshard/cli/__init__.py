@@ -53,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     except (MeshError, ShardingError, CollectiveError, ScheduleError, TrainError, CheckpointError,
             DistributedError, FlagError, PlotError, GenerateError, CompileError, HFError) as e:
         print(f"jshard {args.command}: {e}", file=sys.stderr)
-        return leave(2)  # in a multi-process run, at once: the others may wait in a collective
+        # At once in a multi-process run (the others may wait in a collective), or after a failed
+        # save (its writes would report past the interpreter's shutdown).
+        return leave(2, at_once=getattr(e, "abandoned", False))
     except Exception:
         leave(1, traceback=True)  # multi-process: the traceback, then exit 1 at once
         raise
