@@ -137,8 +137,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 def _gloo_address_problem(address: str | None) -> str | None:
     """What JAX cannot tell is wrong before the first collective hangs or is refused: gloo (its
     CPU collectives) tells the other processes to connect to the address this host's name
-    resolves to. Where that is a loopback address and the coordinator is on another host (a
-    default /etc/hosts line '127.0.1.1 <name>'), they connect to themselves."""
+    resolves to. Where that is a loopback address and the coordinator's is not (the processes are
+    on more than one host; a default /etc/hosts line '127.0.1.1 <name>'), they connect to themselves."""
     if not address or not runs_on_cpu():  # (GPUs: NCCL finds its own interface)
         return None
     try:
@@ -150,8 +150,8 @@ def _gloo_address_problem(address: str | None) -> str | None:
     if coordinator.is_loopback or not own.is_loopback:  # one machine (jshard launch), or a routable name
         return None
     return (f"this host's name {name!r} resolves to {own}, a loopback address, which gloo (JAX's CPU collectives) "
-            f"gives the other processes to connect to; with the coordinator at {address}, on another host, they "
-            f"would connect to themselves (Connection refused). Fix: make {name!r} resolve to this host's address on "
+            f"gives the other processes to connect to; with the coordinator at {address}, not a loopback address (the "
+            f"processes are on more than one host), they would connect to themselves (Connection refused). Fix: make {name!r} resolve to this host's address on "
             f"the coordinator's network (an /etc/hosts line '<that address> {name}'), on every host.")
 
 

@@ -366,3 +366,96 @@ def test_axes_across_processes_of_a_one_process_mesh_is_empty():
     import jshard
 
     assert distributed.axes_across_processes(jshard.make_mesh(data=2, fsdp=2, tensor=2)) == ()
+
+
+# -- two hosts: network namespaces joined by a veth ----------------------------------------
+
+HOSTS = {"jshard-a": "10.77.0.1", "jshard-b": "10.77.0.2"}  # namespace -> its address on the link
+
+
+def _ip(*args, namespace=None):
+    command = ["ip", *(["netns", "exec", namespace, "ip"] if namespace else []), *args]
+    return subprocess.run(command, capture_output=True, text=True)
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces, each its own host on a veth link (10.77.0.0/24). Each gets an
+    /etc/netns hosts file that `ip netns exec` mounts over /etc/hosts: `routable=True` makes
+    this machine's name resolve to that host's link address there, as on a cluster."""
+    made = _ip("netns", "add", "jshard-a")
+    if made.returncode:
+        pytest.skip(f"network namespaces are not allowed here (ip netns add: {made.stderr.strip()})")
+    try:
+        _ip("netns", "add", "jshard-b")
+        _ip("link", "add", "jshard-va", "type", "veth", "peer", "name", "jshard-vb")
+        for (namespace, address), link in zip(HOSTS.items(), ("jshard-va", "jshard-vb")):
+            _ip("link", "set", link, "netns", namespace)
+            _ip("addr", "add", f"{address}/24", "dev", link, namespace=namespace)
+            _ip("link", "set", link, "up", namespace=namespace)
+            _ip("link", "set", "lo", "up", namespace=namespace)
+
+        def routable(on: bool):
+            for namespace, address in HOSTS.items():
+                folder = f"/etc/netns/{namespace}"
+                shutil.rmtree(folder, ignore_errors=True)
+                if on:
+                    os.makedirs(folder)
+                    with open(f"{folder}/hosts", "w") as f:
+                        f.write(f"127.0.0.1 localhost\n{address} {socket.gethostname()}\n")
+
+        yield routable
+    finally:
+        for namespace in HOSTS:
+            _ip("netns", "del", namespace)  # (its end of the veth with it)
+            shutil.rmtree(f"/etc/netns/{namespace}", ignore_errors=True)
+
+
+def _on_two_hosts(tmp_path, name: str, steps: int) -> list[subprocess.Popen]:
+    """`jshard train` as process 0 on host a (the coordinator) and process 1 on host b."""
+    env = dict(JAX_COORDINATOR_ADDRESS=f"{HOSTS['jshard-a']}:9476", JAX_NUM_PROCESSES="2", JAX_NUM_CPU_DEVICES="4",
+               JAX_PLATFORMS="cpu")
+    return [subprocess.Popen(["ip", "netns", "exec", namespace, "env", *(f"{k}={v}" for k, v in env.items()),
+                              f"JAX_PROCESS_ID={i}", sys.executable, "-m", "jshard.cli", "train", *TINY_FLAGS,
+                              "--steps", str(steps), "--log-every", "1", "--metrics", str(tmp_path / f"{name}{i}.jsonl")],
+                             stdout=open(tmp_path / f"{name}{i}.out", "w"), stderr=open(tmp_path / f"{name}{i}.err", "w"),
+                             stdin=subprocess.DEVNULL)
+            for i, namespace in enumerate(HOSTS)]
+
+
+def test_two_hosts_train_as_one_and_a_cut_link_ends_both_within_60_s(two_hosts, tmp_path):
+    """Two processes, each in its own network namespace (its own host), over a veth: refused
+    with the fix while the host name resolves to loopback; once it resolves to each host's
+    link address, the losses are the one-process run's; the link cut mid-run ends both (JAX's
+    heartbeat, `distributed.HEARTBEAT_TIMEOUT_S`) instead of leaving them waiting."""
+    if ipaddress.ip_address(socket.gethostbyname(socket.gethostname())).is_loopback:
+        two_hosts(False)
+        for process in _on_two_hosts(tmp_path, "loopback", 2):
+            assert process.wait(timeout=TIMEOUT_S) == 2
+        for i in range(2):
+            err = (tmp_path / f"loopback{i}.err").read_text().strip().splitlines()
+            assert len(err) == 1 and "resolves to 127.0.0.1, a loopback address" in err[0], err
+    two_hosts(True)
+    processes = _on_two_hosts(tmp_path, "linked", 4)
+    assert [p.wait(timeout=TIMEOUT_S) for p in processes] == [0, 0], (tmp_path / "linked0.err").read_text()[-3000:]
+    alone = train(TrainConfig(**TINY, steps=4), out=io.StringIO())
+    np.testing.assert_allclose(losses(tmp_path / "linked0.jsonl"), alone.losses, rtol=1e-6)
+
+    processes = _on_two_hosts(tmp_path, "cut", 100000)
+    try:
+        deadline, metrics = time.monotonic() + TIMEOUT_S, tmp_path / "cut0.jsonl"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):  # training: past compiling
+            assert time.monotonic() < deadline and all(p.poll() is None for p in processes), \
+                (tmp_path / "cut0.err").read_text()[-3000:]
+            time.sleep(0.2)
+        _ip("link", "set", "jshard-va", "down", namespace="jshard-a")
+        cut = time.monotonic()
+        codes = [p.wait(timeout=60) for p in processes]
+        took = time.monotonic() - cut
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    print(f"both processes ended {took:.1f} s after the link was cut, exit codes {codes}")
+    assert all(code != 0 for code in codes) and took < 60
