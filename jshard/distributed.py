@@ -151,8 +151,9 @@ def _gloo_address_problem(address: str | None) -> str | None:
         return None
     return (f"this host's name {name!r} resolves to {own}, a loopback address, which gloo (JAX's CPU collectives) "
             f"gives the other processes to connect to; with the coordinator at {address}, not a loopback address (the "
-            f"processes are on more than one host), they would connect to themselves (Connection refused). Fix: make {name!r} resolve to this host's address on "
-            f"the coordinator's network (an /etc/hosts line '<that address> {name}'), on every host.")
+            f"processes are on more than one host), they would connect to themselves (Connection refused). Fix: make "
+            f"{name!r} resolve to this host's address on the coordinator's network (an /etc/hosts line '<that "
+            f"address> {name}'), on every host.")
 
 
 def is_main_process() -> bool:
