@@ -10,7 +10,7 @@ here sums each gradient's squares over the mesh axes it is split on first.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +65,37 @@ def grad_norm(opt_state) -> jax.Array | None:
     return None
 
 
+class SkipState(NamedTuple):
+    inner: Any  # the wrapped optimizer's state, as the last applied update left it
+    skipped: jax.Array  # updates not applied in a row, their gradients not finite (0 after one that was)
+
+
+def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`inner`, but an update whose gradients are not finite is not applied: zero updates, the
+    inner state unchanged, `SkipState.skipped` counting them in a row. The test is the global
+    norm (`global_norm`), the same on every shard, so all devices skip alike (optax's
+    `apply_if_finite` tests each shard alone); what to do about a skip, the caller decides
+    (`jshard train`: stop, or go on for `--skip-nonfinite N` in a row, as Megatron does)."""
+
+    def init(params):
+        return SkipState(inner.init(params), jnp.zeros((), jnp.int32))
+
+    def update(updates, state, params=None):
+        finite = jnp.isfinite(global_norm(updates))
+        applied, after = inner.update(updates, state.inner, params)
+        kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), after, state.inner)
+        applied = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), applied)
+        return applied, SkipState(kept, jnp.where(finite, 0, state.skipped + 1))
+
+    return optax.GradientTransformation(init, update)
+
+
+def skipped(opt_state) -> jax.Array | None:
+    """Updates not applied in a row, their gradients not finite (`SkipState`), if the optimizer counts them."""
+    state = inner_state(opt_state)
+    return state.skipped if isinstance(state, SkipState) else None
+
+
 def _decayed(params):
     """Weight decay on matrices only (kernels, embedding tables), not on norms' vectors.
 
@@ -86,16 +117,17 @@ def schedule(lr: float, steps: int, warmup: int) -> optax.Schedule:
 
 def adamw(learning_rate: optax.Schedule, *, weight_decay: float = 0.1, clip: float = 1.0,
           grad_accum: int = 1, b2: float = 0.95) -> optax.GradientTransformation:
-    """Clip, then AdamW on `learning_rate` (`schedule`: the same one `jshard train` logs).
+    """Clip, then AdamW on `learning_rate` (`schedule`: the same one `jshard train` logs), an
+    update of non-finite gradients not applied (`skip_nonfinite`).
 
     With `grad_accum` = k > 1 it is wrapped in `optax.MultiSteps`: each call is one
     micro-step, and every k-th applies the update of the k gradients' mean (the others
     return zero updates). The schedule counts optimizer steps, not micro-steps.
     """
-    tx = optax.chain(
+    tx = skip_nonfinite(optax.chain(
         clip_by_global_norm(clip),
         optax.adamw(learning_rate, b2=b2, weight_decay=weight_decay, mask=_decayed),
-    )
+    ))
     return optax.MultiSteps(tx, every_k_schedule=grad_accum).gradient_transformation() if grad_accum > 1 else tx
 
 

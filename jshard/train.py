@@ -110,6 +110,7 @@ class TrainConfig:
     fake_devices: int | None = None  # None: XLA_FLAGS's count, else FAKE_DEVICES
     peak_tflops: float | None = None  # per device, for MFU where jshard does not know the device
     log_every: int | None = None  # None: steps // 10
+    skip_nonfinite: int = 0  # updates of non-finite gradients skipped in a row before the run stops (0: stop at the first)
 
 
 @dataclasses.dataclass
@@ -149,6 +150,8 @@ def _check_values(config: TrainConfig) -> None:
         value = getattr(config, name)
         if not positive(value, (int, float)) and (value is not None or name == "lr"):
             raise TrainError(f"{flag(name)} must be a positive number, got {value!r}")
+    if isinstance(config.skip_nonfinite, bool) or not (isinstance(config.skip_nonfinite, int) and config.skip_nonfinite >= 0):
+        raise TrainError(f"--skip-nonfinite must be an int >= 0, got {config.skip_nonfinite!r}")
     if config.warmup is not None and not (isinstance(config.warmup, int) and 0 <= config.warmup < config.steps):
         raise TrainError(f"--warmup must be an int in 0..steps-1 ({config.steps - 1}), got {config.warmup!r}")
     for name, known in [*CHOICES.items(), *OPTIONAL_CHOICES.items()]:
@@ -509,7 +512,7 @@ def _train(p: Setup, out) -> TrainResult:
     peak = device_peak(jax.devices(), p.precision.compute, c.peak_tflops)
     log_every = c.log_every or max(1, c.steps // 10)
     traced = _traced(c, start)
-    losses, times, saved_at, evaluated, records, held_out = [], [], None, {}, [], None
+    losses, times, saved_at, evaluated, records, held_out, skipped = [], [], None, {}, [], None, []
     routed = {}  # step -> router statistics of a mixture of experts, on that step's batch
     router_stats = _router_stats(step) if getattr(p.model, "experts", 0) else None
     begin = time.perf_counter()
@@ -531,10 +534,14 @@ def _train(p: Setup, out) -> TrainResult:
                 position += micro_rows
                 micro.append(float(loss))  # waits for the micro-step
             loss, seconds = float(np.mean(micro)), time.perf_counter() - tick
-            norm = optim.grad_norm(state.opt_state)  # of this step's gradients (the clip keeps it)
-            norm = float(norm) if norm is not None else None
-            if not math.isfinite(loss) or (norm is not None and not math.isfinite(norm)):
-                raise TrainError(_not_finite(p, index + 1, loss, norm, saved_at))
+            # The update of non-finite gradients is not applied (`optim.skip_nonfinite`), so the state
+            # stays finite; the run stops, or goes on for --skip-nonfinite N of them in a row.
+            in_a_row = int(optim.skipped(state.opt_state))
+            norm = None if in_a_row else float(optim.grad_norm(state.opt_state))  # (the clip keeps it)
+            if not math.isfinite(loss) or in_a_row > c.skip_nonfinite:
+                raise TrainError(_not_finite(p, index + 1, loss, in_a_row, saved_at))
+            if in_a_row:
+                skipped.append(index + 1)
             if traced and index == traced[-1]:
                 trace.close()
             done = index + 1
@@ -542,9 +549,9 @@ def _train(p: Setup, out) -> TrainResult:
             times.append(seconds)
             mfu = flops_per_step / seconds / peak.flops if peak else None
             record = dict(step=done, loss=loss, lr=float(learning_rate(index)), grad_norm=norm, step_s=seconds,
-                          tokens_per_s=tokens / seconds, mfu=mfu) | device_memory()
+                          tokens_per_s=tokens / seconds, mfu=mfu) | device_memory() | ({"skipped": True} if in_a_row else {})
             shown = f"loss {loss:.4f}  {seconds * 1e3:8.1f} ms  {tokens / seconds / 1e3:7.1f}k tok/s" + (
-                f"  MFU {mfu:6.2%}" if peak else "")
+                f"  MFU {mfu:6.2%}" if peak else "") + ("  (gradients not finite: update skipped)" if in_a_row else "")
             if c.eval_every and (done % c.eval_every == 0 or done == c.steps):
                 # The same held-out rows every time: built once, on the devices from then on.
                 held_out = held_out or [p.split.eval_batch(k, micro_rows, batch_sharding)
@@ -569,7 +576,7 @@ def _train(p: Setup, out) -> TrainResult:
     if p.checkpoints:
         p.checkpoints.wait()  # the summary names a checkpoint once it is written
     summary = _summary(p, losses, times, start, time.perf_counter() - begin, peak, flops_per_step, saved_at, evaluated,
-                       routed)
+                       routed, skipped)
     say(summary)
     if c.plot and is_main_process():
         history = plot.read_metrics(c.metrics) if c.metrics else records  # a resumed run's file has it all
@@ -628,9 +635,9 @@ def _schedule(c: TrainConfig) -> dict:
     return dict(steps=c.steps, lr=c.lr, warmup=_warmup(c))
 
 
-def _not_finite(p: Setup, step: int, loss: float, norm: float | None, saved_at: int | None) -> str:
-    """The line a run stops with at its first non-finite loss or gradient norm: nothing after it
-    is saved (an update of non-finite gradients would have made the params so)."""
+def _not_finite(p: Setup, step: int, loss: float, in_a_row: int, saved_at: int | None) -> str:
+    """The line a run stops with at its first non-finite loss, or at non-finite gradients (more
+    than --skip-nonfinite in a row; their updates were not applied): nothing after it is saved."""
     c = p.config
     kept = (f"the last checkpoint, step {saved_at or p.record['step']} in {c.checkpoint_dir}, is kept"
             if saved_at or p.record else "no checkpoint was written")
@@ -640,10 +647,13 @@ def _not_finite(p: Setup, step: int, loss: float, norm: float | None, saved_at: 
                 f"({started}) are not finite; training stopped, {kept}. Fix: start from another checkpoint (delete "
                 "this one to resume from the one before), or from other weights.")
     resume = "; --resume continues from the one kept" if saved_at or p.record else ""
-    if math.isfinite(loss):  # a finite loss whose gradients are not: the update made the params non-finite
-        return (f"step {step}: the gradient norm is {norm} (the loss {loss:.4f} is finite); training stopped, {kept}, "
-                f"nothing after it saved. Fix: a lower --lr (it is {c.lr})"
-                f"{', --precision fp32' if c.precision != 'fp32' else ''}{resume}.")
+    if math.isfinite(loss):  # a finite loss whose gradients are not: their update was not applied
+        what = (f"the gradients are not finite (the loss, {loss:.4f}, is); their update was not applied"
+                if in_a_row == 1 else f"the gradients were not finite {in_a_row} steps in a row (--skip-nonfinite "
+                                      f"{c.skip_nonfinite}); none of those updates was applied")
+        go_on = "" if c.skip_nonfinite else "; or --skip-nonfinite N to skip up to N such steps in a row and go on"
+        return (f"step {step}: {what}; training stopped, {kept}, nothing after it saved. Fix: a lower --lr (it is "
+                f"{c.lr}){', --precision fp32' if c.precision != 'fp32' else ''}{go_on}{resume}.")
     return (f"step {step}: the loss is {loss} after the updates before it; training stopped, {kept}, nothing after it "
             f"saved. Fix: a lower --lr (it is {c.lr}){', --precision fp32' if c.precision != 'fp32' else ''}"
             f"{resume}.")
@@ -657,7 +667,7 @@ def _mesh_str(mesh) -> str:
     return ",".join(f"{k}={v}" for k, v in mesh_shape(mesh).items() if v > 1) or "one device"
 
 
-def _summary(p: Setup, losses, times, start, wall, peak, flops_per_step, saved_at, evaluated, routed) -> str:
+def _summary(p: Setup, losses, times, start, wall, peak, flops_per_step, saved_at, evaluated, routed, skipped) -> str:
     c = p.config
     steady = times[1:] or times  # the first step compiles
     step_s = statistics.median(steady)
@@ -691,6 +701,9 @@ def _summary(p: Setup, losses, times, start, wall, peak, flops_per_step, saved_a
         lines.append(f"  peak        {peak.source}")
     else:
         lines.append("  MFU         not known for this device: give its peak with --peak-tflops")
+    if skipped:
+        lines.append(f"  skipped     {len(skipped)} update(s), their gradients not finite (--skip-nonfinite "
+                     f"{c.skip_nonfinite}): step(s) {', '.join(map(str, skipped[:10]))}{' ...' if len(skipped) > 10 else ''}")
     if saved_at:
         lines.append(f"  checkpoint  step {saved_at} in {p.checkpoints.directory} (resume with --resume)")
     if c.metrics:

@@ -16,6 +16,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -481,14 +482,50 @@ def test_a_non_finite_loss_stops_the_run_and_saves_nothing_after_it(capsys, tmp_
                            "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1",
                            "--metrics", str(metrics)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and re.search(r"step \d+: the gradient norm is (nan|inf) \(the loss \S+ is finite\); "
-                                       r"training stopped", err[0]), err
+    assert len(err) == 1 and re.search(r"step \d+: the gradients are not finite \(the loss, \S+, is\); their update "
+                                       r"was not applied; training stopped", err[0]), err
     stopped = int(err[0].split("step ")[1].split(":")[0])
     saved = sorted(int(d) for d in os.listdir(tmp_path / "ck") if d.isdigit())
     assert saved and saved[-1] == stopped - 1 and f"the last checkpoint, step {stopped - 1}" in err[0]
     assert len(metrics.read_text().splitlines()) == stopped - 1
     kept = ocp.PyTreeCheckpointer().restore(str(tmp_path / "ck" / str(saved[-1]) / "state"))
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(kept))
+
+
+def test_skip_nonfinite_skips_those_updates_and_stops_after_n_in_a_row(capsys, tmp_path):
+    """--skip-nonfinite 2: steps whose gradients are not finite are run but not applied (said on
+    the step line, `skipped` and a null `grad_norm` in the metrics), up to 2 in a row; the third
+    stops the run with one line."""
+    metrics = tmp_path / "m.jsonl"
+    assert main(CLI[:3] + ["--steps", "10", "--batch-size", "16", "--seq-len", "32", "--lr", "1e6", "--log-every", "1",
+                           "--skip-nonfinite", "2", "--metrics", str(metrics)]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and re.search(r"step (\d+): the gradients were not finite 3 steps in a row "
+                                       r"\(--skip-nonfinite 2\); none of those updates was applied", err[0]), err
+    stopped = int(err[0].split("step ")[1].split(":")[0])
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("skipped")] == [stopped - 2, stopped - 1]
+    assert all(r["grad_norm"] is None for r in rows if r.get("skipped"))
+    assert all(math.isfinite(r["grad_norm"]) for r in rows if not r.get("skipped"))
+    assert sum("(gradients not finite: update skipped)" in line for line in captured.out.splitlines()) == 2
+
+
+def test_an_update_of_non_finite_gradients_is_not_applied():
+    """optim.skip_nonfinite: zero updates and the state kept for non-finite gradients, counted in a
+    row; a finite step applies again and resets the count."""
+    tx = optim.adamw(optim.schedule(1e-2, 10, 0))
+    params = {"w": jnp.ones((3, 4))}
+    state = tx.init(params)
+    _, state = tx.update({"w": jnp.full((3, 4), 2.0)}, state, params)
+    for in_a_row in (1, 2):
+        updates, after = tx.update({"w": jnp.full((3, 4), jnp.nan)}, state, params)
+        assert not np.asarray(updates["w"]).any() and int(optim.skipped(after)) == in_a_row
+        assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), after.inner, state.inner))
+        state = after
+    updates, state = tx.update({"w": jnp.ones((3, 4))}, state, params)
+    assert np.asarray(updates["w"]).all() and int(optim.skipped(state)) == 0
+    assert float(optim.grad_norm(state)) == pytest.approx(np.sqrt(12))
 
 
 @pytest.mark.parametrize("config, message", [

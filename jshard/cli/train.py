@@ -66,6 +66,8 @@ def add_parser(commands) -> None:
     flags.add_fake_devices(parser, TRAIN_FAKE_DEVICES)
     add("--peak-tflops", "device peak for MFU, per device (default: known GPUs; measured on CPU)", type=float)
     add("--log-every", "print a line every N steps (default: steps // 10)", type=int, metavar="N")
+    add("--skip-nonfinite", "skip the update of a step whose gradients are not finite, up to N in a row, and go "
+                            "on (Megatron's behaviour); 0 stops at the first", type=int, metavar="N")
     parser.set_defaults(run=run)
 
 
