@@ -140,18 +140,21 @@ class GpuProgram:
                 totals[key] = totals.get(key, 0) + c["bytes"]
         return totals
 
-    def overlap(self) -> dict[str, float]:
-        """{kind: the share of its bytes that a matmul is scheduled beside} (async ones only can be)."""
+    def overlap(self, looped: bool = False) -> dict[str, float]:
+        """{kind: the share of its bytes that a matmul is scheduled beside} (async ones only can be);
+        `looped`: of the collectives run on every trip of a loop only (the scan over layers, a
+        pipeline's ticks), where each layer's collective can hide behind another layer's compute."""
         moved: dict[str, list[int]] = {}
         for c in self.collectives:
-            if c["bytes"]:
+            if c["bytes"] and (c["count"] > 1 or not looped):
                 totals = moved.setdefault(c["kind"], [0, 0])
                 totals[0] += c["bytes"] * c["overlapped"]
                 totals[1] += c["bytes"]
         return {kind: hidden / total for kind, (hidden, total) in moved.items()}
 
     def as_json(self) -> dict:
-        return dataclasses.asdict(self) | dict(hlo=None, fits=self.fits, overlap=self.overlap())
+        return dataclasses.asdict(self) | dict(hlo=None, fits=self.fits, overlap=self.overlap(),
+                                               overlap_in_loops=self.overlap(looped=True))
 
 
 def attention_kernel(hlo_text: str) -> str:
@@ -240,6 +243,9 @@ def report(program: GpuProgram, est: dict, devices: str) -> str:
         lines.append(f"  {row['kind']:<19}{row['axes']:<14}{dtypes:<7}{fmt(row['planned'], 2):>12}"
                      f"{fmt(row['compiled'], 2):>12}{share('asynchronous'):>8.0%}{share('overlapped'):>12.0%}{mark}")
     lines.append("  bytes: " + ("equal to the plan's" if vs["bytes_exact"] else "NOT equal to the plan's (≠)"))
+    if looped := program.overlap(looped=True):
+        lines.append("  in loops (the scan over layers, a pipeline's ticks), overlapped: "
+                     + ", ".join(f"{kind} {share:.0%}" for kind, share in sorted(looped.items())) + " of the bytes")
     kernel = {"cudnn": "cuDNN's fused flash attention (__cudnn$fmha)", "xla": "XLA's own fusions (scores kept)"}
     lines.append(f"attention: {kernel[program.attention]}; planned: {est['attention']}")
     return "\n".join(lines)

@@ -95,22 +95,32 @@ def use_fake_cpu_devices_unless_accelerated(n: int) -> None:
 
 GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
 
-# XLA flags jshard sets for GPU runs (JAX's GPU performance tips): the latency-hiding
-# scheduler orders collectives and copies to overlap compute, and their stream gets
-# priority so that they start at once. Both only reorder work, so results do not change;
+# XLA flags jshard sets for GPU runs, each for what the compiled H100 program showed
+# (`jshard compile`, docs/gpu-compile.md). They only reorder work, so results do not change;
 # on one GPU, with nothing to communicate, they cost nothing. The test suite checks that the
 # installed XLA knows every one: XLA aborts at start-up on an unknown flag.
-# The pipelined collectives let a loop (the scan over layers) start the next iteration's
-# collective in this one: without them XLA:GPU starts each ZeRO-3 gather in the layer that
-# needs it, with only a norm between its start and done (measured: `jshard compile`, a Llama
-# under zero3, docs/gpu-compile.md); with them the forward's gathers overlap the matmuls.
 GPU_XLA_FLAGS = (
+    # Schedule collectives and copies to run beside compute (without it each collective's
+    # done follows its start).
     "--xla_gpu_enable_latency_hiding_scheduler=true",
+    # Their stream first, so that a collective starts when issued, not after queued kernels.
     "--xla_gpu_enable_highest_priority_async_stream=true",
+    # A loop (the scan over layers) starts the next trip's collective in this one: without
+    # them XLA:GPU starts each ZeRO-3 gather in the layer that needs it, with only a norm
+    # between its start and done.
     "--xla_gpu_enable_pipelined_all_gather=true",
     "--xla_gpu_enable_pipelined_reduce_scatter=true",
     "--xla_gpu_enable_pipelined_all_reduce=true",
 )
+
+# Set per program, not for the process (`Plan.xla_options`): a ZeRO-3 step without tensor
+# parallelism lets XLA:GPU keep this many collectives in flight (its default: 1). With one, a
+# layer's separate gathers wait for each other and the last ones find no matmul left to run
+# beside (Llama 3.1 8B, fsdp=8: 73% of the layer loop's gathered bytes overlapped; 92% with 4).
+# Under tensor parallelism the extra gathers are placed beside the tensor all-reduces instead
+# of matmuls (dp+fsdp+tp: 75% -> 31%), so there it stays 1. XLA_FLAGS that set it win.
+COLLECTIVES_IN_FLIGHT_OPTION = "xla_gpu_experimental_parallel_collective_overlap_limit"
+ZERO3_COLLECTIVES_IN_FLIGHT = 4
 
 
 def use_gpu_xla_flags(compiling_for_gpu: bool = False) -> bool:

@@ -88,6 +88,10 @@ class Rules:
     # Attention over a `seq` the rules split (context parallelism, `jshard.nn.context_attention`):
     # "ring" passes keys and values round the axes, "gather" all-gathers them.
     context_attention: str = "ring"
+    # Sequence parallelism's gather before a column-parallel matmul and reduce-scatter after a
+    # row-parallel one as collective matmuls: ppermute steps beside partial matmuls
+    # (`jshard.nn.collective_matmul`).
+    collective_matmul: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "params", _normalise(self.params, "param"))
@@ -184,6 +188,7 @@ class Rules:
 
         context = f", {self.context_attention} attention over a split seq" if any(
             name == "seq" and axes and "context" in axes for name, axes in self.activations) else ""
+        context += ", collective matmuls" if self.collective_matmul else ""
         return (
             f"Rules {self.name!r} (ZeRO stage {self.zero}{context})\n"
             f"  params:      {fmt(self.params)}\n  activations: {fmt(self.activations)}"
@@ -269,6 +274,8 @@ PRESET_PARTS = {
     "zero3": "as zero2, and params sharded over `fsdp` (alias: fsdp)",
     "tp": "Megatron tensor parallel: heads, mlp and vocab over `tensor`",
     "sp": "tp plus sequence parallel: the residual stream's seq over `tensor`",
+    "sp-overlap": "as sp, its gathers and reduce-scatters done as collective matmuls: ppermute steps, each "
+                  "beside a partial matmul",
     "pp": "pipeline: the stacked `layers` over `stage`",
     "cp": "context parallel: every activation's seq over `context`, load-balanced; ring attention",
     "cp-gather": "as cp, with attention all-gathering keys and values instead of the ring",
@@ -289,7 +296,8 @@ def preset(name: str, strict: bool = False) -> Rules:
     zeros = [int(p[-1]) for p in parts if p.startswith("zero")]
     if len(zeros) > 1:
         raise ShardingError(f"preset {name!r} names more than one ZeRO stage; pick one")
-    tp, sp = "tp" in parts or "sp" in parts, "sp" in parts
+    overlap = "sp-overlap" in parts
+    tp, sp = "tp" in parts or "sp" in parts or overlap, "sp" in parts or overlap
     if "cp" in parts and "cp-gather" in parts:
         raise ShardingError(f"preset {name!r} names both cp and cp-gather; pick one")
     cp = "cp" in parts or "cp-gather" in parts
@@ -313,9 +321,10 @@ def preset(name: str, strict: bool = False) -> Rules:
         [("seq", "context")] if cp else [("seq", "tensor")] if sp else [])
     activations = experts + batch + tensor_names + seq
     replicated = [(n, None) for n in LOGICAL_NAMES]  # every other name: replicated, on purpose
-    canonical = "+".join(p for p in PRESET_PARTS if p in parts or (p == "tp" and tp))
+    canonical = "+".join(p for p in PRESET_PARTS if (p in parts and not (p == "sp" and overlap)) or (p == "tp" and tp))
     return Rules(params + replicated, activations + replicated, zero=zeros[0] if zeros else 0, name=canonical,
-                 strict=strict, context_attention="gather" if "cp-gather" in parts else "ring")
+                 strict=strict, context_attention="gather" if "cp-gather" in parts else "ring",
+                 collective_matmul=overlap)
 
 
 # -- activations -----------------------------------------------------------------------

@@ -121,6 +121,16 @@ def test_preset_names():
         jshard.preset("zero1+fsdp")
 
 
+def test_sp_overlap_is_sp_with_collective_matmuls():
+    """The same layouts as tp+sp (so the same plan, bytes and memory but for the collectives'
+    kind); only `collective_matmul` differs, and the name says so."""
+    overlap, sp = jshard.preset("dp+sp-overlap"), jshard.preset("dp+tp+sp")
+    assert overlap.name == "dp+tp+sp-overlap" and jshard.preset("dp+tp+sp+sp-overlap").name == overlap.name
+    assert overlap.collective_matmul and not sp.collective_matmul
+    assert (overlap.params, overlap.activations) == (sp.params, sp.activations)
+    assert "collective matmuls" in str(overlap)
+
+
 # (preset, mesh, param path, expected spec) for GPT and MLP params
 GPT_CASES = [
     ("dp", dict(data=8), "blocks/mlp/up/kernel", P(None, None, None)),

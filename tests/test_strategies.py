@@ -26,11 +26,14 @@ from traffic import collective_bytes
 PLANS = STRATEGIES + [("dp+zero1+tp", dict(data=2, fsdp=2, tensor=2)), ("dp+zero2+sp", dict(data=2, fsdp=2, tensor=2)),
                       # context parallelism over 2 (and 4, 8: the example meshes), with ZeRO and SP, all-gathering K/V
                       ("dp+cp", dict(data=4, context=2)), ("fsdp+cp+sp", dict(fsdp=2, context=2, tensor=2)),
-                      ("zero2+cp-gather", dict(fsdp=2, context=4))]
+                      ("zero2+cp-gather", dict(fsdp=2, context=4)),
+                      # sequence parallelism's collectives as collective matmuls, with ZeRO-3 and context parallelism
+                      ("dp+tp+sp-overlap", dict(data=2, tensor=4)), ("fsdp+cp+sp-overlap", dict(fsdp=2, context=2, tensor=2))]
 # Expert parallelism over 8, 4 (the example meshes) and 2, with DP, ZeRO-2/3, TP and SP; and a
 # mixture of experts without it (every device computes every expert for its rows).
 EXPERT_PLANS = [("dp", dict(data=8))] + EXPERT_STRATEGIES + [
-    ("dp+ep", dict(data=4, expert=2)), ("zero2+ep", dict(fsdp=2, expert=4)), ("dp+ep+tp+sp", dict(data=2, expert=2, tensor=2))]
+    ("dp+ep", dict(data=4, expert=2)), ("zero2+ep", dict(fsdp=2, expert=4)), ("dp+ep+tp+sp", dict(data=2, expert=2, tensor=2)),
+    ("dp+ep+tp+sp-overlap", dict(data=2, expert=2, tensor=2))]
 
 MODELS = {
     "mlp": (lambda seed: DeepMLP(MLPConfig(dim=32, layers=3), rngs=nnx.Rngs(seed)), mlp_loss,
@@ -50,7 +53,7 @@ def reference(model_name: str) -> OneDeviceRun:
 
 # The Llama where it differs from the GPT under a strategy: its grouped KV heads split over
 # tensor, ZeRO-3's gathers, sequence parallelism; rotary positions of context parallelism's chunks.
-LLAMA_PLANS = ("zero3", "dp+tp", "fsdp+tp", "dp+fsdp+tp+sp", "dp+zero2+sp", "cp", "dp+cp+tp", "fsdp+cp+sp")
+LLAMA_PLANS = ("zero3", "dp+tp", "fsdp+tp", "dp+fsdp+tp+sp", "dp+zero2+sp", "cp", "dp+cp+tp", "fsdp+cp+sp", "dp+tp+sp-overlap")
 # The MLP has no sequence to split (context parallelism refuses it: test_context.py).
 CASES = [(model, preset, sizes) for model in MODELS if model != "moe" for preset, sizes in PLANS
          if (model != "llama" or preset in LLAMA_PLANS) and (model != "mlp" or "cp" not in preset)] + [
@@ -142,6 +145,16 @@ def test_tensor_parallel_block_traffic_is_textbook(preset, expected):
     per_layer = traffic(make_gpt, gpt_loss, GPT_BATCH, preset, dict(tensor=4), devices=jax.devices()[:4],
                         min_bytes=activation - 1, inside_loop_of=GPT_CONFIG.layers)
     assert per_layer == {kind: n * activation * GPT_CONFIG.layers for kind, n in expected.items()}
+
+
+def test_collective_matmul_sends_sequence_parallels_bytes_as_permutes():
+    """tp+sp-overlap: each of SP's 4 gathers and 4 reduce-scatters a block is n - 1 = 3 permutes
+    of a quarter of the activation: 6 activations a block (tp+sp's 8 × (n - 1) / n), and no
+    gather or reduce-scatter left in the layer loop."""
+    activation = GPT_BATCH.shape[0] * (GPT_BATCH.shape[1] - 1) * GPT_CONFIG.embed * 4
+    per_layer = traffic(make_gpt, gpt_loss, GPT_BATCH, "tp+sp-overlap", dict(tensor=4), devices=jax.devices()[:4],
+                        min_bytes=activation // 4 - 1, inside_loop_of=GPT_CONFIG.layers)
+    assert per_layer == {"collective-permute": 6 * activation * GPT_CONFIG.layers}
 
 
 def test_memory_falls_with_each_zero_stage():

@@ -114,7 +114,7 @@ def _cell(value, width: int, spec: str) -> str:
 
 def format_row(row: dict) -> str:
     return (
-        f"{row['strategy']:<16}{row['mesh']:<24}{row['comm_bytes']:>11}{row['textbook_bytes']:>11}"
+        f"{row['strategy']:<21}{row['mesh']:<24}{row['comm_bytes']:>11}{row['textbook_bytes']:>11}"
         f"{row['comm_ratio']:>7.2f}{row['memory_bytes_per_device']:>11}{row['textbook_memory_bytes']:>11}"
         f"{row['parity_rel_err']:>10.1e}{_cell(row['xla_comm_bytes'], 11, '')}{_cell(row['xla_parity_rel_err'], 10, '.1e')}"
         f"{row['step_s'] * 1e3:>9.1f}{_cell(row['gspmd_step_s'] and row['gspmd_step_s'] * 1e3, 9, '.1f')}"
@@ -122,7 +122,7 @@ def format_row(row: dict) -> str:
     )
 
 
-HEADER = (f"{'strategy':<16}{'mesh':<24}{'comm B':>11}{'textbook':>11}{'ratio':>7}{'memory B':>11}"
+HEADER = (f"{'strategy':<21}{'mesh':<24}{'comm B':>11}{'textbook':>11}{'ratio':>7}{'memory B':>11}"
           f"{'textbook':>11}{'parity':>10}{'xla comm B':>11}{'xla par.':>10}{'step ms':>9}{'xla ms':>9}{'speed':>7}")
 
 

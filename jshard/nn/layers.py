@@ -18,11 +18,12 @@ from flax import nnx
 from jax import lax
 
 from jshard import vma
+from jshard.nn.collective_matmul import gather_matmul, matmul_scatter, ring_step
 from jshard.nn.context import input_layout, split_input
 from jshard.nn.layouts import layout, relayout_local
 from jshard.nn.params import gathered_layout, param
 from jshard.nn.step import compute_dtype, in_step
-from jshard.rules import constrain, named
+from jshard.rules import active_rules, constrain, named
 
 
 def recomputed(f):
@@ -98,11 +99,18 @@ def matmul(x: jax.Array, x_names, w: jax.Array, w_names) -> jax.Array:
     w_axes = {a for axes in w_layout for a in axes}
     y_lead = tuple(tuple(a for a in axes if a not in w_axes) for axes in layout(y_names)[batched: batched + len(lead)])
     x_want = w_layout[:batched] + y_lead + tuple(w_layout[i] for i in w_contracted)
-    x = relayout_local(x, layout(x_names), x_want)
     partial = [a for i in w_contracted for a in w_layout[i]]
     y_have = w_layout[:batched] + y_lead + tuple(w_layout[i] for i in w_free)
+    x_have, y_want, leading = layout(x_names), layout(y_names), range(batched, batched + len(lead))
+    if active_rules().collective_matmul:  # a gather or a reduce-scatter along a leading dim: as a ring
+        if not partial and (ring := ring_step(x_want, x_have, leading)) and y_have == y_want:
+            return gather_matmul(*vma.match(x, w), dims, *ring)
+        if ((ring := ring_step(y_have, y_want, leading)) and partial == [ring[1]] and x_have == x_want
+                and x.shape[ring[0]] % lax.axis_size(ring[1]) == 0):
+            return matmul_scatter(*vma.match(x, w), dims, *ring)
+    x = relayout_local(x, x_have, x_want)
     x, w = vma.match(x, w)  # a weight alike on every device of a batch axis meets this device's rows
-    return relayout_local(lax.dot_general(x, w, dims), y_have, layout(y_names), partial)
+    return relayout_local(lax.dot_general(x, w, dims), y_have, y_want, partial)
 
 
 def _as_tuple(x) -> tuple:

@@ -24,13 +24,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
+import re
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from jshard.mesh import mesh_shape
+from jshard.mesh import COLLECTIVES_IN_FLIGHT_OPTION, ZERO3_COLLECTIVES_IN_FLIGHT, mesh_shape
 from jshard.models.stack import StagedLoss, has_stack
 from jshard.parallel import pipeline
 from jshard.parallel.model_state import check_no_pipeline
@@ -86,6 +88,32 @@ class Plan:
         """The platform the step is compiled for: its devices' ("gpu" for a GPU topology's, with
         no GPU here); None on an AbstractMesh (lowered for the host's, or `lower(platform=)`)."""
         return self.mesh.devices.flat[0].platform if isinstance(self.mesh, Mesh) else None
+
+    @functools.cached_property
+    def collectives_in_flight(self) -> int:
+        """How many collectives XLA:GPU may run at once in this step's program: several for
+        ZeRO-3 without tensor parallelism (`mesh.ZERO3_COLLECTIVES_IN_FLIGHT`, why there), else
+        XLA's one; what XLA_FLAGS set, where they set it."""
+        if m := re.search(rf"--{COLLECTIVES_IN_FLIGHT_OPTION}=(\d+)", os.environ.get("XLA_FLAGS", "")):
+            return int(m[1])
+        return ZERO3_COLLECTIVES_IN_FLIGHT if self.rules.zero == 3 and self.zero_axes and not self.tensor_axes else 1
+
+    @functools.cached_property
+    def xla_options(self) -> dict[str, int | str]:
+        """XLA options for this step's GPU program beyond the process's flags (`mesh.GPU_XLA_FLAGS`),
+        passed to its `jax.jit`: `collectives_in_flight` where it is not XLA's default (nor
+        XLA_FLAGS' own); under collective matmuls, XLA's dot merger off (XLA_FLAGS' disabled passes
+        kept), which would join a ring's partial matmuls, all of one weight, into one matmul that
+        waits for every transfer (seen in the compiled H100 program)."""
+        if self.platform != "gpu":
+            return {}
+        flags, options = os.environ.get("XLA_FLAGS", ""), {}
+        if self.collectives_in_flight > 1 and COLLECTIVES_IN_FLIGHT_OPTION not in flags:
+            options[COLLECTIVES_IN_FLIGHT_OPTION] = self.collectives_in_flight
+        if self.rules.collective_matmul and self.sequence_parallel:
+            disabled = m[1] if (m := re.search(r"--xla_disable_hlo_passes=(\S+)", flags)) else ""
+            options["xla_disable_hlo_passes"] = ",".join(filter(None, (disabled, "dot-merger")))
+        return options
 
     @property
     def sequence_parallel(self) -> bool:

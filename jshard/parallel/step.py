@@ -103,7 +103,7 @@ class ShardedStep(PlannedStep):
             self._body, mesh=plan.mesh, in_specs=(self.state_specs, batch_spec),
             out_specs=(self.state_specs, jax.P()), check_vma=True,
         )
-        self._step = jax.jit(body, donate_argnums=0)
+        self._step = jax.jit(body, donate_argnums=0, compiler_options=plan.xla_options or None)
         self._grads_sharded = jax.shard_map(
             self._grads_body, mesh=plan.mesh,
             in_specs=(param_specs, self.others.specs, batch_spec, self.state_specs.master),

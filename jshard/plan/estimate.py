@@ -168,17 +168,20 @@ def local(nbytes: int, layout, sizes: dict[str, int]) -> int:
     return nbytes // shards(layout, sizes)
 
 
-def gathered_layers_bytes(plan: Plan, layers: int) -> int:
+def gathered_layers_bytes(plan: Plan, layers: int, platform: str = "cpu") -> int:
     """ZeRO-3: two layers' weights gathered at once (one in use, the next arriving), each still
-    split over its other axes (tensor; an expert's weights over `expert`). A layer is one of the
-    stack's: `layers` blocks, or of a MoE Llama `layers // moe_every` of `moe_every` blocks each
-    (the stack's own leading dim)."""
+    split over its other axes (tensor; an expert's weights over `expert`); three on a GPU whose
+    program keeps several collectives in flight (`Plan.collectives_in_flight`): XLA:GPU then
+    starts a gather a layer earlier (measured on the GPU validation rows: 0.2 to 1 layer more).
+    A layer is one of the stack's: `layers` blocks, or of a MoE Llama `layers // moe_every` of
+    `moe_every` blocks each (the stack's own leading dim)."""
     zero, sizes = set(plan.rules.zero_axes), plan.mesh_sizes
     stacked = [p for p in plan.params if p.names and p.names[0] == "layers"]
     if not stacked:
         return 0
     per_layer = sum(p.gathered_bytes // shards(p.param[1:], sizes, skip=zero) for p in stacked)
-    return 2 * per_layer // min(layers, stacked[0].shape[0])
+    held = 3 if platform == "gpu" and plan.collectives_in_flight > 1 else 2
+    return held * per_layer // min(layers, stacked[0].shape[0])
 
 
 def grad_bytes(p, plan: Plan) -> int:
@@ -192,16 +195,16 @@ def grad_bytes(p, plan: Plan) -> int:
     return local(p.elements * dtype.itemsize, p.opt, sizes)
 
 
-def state_bytes(plan: Plan, layers: int) -> dict[str, int]:
+def state_bytes(plan: Plan, layers: int, platform: str = "cpu") -> dict[str, int]:
     """Training state per device: params and grads as held, the fp32 master (mixed precision)
-    and Adam's two moments in the optimizer's layout, ZeRO-3's gathered layers."""
+    and Adam's two moments in the optimizer's layout, ZeRO-3's gathered layers (on `platform`)."""
     params, sizes = plan.params, plan.mesh_sizes
     return dict(
         params=sum(local(p.bytes, p.param, sizes) for p in params),
         grads=sum(grad_bytes(p, plan) for p in params),
         master=sum(local(p.elements * p.master.itemsize, p.opt, sizes) for p in params if p.master),
         optimizer=2 * sum(local(p.elements * p.optimizer_dtype.itemsize, p.opt, sizes) for p in params),
-        gathered=gathered_layers_bytes(plan, layers) if plan.rules.zero == 3 and plan.zero_axes else 0,
+        gathered=gathered_layers_bytes(plan, layers, platform) if plan.rules.zero == 3 and plan.zero_axes else 0,
     )
 
 
@@ -309,7 +312,8 @@ def param_traffic(plan: Plan, remat: bool = False, tied_head: bool = True, combi
 
 
 def tensor_traffic(config: DecoderConfig, params, rows: int, seq: int, layers_run: int, sp: bool,
-                   tensor: tuple[str, ...], combined: bool = False, folded: frozenset[str] = frozenset()) -> dict:
+                   tensor: tuple[str, ...], combined: bool = False, folded: frozenset[str] = frozenset(),
+                   ring: int = 0) -> dict:
     """{(kind, tensor axes): bytes} of Megatron TP / SP for `rows` sequences through `layers_run` layers.
 
     Per block, A = (rows, seq, embed) in the compute dtype, and c = the block's input
@@ -327,20 +331,29 @@ def tensor_traffic(config: DecoderConfig, params, rows: int, seq: int, layers_ru
     all-gathers and its first reduce-scatter, once more per block. A layer of the stack that
     holds several blocks (a MoE Llama's `moe_every`) reruns all but its last one whole: their
     second all-reduce (SP: reduce-scatter) too.
+
+    `ring` (the tensor axes' size, under `Rules.collective_matmul`): SP's gathers and
+    reduce-scatters at the linears (the head's included) are collective matmuls, n - 1 permutes
+    of 1/n of A each, and a linear's input gradient is reduced round its own ring (nothing for
+    the compiler to combine); the embedding's reduce-scatter and its gradient's gather stay.
     """
     if not tensor:
         return {}
     a = rows * seq * config.embed * jnp.dtype(config.dtype).itemsize
     out: dict = {}
-    c = input_projections(config, combined)
+    c = input_projections(config, combined and not ring)
     blocks, reductions = 4 * layers_run * a + 2 * a, (2 + c) * layers_run * a + 2 * a
     inner = layers_run - layers_run // config.blocks_per_layer  # blocks rerun whole
     again = layers_run * a if config.remat != "none" else 0
     whole = inner * a if config.remat != "none" else 0
     ce = 3 * rows * seq * 4
+    gathered, scattered = blocks + 2 * again, reductions + again + whole
+    if sp and ring:  # all but the embedding's: its lookup's reduce-scatter, its gradient's gather
+        _add(out, "collective-permute", tensor, (gathered - a + scattered - a) * (ring - 1) // ring)
+        gathered, scattered = a, a
     if sp:
-        _add(out, "all-gather", tensor, blocks + 2 * again)
-        _add(out, "reduce-scatter", tensor, reductions + again + whole)
+        _add(out, "all-gather", tensor, gathered)
+        _add(out, "reduce-scatter", tensor, scattered)
         # (the position table's: the gradient of the rows looked up, seq of them)
         replicated = sum(p.bytes for p in params if "norm" in p.path and p.path not in folded) + sum(
             p.bytes * seq // p.shape[0] for p in params if p.path.startswith("pos_embed"))
@@ -380,7 +393,7 @@ def context_traffic(config: DecoderConfig, rows: int, seq: int, layers_run: int,
 
 
 def expert_traffic(config: DecoderConfig, params, rows: int, seq: int, layers_run: int, batch_axes, experts_axes,
-                   tensor: tuple[str, ...], sp: bool) -> dict:
+                   tensor: tuple[str, ...], sp: bool, ring: int = 0) -> dict:
     """{(kind, axes): bytes} of a mixture of experts (`jshard.moe`) for `rows` local sequences of
     `seq` tokens through `layers_run` blocks, every `moe_every`-th a MoE layer.
 
@@ -392,7 +405,8 @@ def expert_traffic(config: DecoderConfig, params, rows: int, seq: int, layers_ru
     gradient D backward (again under remat), in place of the dense MLP's A = rows · seq ·
     embed; under SP the MoE gathers whole rows (one all-gather, its transpose one
     reduce-scatter, in place of the dense MLP's two each) and the router, which reads them,
-    all-reduces its gradient."""
+    all-reduces its gradient. Under collective matmuls (`ring`, `tensor_traffic`) the dense
+    MLP's gathers and reduce-scatters it replaces were permutes; the MoE's own stay."""
     if not getattr(config, "experts", 0):
         return {}
     layers_run //= config.moe_every  # the MoE layers among them
@@ -406,9 +420,11 @@ def expert_traffic(config: DecoderConfig, params, rows: int, seq: int, layers_ru
     _add(out, "all-reduce", batch_axes, layers_run * config.experts * 4)
     if tensor:
         _add(out, "all-reduce", tensor, layers_run * (3 if again else 2) * buffer)
+        if sp and ring:
+            _add(out, "collective-permute", tensor, -4 * layers_run * dense * (ring - 1) // ring)
         if sp:
-            _add(out, "all-gather", tensor, -layers_run * dense)
-            _add(out, "reduce-scatter", tensor, -layers_run * dense)
+            _add(out, "all-gather", tensor, (1 if ring else -1) * layers_run * dense)
+            _add(out, "reduce-scatter", tensor, (1 if ring else -1) * layers_run * dense)
             # (this stage's routers: layers_run of the model's moe_layers)
             routers = sum(p.bytes for p in params if "router" in p.path)
             _add(out, "all-reduce", tensor, routers * layers_run // config.moe_layers)
@@ -441,14 +457,15 @@ def traffic(config: DecoderConfig, plan: Plan, rows: int, seq: int, platform: st
     layers_run = config.layers // (sizes[stage_axis] if stage_axis else 1)
     sp, tensor = plan.sequence_parallel, plan.tensor_axes
     local_seq = seq // shards((context,), sizes)
+    ring = shards((tensor,), sizes) if plan.rules.collective_matmul and sp else 0
     for key, nbytes in tensor_traffic(config, params, rows, local_seq, layers_run, sp, tensor, platform == "gpu",
-                                      folded).items():
+                                      folded, ring).items():
         _add(comm, *key, nbytes)
     for key, nbytes in context_traffic(config, rows, seq, layers_run, context, sizes, shards((tensor,), sizes),
                                        plan.rules.context_attention).items():
         _add(comm, *key, nbytes)
     for key, nbytes in expert_traffic(config, params, rows, seq, layers_run, tuple(a for a in batch_axes if sizes[a] > 1),
-                                      plan.expert_axes, tensor, sp).items():
+                                      plan.expert_axes, tensor, sp, ring).items():
         _add(comm, *key, nbytes)
     # The mean loss: over the context axes (the loss's own mean), the batch axes, then the stages.
     for axes in context, (a for a in batch_axes if sizes[a] > 1), (stage_axis,) if stage_axis else ():
@@ -626,7 +643,7 @@ def estimate(plan: PlanInput) -> dict:
         attention, flash = f"{rules.context_attention} (context parallel)", rules.context_attention == "ring"
 
     # memory
-    memory = state_bytes(step, config.layers)
+    memory = state_bytes(step, config.layers, hw.platform)
     # AdamW's pass over the state once a step: reads and writes params, master and moments, reads the gradients.
     optimizer_traffic = 2 * (memory["params"] + memory.get("master", 0) + memory["optimizer"]) + memory["grads"]
     if schedule and hw.platform == "cpu":

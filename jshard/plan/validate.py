@@ -39,6 +39,7 @@ EXAMPLE_MESHES = {
     "fsdp+tp": dict(fsdp=4, tensor=2),
     "dp+fsdp+tp": dict(data=2, fsdp=2, tensor=2),
     "dp+fsdp+tp+sp": dict(data=2, fsdp=2, tensor=2),
+    "dp+tp+sp-overlap": dict(data=2, tensor=4),
     "dp+pp": dict(data=2, stage=4),
     "fsdp+tp+pp": dict(fsdp=2, tensor=2, stage=2),
     "cp": dict(context=8),
@@ -76,6 +77,7 @@ VALIDATION = (
     ("dp+fsdp", None, None, "none"), ("fsdp+tp", None, None, "none"),
     ("dp+fsdp+tp", None, None, "none"), ("dp+fsdp+tp+sp", None, None, "none"), ("dp", None, None, "full"),
     ("dp", None, None, "selective"), ("dp+tp+sp", None, None, "full"), ("dp+tp+sp", None, None, "selective"),
+    ("dp+tp+sp-overlap", None, None, "none"), ("dp+tp+sp-overlap", None, None, "full"),
     ("dp+pp", 4, "gpipe", "none"), ("dp+pp", 4, "1f1b", "none"), ("dp+pp", 4, "interleaved", "none", "default"),
     ("dp+pp", 4, "zb-h1", "none"),
     ("dp+pp", 4, "1f1b", "none", "example", "fp32", "full"), ("dp+pp", 4, "zb-h1", "none", "example", "fp32", "full"),
@@ -196,12 +198,12 @@ def within_tolerance(result: dict) -> bool:
 
 
 def format_validation(results: list[dict]) -> str:
-    lines = [f"{'model':<7}{'strategy':<16}{'mesh':<27}{'schedule':<13}{'remat':<10}{'precision':<10}{'memory est':>12}"
+    lines = [f"{'model':<7}{'strategy':<18}{'mesh':<26}{'schedule':<13}{'remat':<10}{'precision':<10}{'memory est':>12}"
              f"{'compiled':>12}{'err':>8}  comm bytes by kind (est = compiled)"]
     for r in results:
         comm = ", ".join(f"{k} {v}" for k, v in sorted(r["comm_compiled"].items()))
         mark = "exact" if r["comm_exact"] else f"MISMATCH est {r['comm_predicted']}"
         state = " (state)" if r["memory_compared"] == "state" else ""
-        lines.append(f"{r['model']:<7}{r['strategy']:<16}{r['mesh']:<27}{r['schedule']:<13}{r['remat']:<10}{r['precision']:<10}"
+        lines.append(f"{r['model']:<7}{r['strategy']:<18}{r['mesh']:<26}{r['schedule']:<13}{r['remat']:<10}{r['precision']:<10}"
                      f"{r['memory_predicted']:>12}{r['memory_compiled']:>12}{r['memory_rel_err'] * 100:>7.1f}%{state}  {mark}: {comm}")
     return "\n".join(lines)
