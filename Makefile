@@ -49,8 +49,11 @@ versions: $(NEEDS)
 TEST_WORKERS ?= 2
 IN_WORKERS := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
+# PYTEST_ARGS: more of pytest's arguments (.ci/run's second run leaves out the slowest network tests).
+PYTEST_ARGS ?=
+
 test: versions
-	$(VENV)/bin/python -m pytest $(IN_WORKERS)
+	$(VENV)/bin/python -m pytest $(IN_WORKERS) $(PYTEST_ARGS)
 
 test-fast: versions
 	$(VENV)/bin/python -m pytest -m fast $(IN_WORKERS)

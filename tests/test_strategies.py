@@ -27,8 +27,8 @@ PLANS = STRATEGIES + [("dp+zero1+tp", dict(data=2, fsdp=2, tensor=2)), ("dp+zero
                       # context parallelism over 2 (and 4, 8: the example meshes), with ZeRO and SP, all-gathering K/V
                       ("dp+cp", dict(data=4, context=2)), ("fsdp+cp+sp", dict(fsdp=2, context=2, tensor=2)),
                       ("zero2+cp-gather", dict(fsdp=2, context=4)),
-                      # sequence parallelism's collectives as collective matmuls, with ZeRO-3 and context parallelism
-                      ("dp+tp+sp-overlap", dict(data=2, tensor=4)), ("fsdp+cp+sp-overlap", dict(fsdp=2, context=2, tensor=2))]
+                      # collective matmuls with ZeRO-3 and context parallelism (dp+tp+sp-overlap: an example mesh)
+                      ("fsdp+cp+sp-overlap", dict(fsdp=2, context=2, tensor=2))]
 # Expert parallelism over 8, 4 (the example meshes) and 2, with DP, ZeRO-2/3, TP and SP; and a
 # mixture of experts without it (every device computes every expert for its rows).
 EXPERT_PLANS = [("dp", dict(data=8))] + EXPERT_STRATEGIES + [
