@@ -116,6 +116,12 @@ def test_pipeline_arguments_are_refused():
                    microbatches=4, collectives="compiler")
 
 
+def test_collective_matmuls_are_refused():
+    with pytest.raises(jshard.ShardingError, match="collective matmuls.*explicit step.*'sp' in place of 'sp-overlap'"):
+        build_step(make_gpt(), OPTIMIZER, gpt_loss, jshard.make_mesh(data=2, tensor=4), jshard.preset("dp+sp-overlap"),
+                   collectives="compiler")
+
+
 def test_unknown_collectives_are_refused():
     with pytest.raises(jshard.ShardingError, match="collectives='bogus'.*'explicit'.*'compiler'"):
         build_step(make_gpt(), OPTIMIZER, gpt_loss, jshard.make_mesh(data=8), jshard.preset("dp"),

@@ -84,6 +84,23 @@ def test_gpu_gradient_reduction_is_a_peak_beside_backwards(model, strategy, mesh
     assert "reduction" not in cpu["memory_bytes_per_device"]  # XLA:CPU: not seen in its programs
 
 
+def test_collective_matmuls_take_sps_transfers_off_the_critical_path():
+    """tp+sp: the step is compute plus every tensor collective's time; tp+sp-overlap moves the
+    same tokens' bytes as permutes (the embedding's gather and reduce-scatter stay) and counts
+    them beside compute, so its step is compute plus what is left on the critical path."""
+    config = SIZES["llama-3.1-8b"]
+    sizes = {"data": 1, "stage": 1, "fsdp": 1, "tensor": 8}
+    est = {s: plan.estimate(plan.PlanInput(config, sizes, s, precision="mixed", hardware=plan.HARDWARE["h100"]))
+           for s in ("tp+sp", "tp+sp-overlap")}
+    seconds = {s: {r["kind"]: r["seconds"] for r in e["collectives"]} for s, e in est.items()}
+    sp, overlap = est["tp+sp"], est["tp+sp-overlap"]
+    assert sp["predicted_step_s"] == pytest.approx(sp["compute_s"] + sum(seconds["tp+sp"].values()))
+    ring = seconds["tp+sp-overlap"]["collective-permute"]
+    assert ring < overlap["compute_s"]
+    assert overlap["predicted_step_s"] == pytest.approx(overlap["compute_s"] + sum(seconds["tp+sp-overlap"].values()) - ring)
+    assert overlap["memory_bytes_per_device"] == sp["memory_bytes_per_device"]
+
+
 def test_bad_plan_exits_2(capsys):
     assert main(["plan", "--mesh", "tensor=3", "--strategy", "tp"]) == 2
     assert "does not divide by tensor=3" in capsys.readouterr().err

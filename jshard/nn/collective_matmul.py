@@ -134,7 +134,7 @@ def matmul_scatter(x: jax.Array, w: jax.Array, dims, dim: int, axis: str) -> jax
 
 
 def _matmul_scatter_fwd(x, w, dims, dim, axis):
-    return matmul_scatter(x, w, dims, dim, axis), (x, w)
+    return _reduce_ring(x, dim, axis, lambda chunk: _dot(dims)(chunk, w)), (x, w)
 
 
 def _matmul_scatter_bwd(dims, dim, axis, kept, dy):

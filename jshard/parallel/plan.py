@@ -271,7 +271,13 @@ def make_plan(model, mesh: Mesh | AbstractMesh, rules: Rules, *, loss_fn=None, p
 
 
 def _check_compiler_step(rules: Rules, stages, sizes, given: str, policy: Precision | None) -> None:
-    """What the compiler-placed step cannot do: pipeline, or hold params other than as the model does."""
+    """What the compiler-placed step cannot do: pipeline, hold params other than as the model does,
+    or place jshard's own collective matmuls."""
+    if rules.collective_matmul:
+        raise ShardingError(
+            f"build_step(collectives='compiler'): rules {rules.name!r} ask for collective matmuls, which the "
+            "explicit step places; the compiler-placed step leaves every collective to XLA. Fix: use the explicit "
+            "step, or 'sp' in place of 'sp-overlap' (XLA's own: --xla_gpu_threshold_for_windowed_einsum_mib).")
     if given:
         raise ShardingError(
             f"build_step(collectives='compiler'): {given}, but the compiler-placed step does not "
