@@ -98,7 +98,9 @@ def bench_strategy(preset: str, sizes: dict[str, int], config: DecoderConfig, ba
         xla_comm_bytes=None, xla_parity_rel_err=None, step_s=None, gspmd_step_s=None, speed_ratio=None,
     )
     if not (step.precision and step.precision.master):  # the compiler-placed step holds params as the model does
-        xla = build_step(make_model(), tx, gpt_loss, mesh, rules, collectives="compiler", precision=precision)
+        # (collective matmuls are the explicit step's: XLA places the same layouts' collectives itself)
+        xla = build_step(make_model(), tx, gpt_loss, mesh, dataclasses.replace(rules, collective_matmul=False),
+                         collectives="compiler", precision=precision)
         row.update(xla_comm_bytes=comm_bytes(xla.lower(xla.state, tokens)), xla_parity_rel_err=parity(xla, tokens, reference),
                    gspmd_step_s=median_step_seconds(xla, tokens, repeats))
     # Last: a timed step donates the step's initial state.
