@@ -180,7 +180,10 @@ def program_of(compiled, mesh: dict[str, int], t: Target, seconds: float) -> Gpu
     rows = []
     for c in hlo.collectives(text):
         axes = hlo.group_axes(c.line, mesh)
-        rows.append(dict(kind=c.kind, axes="+".join(axes) if axes is not None else "?", dtype=c.dtype,
+        by_dtype: dict[str, int] = {}
+        for dtype, nbytes in zip(c.dtypes, c.buffers):
+            by_dtype[dtype] = by_dtype.get(dtype, 0) + nbytes * c.count * (c.bytes > 0)
+        rows.append(dict(kind=c.kind, axes="+".join(axes) if axes is not None else "?", bytes_by_dtype=by_dtype,
                          bytes=c.bytes * c.count, count=c.count, asynchronous=c.asynchronous,
                          overlapped=hidden.get(c.name, False), name=c.name))
     memory = memory_of(compiled) | dict(hbm=t.hbm_bytes)
@@ -197,7 +200,11 @@ def compile_step(model, tx, loss_fn, sizes: dict[str, int], rules, t: Target, ba
                       schedule=schedule, virtual=virtual, stage_remat=stage_remat, abstract=True)
     batch = abstract_batch(step.plan, batch_shape, jnp.int32)
     start = time.perf_counter()
-    compiled = step.lower(step.state, batch).compile()
+    try:
+        compiled = step.lower(step.state, batch).compile()
+    except jax.errors.JaxRuntimeError as e:  # XLA's own failure: its first line, which names the check
+        raise CompileError(f"XLA's GPU compiler failed on this step for {t.name}: {str(e).strip().splitlines()[0]}. "
+                           "Fix: none in jshard's flags; report it with the command (a JAX/XLA issue)") from None
     return program_of(compiled, mesh_shape(mesh), t, time.perf_counter() - start)
 
 
@@ -236,12 +243,19 @@ def report(program: GpuProgram, est: dict, devices: str) -> str:
     lines.append(f"  {'kind':<19}{'axes':<14}{'dtype':<7}{'plan':>12}{'compiled':>12}{'async':>8}{'overlapped':>12}")
     for row in vs["bytes"]:
         ops = [c for c in program.collectives if (c["kind"], c["axes"]) == (row["kind"], row["axes"]) and c["bytes"]]
-        dtypes = ",".join(sorted({c["dtype"] for c in ops})) or "-"
+        by_dtype: dict[str, int] = {}
+        for c in ops:
+            for dtype, nbytes in c["bytes_by_dtype"].items():
+                by_dtype[dtype] = by_dtype.get(dtype, 0) + nbytes
+        dtypes = ",".join(sorted(by_dtype, key=lambda d: (d.startswith("f8"), d))) or "-"
         total = sum(c["bytes"] for c in ops) or 1
         share = lambda key: sum(c["bytes"] for c in ops if c[key]) / total  # noqa: E731
         mark = "" if row["planned"] == row["compiled"] else "  ≠"
         lines.append(f"  {row['kind']:<19}{row['axes']:<14}{dtypes:<7}{fmt(row['planned'], 2):>12}"
                      f"{fmt(row['compiled'], 2):>12}{share('asynchronous'):>8.0%}{share('overlapped'):>12.0%}{mark}")
+        if len(by_dtype) > 1:  # a combined collective moving several dtypes (bf16 and FP8 weights)
+            lines.append(f"  {'':<19}{'':<14}compiled: " + ", ".join(
+                f"{fmt(n, 2)} {d}" for d, n in sorted(by_dtype.items(), key=lambda kv: -kv[1])))
     lines.append("  bytes: " + ("equal to the plan's" if vs["bytes_exact"] else "NOT equal to the plan's (≠)"))
     if looped := program.overlap(looped=True):
         lines.append("  in loops (the scan over layers, a pipeline's ticks), overlapped: "

@@ -30,8 +30,10 @@ KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
 _OP = re.compile(r"=\s*(?P<result>\(.*?\)|\S+)\s+(?P<kind>" + "|".join(KINDS) + r")(?P<start>-start)?\(")
-_SHAPE = re.compile(r"\b(?P<dtype>pred|[suf]\d+|bf16|c64|c128)\[(?P<dims>[\d,]*)\]")
-_ITEMSIZE = {"pred": 1, "bf16": 2, "c64": 8, "c128": 16}
+_SHAPE = re.compile(r"\b(?P<dtype>pred|f8\w*|[suf]\d+|bf16|c64|c128)\[(?P<dims>[\d,]*)\]")
+_ITEMSIZE = {"pred": 1, "bf16": 2, "c64": 8, "c128": 16}  # and f8e4m3fn, f8e5m2, ...: 1
+# What XLA:CPU widens a collective's buffer to (it has no bf16 or FP8 collectives).
+_WIDENED = {"bf16": "f32", "f8e4m3fn": "f16", "f8e5m2": "f16"}
 _WHILE = re.compile(r"\swhile\(.*body=%(?P<body>[\w.\-]+)")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"')
 _CALLED = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%(?P<name>[\w.\-]+)")
@@ -77,7 +79,7 @@ class Collective:
     count: int  # executions per program run (loop trips)
     group: int  # devices taking part together
     line: str
-    dtype: str = ""  # what it moves, as compiled (a combined one's first buffer's)
+    dtypes: tuple[str, ...] = ()  # each buffer's, as compiled (a combined one's may differ: bf16 and FP8 weights)
     name: str = ""  # its HLO instruction (an asynchronous one's start)
     asynchronous: bool = False  # split into a start and a done, which the schedule may move apart
 
@@ -122,7 +124,7 @@ def _executions(blocks: dict[str, list[str]], entry: str) -> dict[str, int]:
 
 _PROGRAM_OP = re.compile(r'"stablehlo\.(?P<kind>all_reduce|all_gather|reduce_scatter|all_to_all|collective_permute)"')
 _PROGRAM_TYPES = re.compile(r"[)>]\s*:\s*\((?P<operands>[^)]*)\)\s*->\s*(?P<results>.*)$")
-_TENSOR = re.compile(r"tensor<(?P<dims>(?:\d+x)*)(?P<dtype>[a-z]+\d*)>")
+_TENSOR = re.compile(r"tensor<(?P<dims>(?:\d+x)*)(?P<dtype>[a-z]+\d*(?:[A-Z]+\d*)*)>")  # f32, bf16, f8E4M3FN
 
 
 def program_dtypes(program_text: str) -> dict[tuple[str, int], set[str]]:
@@ -136,7 +138,7 @@ def program_dtypes(program_text: str) -> dict[tuple[str, int], set[str]]:
             # K: the operand of a reduce-scatter, the result of the others (module docstring)
             for t in _TENSOR.finditer(types["operands" if kind == "reduce-scatter" else "results"]):
                 elements = math.prod(int(d) for d in t["dims"].split("x") if d)
-                found[kind, elements].add({"i1": "pred"}.get(t["dtype"], t["dtype"]))
+                found[kind, elements].add({"i1": "pred"}.get(t["dtype"], t["dtype"].lower()))
             kind = None
     return found
 
@@ -174,7 +176,7 @@ def _k_shapes(kind: str, result: str, start: bool, group: int) -> list[tuple[str
 
 
 def _itemsize(dtype: str) -> int:
-    return _ITEMSIZE.get(dtype) or int(dtype[1:]) // 8
+    return _ITEMSIZE.get(dtype) or (1 if dtype.startswith("f8") else int(dtype[1:]) // 8)
 
 
 def collectives(hlo_text: str, program: str | None = None) -> list[Collective]:
@@ -193,12 +195,15 @@ def collectives(hlo_text: str, program: str | None = None) -> list[Collective]:
             buffers, dtypes = [], []
             for dtype, elements in _k_shapes(m["kind"], m["result"], bool(m["start"]), group):
                 # The program's dtype for buffers of this kind and size; where it has such
-                # buffers in two dtypes (or none), the compiled one stands.
+                # buffers in two dtypes, the one XLA:CPU widens to the compiled one; else
+                # (or none) the compiled one stands.
                 asked_dtypes = asked.get((m["kind"], elements), set())
+                if len(asked_dtypes) > 1:
+                    asked_dtypes = {d for d in asked_dtypes if _WIDENED.get(d, d) == dtype}
                 buffers.append(elements * _itemsize(next(iter(asked_dtypes)) if len(asked_dtypes) == 1 else dtype))
                 dtypes.append(dtype)
             found.append(Collective(m["kind"], tuple(buffers), runs.get(name, 0), group, line.strip(),
-                                    dtypes[0] if dtypes else "", _NAME.match(line)["name"], bool(m["start"])))
+                                    tuple(dtypes), _NAME.match(line)["name"], bool(m["start"])))
     return found
 
 
@@ -277,9 +282,10 @@ _TARGET = re.compile(r'custom_call_target="(?P<target>[^"]+)"')
 
 def kernel_counts(hlo_text: str) -> dict[str, int]:
     """The launches written in an optimized GPU program, by kind (each instruction once, not
-    per loop trip): XLA's fusions, cuBLAS matmuls, cuDNN calls (attention), other custom calls.
-    Two compiles of one step compare by these (a device's own against a deviceless one)."""
-    counts = dict(fusion=0, cublas=0, cudnn=0, other=0)
+    per loop trip): XLA's fusions, cuBLAS matmuls (and of them, `cublas_fp8`: FP8 GEMMs), cuDNN
+    calls (attention), other custom calls. Two compiles of one step compare by these (a device's
+    own against a deviceless one)."""
+    counts = dict(fusion=0, cublas=0, cublas_fp8=0, cudnn=0, other=0)
     for line in hlo_text.splitlines():
         if not (m := _INSTRUCTION.match(line)) or m["op"] not in ("fusion", "custom-call"):
             continue
@@ -288,6 +294,7 @@ def kernel_counts(hlo_text: str) -> dict[str, int]:
             continue
         target = t["target"] if (t := _TARGET.search(line)) else ""
         counts["cublas" if target.startswith("__cublas") else "cudnn" if target.startswith("__cudnn") else "other"] += 1
+        counts["cublas_fp8"] += target.startswith("__cublas") and target.endswith("$f8")
     return counts
 
 

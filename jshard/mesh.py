@@ -121,6 +121,9 @@ GPU_XLA_FLAGS = (
 # of matmuls (dp+fsdp+tp: 75% -> 31%), so there it stays 1. XLA_FLAGS that set it win.
 COLLECTIVES_IN_FLIGHT_OPTION = "xla_gpu_experimental_parallel_collective_overlap_limit"
 ZERO3_COLLECTIVES_IN_FLIGHT = 4
+# Set off per program under FP8 (`Plan.xla_options`): a Triton GEMM computes an FP8 product's
+# dequantized operands in bf16, where cuBLASLt runs them in FP8.
+TRITON_GEMM_OPTION = "xla_gpu_enable_triton_gemm"
 
 
 def use_gpu_xla_flags(compiling_for_gpu: bool = False) -> bool:

@@ -107,6 +107,21 @@ def measured_matmul_flops(device, dtype, n: int = CPU_MATMUL, repeats: int = 10)
     return 2 * n**3 / best_seconds(lambda: matmul(a, a).block_until_ready(), repeats)
 
 
+def measured_fp8_matmul_flops(device, n: int, repeats: int = 10) -> float:
+    """The best FLOP/s of an n² e4m3 × e4m3 matmul with per-tensor scales, as `nn.fp8` writes its
+    products (operands already in FP8: the GEMM alone), with XLA's Triton GEMMs off as in an FP8
+    step's program (`Plan.xla_options`): on a Hopper GPU one cuBLASLt FP8 GEMM."""
+    a = jax.device_put(jnp.ones((n, n), jnp.float8_e4m3fn), device)
+    scale = jax.device_put(jnp.float32(1.0), device)
+
+    def matmul(a, s):
+        x = a.astype(jnp.bfloat16) * s.astype(jnp.bfloat16)
+        return x @ x
+
+    matmul = jax.jit(matmul, compiler_options={"xla_gpu_enable_triton_gemm": False} if device.platform == "gpu" else None)
+    return 2 * n**3 / best_seconds(lambda: matmul(a, scale).block_until_ready(), repeats)
+
+
 # -- timing: `run_once` waits for its results; its first call (compiling) is not timed ------
 
 

@@ -131,7 +131,7 @@ class MoE(nnx.Module):
         check(experts, top_k, capacity_factor)
         self.experts, self.top_k, self.capacity_factor, self.balance_weight = experts, top_k, capacity_factor, balance_weight
         self.router = nn.Linear(embed, experts, in_names="embed", out_names=None, kernel_init=kernel_init,
-                                dtype=jnp.float32, rngs=rngs)
+                                dtype=jnp.float32, rngs=rngs, fp8=False)
         linear = dict(kernel_init=kernel_init, dtype=dtype, rngs=rngs)
         self.gate_up = nn.Linear((experts, embed), (2, mlp), in_names=("experts", "embed"), out_names=(None, "mlp"),
                                  **linear)

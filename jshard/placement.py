@@ -36,6 +36,7 @@ class Placement:
     spec: jax.P
     bytes_per_device: int
     flags: tuple[str, ...]  # why this layout may not be what the strategy wanted
+    fp8: bool = False  # a projection's kernel, whose product an `fp8` policy runs in FP8 (`nn.Linear`'s metadata)
 
 
 def _is_variable(x) -> bool:
@@ -104,7 +105,8 @@ def place(tree, sizes: dict[str, int], rules: Rules, kind: Kind = "param") -> li
         if missed and shape and names is not None:
             flags.append(f"replicated over {'+'.join(missed)}, which ZeRO stage {rules.zero} means to shard")
         nbytes = math.prod(shape) * dtype.itemsize // math.prod(sizes[a] for a in used)
-        placed.append(Placement(path_str(path), names, shape, dtype, spec, nbytes, tuple(flags)))
+        fp8 = bool(leaf.get_metadata().get("fp8")) if _is_variable(leaf) else False
+        placed.append(Placement(path_str(path), names, shape, dtype, spec, nbytes, tuple(flags), fp8))
     raise_problems(problems)
     return placed
 
@@ -139,13 +141,14 @@ class ParamLayout:
     reduce: np.dtype  # the gradient reduction's
     master: np.dtype | None  # the optimizer's copy in the `opt` layout, beside Adam's moments; None: the param
     compute: np.dtype  # what jshard.nn's layers cast a matrix to before they gather it (`nn.param`)
+    fp8: bool = False  # its product runs in FP8 (an `fp8` policy, a projection's kernel): ZeRO-3 gathers it in e4m3
 
     @classmethod
     def of(cls, placement: Placement, opt_placement: Placement, policy: Precision | None) -> ParamLayout:
         """Its dtypes under `policy` (None: as the param is, no master)."""
         held = policy.param if policy else placement.dtype
         return cls(placement, opt_placement, held, policy.reduce if policy else held, policy and policy.master,
-                   policy.compute if policy else held)
+                   policy.compute if policy else held, bool(policy and policy.fp8 and placement.fp8))
 
     path = property(lambda self: self.placement.path)
     shape = property(lambda self: self.placement.shape)
@@ -176,12 +179,19 @@ class ParamLayout:
         return self.master or self.held
 
     @property
-    def gathered_bytes(self) -> int:
-        """What a ZeRO-3 gather moves of it: a matrix (a kernel, an embedding) cast to the
-        compute dtype first where that is narrower, a vector (a norm's scale) as held."""
+    def scattered_bytes(self) -> int:
+        """What ZeRO-3's reduce-scatter of its gradient moves: the gradient of what the layer
+        computes with, a matrix (a kernel, an embedding) cast to the compute dtype first where that
+        is narrower, a vector (a norm's scale) as held."""
         matrix = len([n for n in self.names if n != "layers"]) >= 2
         dtype = self.compute if matrix and self.compute.itemsize < self.held.itemsize else self.held
         return self.elements * dtype.itemsize
+
+    @property
+    def gathered_bytes(self) -> int:
+        """What a ZeRO-3 gather moves of it: as its gradient's reduce-scatter, but a kernel whose
+        product runs in FP8 in e4m3, one byte an element (`nn.fp8`)."""
+        return self.elements if self.fp8 else self.scattered_bytes
 
     @property
     def stacked_kernel(self) -> bool:

@@ -6,7 +6,7 @@
     master   the copy the optimizer updates, in the optimizer's (ZeRO) layout, beside Adam's
              moments; None where the param is its own master
 
-Three policies, by name (`--precision`):
+Four policies, by name (`--precision`):
 
     fp32   fp32 everywhere
     bf16   bf16 compute over fp32 params: the params are the master
@@ -15,6 +15,10 @@ Three policies, by name (`--precision`):
            The update runs in fp32 on the shard and is cast to bf16 before it is gathered
            back. Per device, with Ψ params over N devices: DP 16Ψ, ZeRO-1 4Ψ + 12Ψ/N,
            ZeRO-2 2Ψ + 14Ψ/N (+ the fp32 gradient shard: 2Ψ/N more), ZeRO-3 16Ψ/N.
+    fp8    `mixed`, with the projections' matmuls in FP8 (`jshard.nn.Linear` kernels: attention's
+           and the MLP's, not the embedding, the head or a router): e4m3 forward, e5m2
+           gradients, per-tensor current scaling (`jshard.nn.fp8`); ZeRO-3 gathers those
+           weights in e4m3 (half of bf16's bytes). The same state as `mixed`.
 
 Gradients are reduced in fp32 under `mixed` (`reduce`, or bf16 on request: half the bytes).
 ZeRO-3's reduce-scatter is the transpose of its bf16 gather, so it always runs in the param
@@ -41,6 +45,7 @@ class Precision:
     param: np.dtype
     reduce: np.dtype
     master: np.dtype | None = None
+    fp8: bool = False  # the projections' matmuls in FP8 (`jshard.nn.fp8`)
 
     def __post_init__(self):
         for field in ("compute", "param", "reduce", "master"):
@@ -51,13 +56,15 @@ class Precision:
     def describe(self) -> str:
         """One line for reports: 'mixed: bf16 compute, bf16 params and grads, fp32 master, fp32 reduction'."""
         held = f"{self.param.name} params" + (f" and grads, {self.master.name} master" if self.master else "")
-        return f"{self.name}: {self.compute.name} compute, {held}, {self.reduce.name} reduction"
+        compute = ("fp8 projections (e4m3 forward, e5m2 gradients), " if self.fp8 else "") + f"{self.compute.name} compute"
+        return f"{self.name}: {compute}, {held}, {self.reduce.name} reduction"
 
 
 PRECISIONS = {
     "fp32": Precision("fp32", jnp.float32, jnp.float32, jnp.float32),
     "bf16": Precision("bf16", jnp.bfloat16, jnp.float32, jnp.float32),
     "mixed": Precision("mixed", jnp.bfloat16, jnp.bfloat16, jnp.float32, jnp.float32),
+    "fp8": Precision("fp8", jnp.bfloat16, jnp.bfloat16, jnp.float32, jnp.float32, fp8=True),
 }
 REDUCE_DTYPES = ("fp32", "bf16")
 

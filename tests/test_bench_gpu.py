@@ -91,7 +91,7 @@ def test_kernel_counts_read_launches_by_kind():
         '%sort = f32[4]{0} custom-call(%x), custom_call_target="my_sort"',
         '%add = f32[4]{0} add(%x, %y)',
     ])
-    assert hlo.kernel_counts(text) == dict(fusion=1, cublas=1, cudnn=1, other=1)
+    assert hlo.kernel_counts(text) == dict(fusion=1, cublas=1, cublas_fp8=0, cudnn=1, other=1)
 
 
 # -- the planner against the H100 ----------------------------------------------------------

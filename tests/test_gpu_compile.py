@@ -104,7 +104,7 @@ def zero3_mixed():
 def test_mixed_moves_weights_and_gradients_in_bf16(zero3_mixed):
     """XLA:CPU would widen these to f32; the GPU program keeps ZeRO-3's gathers and
     reduce-scatters in bf16 (the loss's scalar all-reduce stays f32)."""
-    moved = {(c["kind"], c["dtype"]) for c in zero3_mixed.collectives if c["bytes"] > 4}
+    moved = {(c["kind"], d) for c in zero3_mixed.collectives if c["bytes"] > 4 for d in c["bytes_by_dtype"]}
     assert moved == {("all-gather", "bf16"), ("reduce-scatter", "bf16")}
 
 
@@ -116,6 +116,39 @@ def test_zero3_gathers_overlap_matmuls_inside_the_layer_scan(zero3_mixed):
     assert in_loop and all(c["asynchronous"] for c in in_loop)
     assert any(c["overlapped"] for c in in_loop)
     assert zero3_mixed.overlap()["all-gather"] > 0
+
+
+@pytest.fixture(scope="module")
+def zero3_fp8():
+    """`zero3_mixed` under `fp8`: the projections' products in FP8."""
+    config = VALIDATION_MODELS["llama"]
+    model = nnx.eval_shape(lambda: decoder(config, nnx.Rngs(0)))
+    return aot.compile_step(model, optax.adamw(1e-3), gpt_loss, example_mesh("zero3"), jshard.preset("zero3"),
+                            aot.target("h100x8"), (16, config.seq_len + 1), precision="fp8")
+
+
+def test_fp8_projections_are_cublas_fp8_gemms(zero3_fp8, zero3_mixed):
+    """Each of a layer's five projections (q, kv, out, gate_up, down): forward and both
+    gradients as cuBLASLt FP8 GEMMs (`__cublas$lt$matmul$f8`; XLA's Triton GEMMs are off for such
+    programs, `Plan.xla_options`); the head's stay bf16."""
+    assert zero3_fp8.kernels["cublas_fp8"] >= 3 * 5
+    assert zero3_mixed.kernels["cublas_fp8"] == 0
+
+
+def test_fp8_zero3_gathers_move_e4m3_bytes_as_planned(zero3_fp8, zero3_mixed):
+    """ZeRO-3 gathers the projections in e4m3 (forward and backward's re-gather) and the rest in
+    bf16; gradients reduce-scatter in bf16; the bytes are the planner's (`validate_one`)."""
+    gathered = {}
+    for c in zero3_fp8.collectives:
+        if c["kind"] == "all-gather":
+            for dtype, n in c["bytes_by_dtype"].items():
+                gathered[dtype] = gathered.get(dtype, 0) + n
+    assert gathered["f8e4m3fn"] > gathered.get("bf16", 0)
+    assert sum(gathered.values()) < zero3_mixed.bytes_by_kind_and_axes()[("all-gather", "fsdp")]
+    t = aot.target("h100x8")
+    row = validate_one("zero3", None, None, "none", "example", "fp8", model=VALIDATION_MODELS["llama"],
+                       devices=aot.target_devices(t), hardware=t.hardware)
+    assert row["comm_exact"], row
 
 
 def cudnn_installed() -> bool:

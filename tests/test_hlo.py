@@ -157,7 +157,7 @@ def test_async_starts_count_k_once(line, kind, group, nbytes):
         line += ", channel_id=1, replica_groups=[1,8]<=[8], to_apply=%add"
     (found,) = hlo.collectives(module(line))
     assert (found.kind, found.bytes, found.asynchronous, found.name) == (kind, nbytes, True, line.split()[0][1:])
-    assert found.dtype == ("f32" if "f32" in line else "bf16")
+    assert set(found.dtypes) == {"f32" if "f32" in line else "bf16"}
 
 
 def scheduled(*between: str) -> str:
@@ -182,3 +182,21 @@ def scheduled(*between: str) -> str:
 ])
 def test_overlapped_means_a_matmul_between_start_and_done(between, hidden):
     assert hlo.overlapped(scheduled(*between)) == {"ags": hidden}
+
+
+def test_a_combined_gather_of_bf16_and_fp8_weights_counts_each_in_its_dtype():
+    """ZeRO-3 under `fp8`: XLA:GPU combines a layer's e4m3 projections and bf16 norm scales."""
+    line = ("%ags = ((bf16[256]{0}, f8e4m3fn[256,64]{1,0}), (bf16[2048]{0}, f8e4m3fn[2048,64]{1,0})) "
+            "all-gather-start(%a, %b), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}")
+    (found,) = hlo.collectives(module(line))
+    assert found.dtypes == ("bf16", "f8e4m3fn") and found.buffers == (2048 * 2, 2048 * 64)
+
+
+def test_xla_cpus_widened_buffers_take_the_programs_dtype_they_were_widened_from():
+    """XLA:CPU widens bf16 collectives to f32 and FP8 ones to f16: where the program has buffers
+    of one size in both, the compiled dtype says which a buffer was."""
+    program = "\n".join(
+        f'%{n} = "stablehlo.all_gather"(%x) : (tensor<64x{t}>) -> tensor<512x{t}>' for n, t in (("0", "bf16"), ("1", "f8E4M3FN")))
+    compiled = module("%ag.1 = f32[512]{0} all-gather(%a), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}",
+                      "%ag.2 = f16[512]{0} all-gather(%b), channel_id=2, replica_groups=[1,8]<=[8], dimensions={0}")
+    assert [c.bytes for c in hlo.collectives(compiled, program)] == [512 * 2, 512]

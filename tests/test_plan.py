@@ -16,11 +16,11 @@ from jshard.parallel.schedules import make_schedule
 
 # The GPT on every validation row; the Llama (whose every row `jshard plan --validate` prints,
 # docs/planning.md) on one per kind of formula: DP, ZeRO-3's gathers, TP+SP with and without
-# remat, a pipeline, mixed precision, context parallelism (grouped KV heads round the ring);
+# remat, a pipeline, mixed precision, FP8, context parallelism (grouped KV heads round the ring);
 # the mixture of experts on every MoE row (ep on each of its example meshes, and under remat).
 LLAMA_ROWS = {("dp", None, None, "none"), ("zero3", None, None, "none"), ("dp+tp+sp", None, None, "none"),
               ("dp+tp+sp", None, None, "full"), ("dp+tp+sp-overlap", None, None, "none"), ("dp+pp", 4, "1f1b", "none"),
-              ("zero3", None, None, "none", "example", "mixed"),
+              ("zero3", None, None, "none", "example", "mixed"), ("zero3", None, None, "none", "example", "fp8"),
               ("dp+cp+tp", None, None, "none", "example", "fp32", None, 8)}
 CASES = ([(case, "gpt") for case in plan.VALIDATION] + [(case, "llama") for case in plan.VALIDATION if case in LLAMA_ROWS]
          + [(case, "moe") for case in plan.MOE_VALIDATION])

@@ -51,8 +51,8 @@ SEQ = 2048
 # H100 beside the plain step's state, as the deviceless compile foresaw), so 1.
 ROWS = {"cudnn": 4, "xla": 1}
 CASES = tuple((model, precision, attention) for model in ("llama-3.2-1b", "gpt-1b")
-              for precision in ("bf16", "mixed") for attention in ("cudnn", "xla"))
-DRY_CASES = (("llama-tiny", "fp32", "xla"), ("tiny", "mixed", "xla"))
+              for precision in ("bf16", "mixed", "fp8") for attention in ("cudnn", "xla"))
+DRY_CASES = (("llama-tiny", "fp32", "xla"), ("tiny", "mixed", "xla"), ("tiny", "fp8", "xla"))
 DRY = dict(seq=32, rows=8, repeats=2)
 # The targets of a run (issue 38): device MFU of the datasheet at least, jshard / plain at most,
 # |deviceless memory / device memory - 1| and |measured / predicted step - 1| at most.

@@ -46,7 +46,7 @@ from jshard import hlo
 from jshard.aot import attention_kernel, memory_of
 from jshard.mesh import format_mesh, mesh_shape
 from jshard.metrics import (CPU_MATMUL, PROFILE_STEPS, best_seconds, device_peak, flops_per_token,
-                            measured_matmul_flops)
+                            measured_fp8_matmul_flops, measured_matmul_flops)
 from jshard.bench.plain import PlainDecoder, plain_from, plain_loss
 from jshard.models import DecoderConfig, decoder, gpt_loss
 from jshard.parallel import build_step
@@ -58,7 +58,7 @@ GPU_MATMUL = 8192  # large enough that one bf16 matmul runs at the tensor cores'
 COPY_BYTES = {"cpu": 64 * 2**20, "gpu": 2**30}
 CEILING_REPEATS = 10
 JSON_KEYS = ("device", "model_params", "tokens_per_s", "tflops", "mfu_datasheet", "mfu_measured_peak",
-             "plain_step_s", "step_s", "overhead_ratio", "matmul_tflops", "copy_gbps", "programs")
+             "plain_step_s", "step_s", "overhead_ratio", "matmul_tflops", "fp8_matmul_tflops", "copy_gbps", "programs")
 
 
 def plain_step(model: PlainDecoder, tx, devices):
@@ -150,6 +150,8 @@ def measure(sizes: dict[str, int], strategy: str, name: str, config: DecoderConf
 
     matmul = measured_matmul_flops(devices[0], precision.compute, CPU_MATMUL if platform == "cpu" else GPU_MATMUL,
                                     CEILING_REPEATS)
+    fp8_matmul = measured_fp8_matmul_flops(devices[0], CPU_MATMUL if platform == "cpu" else GPU_MATMUL,
+                                           CEILING_REPEATS) if precision.fp8 else None
     copy = copy_gbps(devices, COPY_BYTES["cpu" if platform == "cpu" else "gpu"])
     # Fake CPU devices share the host's cores: the host's matmul is the peak of them all.
     measured_peak = matmul * (1 if platform == "cpu" else len(devices))
@@ -176,6 +178,7 @@ def measure(sizes: dict[str, int], strategy: str, name: str, config: DecoderConf
         tflops=flops / 1e12, mfu_datasheet=flops / datasheet.flops if datasheet else None,
         mfu_measured_peak=flops / measured_peak, plain_step_s=plain_s, step_s=step_s,
         overhead_ratio=step_s / plain_s, matmul_tflops=matmul / 1e12, copy_gbps=copy,
+        fp8_matmul_tflops=fp8_matmul and fp8_matmul / 1e12,
         programs=dict(jshard=step_program, plain=plain_program),
         # for the report only
         platform=platform, model=name, config=config, seq=seq, batch=batch, precision=precision,
@@ -202,7 +205,8 @@ def report(r: dict, flags: str) -> str:
         f"  step        batch {r['batch']} x seq {r['seq']}, precision {r['precision'].describe()}, AdamW, {r['strategy']} on "
         f"{r['mesh']}; warm-up, then median of {r['repeats']}, alternating with plain",
         f"  ceilings    matmul {matmul_n}² {r['precision'].compute.name}: {r['matmul_tflops']:.3f} TFLOP/s per device; "
-        f"copy ({copy_what}): {r['copy_gbps']:.1f} GB/s",
+        f"copy ({copy_what}): {r['copy_gbps']:.1f} GB/s"
+        + (f"; FP8 matmul {matmul_n}² (e4m3): {r['fp8_matmul_tflops']:.3f} TFLOP/s" if r["fp8_matmul_tflops"] else ""),
         f"  jshard      {r['step_s'] * 1e3:9.2f} ms  {r['tokens_per_s'] / 1e3:9.1f} k tok/s  {r['tflops']:8.4f} TFLOP/s  "
         f"MFU {_mfu(r['mfu_datasheet'])} of datasheet, {_mfu(r['mfu_measured_peak'])} of measured matmul",
         f"  plain Flax  {r['plain_step_s'] * 1e3:9.2f} ms  {r['plain_tokens_per_s'] / 1e3:9.1f} k tok/s  "

@@ -150,7 +150,7 @@ class GPT(nnx.Module):
         if not config.tied_head:
             self.head = nn.Linear(
                 config.embed, config.vocab, in_names="embed", out_names="vocab",
-                kernel_init=_init(config), dtype=config.dtype, rngs=rngs,
+                kernel_init=_init(config), dtype=config.dtype, rngs=rngs, fp8=False,
             )
 
     def embed(self, tokens: jax.Array) -> jax.Array:

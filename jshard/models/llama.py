@@ -276,7 +276,7 @@ class Llama(nnx.Module):
         self.final_norm = nn.RMSNorm(config.embed, epsilon=config.norm_epsilon, dtype=config.dtype)
         if not config.tied_head:
             self.head = nn.Linear(config.embed, config.vocab, in_names="embed", out_names="vocab",
-                                  kernel_init=INIT, dtype=config.dtype, rngs=rngs)
+                                  kernel_init=INIT, dtype=config.dtype, rngs=rngs, fp8=False)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """Token embeddings (batch, seq, embed) of int tokens (batch, seq); positions are rotary."""

@@ -20,9 +20,10 @@ from jax import lax
 from jshard import vma
 from jshard.nn.collective_matmul import gather_matmul, matmul_scatter, ring_step
 from jshard.nn.context import input_layout, split_input
+from jshard.nn.fp8 import dot as fp8_dot
 from jshard.nn.layouts import layout, relayout_local
-from jshard.nn.params import gathered_layout, param
-from jshard.nn.step import compute_dtype, in_step
+from jshard.nn.params import gathered_layout, held, param
+from jshard.nn.step import compute_dtype, current_step, in_step
 from jshard.rules import active_rules, constrain, named
 
 
@@ -60,7 +61,7 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
-def matmul(x: jax.Array, x_names, w: jax.Array, w_names) -> jax.Array:
+def matmul(x: jax.Array, x_names, w: jax.Array, w_names, fp8: bool = False) -> jax.Array:
     """Contract x's trailing dims with the dims of `w` that have the same names.
 
     The result has x's leading names, then w's other names, in order. Inside a step, the
@@ -70,6 +71,9 @@ def matmul(x: jax.Array, x_names, w: jax.Array, w_names) -> jax.Array:
     result's layout (a psum, or a reduce-scatter along seq under sequence parallelism).
     Names leading both x and w are batch dims of the product, laid out as the weight has them
     (a stack of experts' weights, each meeting its expert's rows).
+
+    `fp8`: the product in FP8 (`fp8.dot`); inside a step `w` is then the weight as this
+    device holds it (`params.held`), which the FP8 product gathers in FP8 (ZeRO-3).
     """
     x_names, w_names = tuple(x_names), tuple(w_names)
     shared = [name for name in x_names if name is not None and name in w_names]
@@ -92,7 +96,7 @@ def matmul(x: jax.Array, x_names, w: jax.Array, w_names) -> jax.Array:
     dims = ((tuple(range(len(x_names) - len(contracted), len(x_names))), tuple(w_contracted)),
             (tuple(range(batched)), tuple(range(batched))))
     if not in_step():  # (inside a plain shard_map, x may vary where w does not)
-        return constrain(lax.dot_general(*vma.match(x, w), dims), y_names)
+        return constrain((fp8_dot if fp8 else lax.dot_general)(*vma.match(x, w), dims), y_names)
     w_layout = gathered_layout(w_names)
     # Leading dims as the result wants them, less the axes the weight holds: those reach
     # the result only when a partial sum is reduce-scattered (row-parallel, sequence parallel).
@@ -102,7 +106,8 @@ def matmul(x: jax.Array, x_names, w: jax.Array, w_names) -> jax.Array:
     partial = [a for i in w_contracted for a in w_layout[i]]
     y_have = w_layout[:batched] + y_lead + tuple(w_layout[i] for i in w_free)
     x_have, y_want, leading = layout(x_names), layout(y_names), range(batched, batched + len(lead))
-    if active_rules().collective_matmul:  # a gather or a reduce-scatter along a leading dim: as a ring
+    if active_rules().collective_matmul and not fp8:  # a gather or a reduce-scatter along a leading dim: a ring
+        # (an FP8 step with collective matmuls is refused: `parallel.plan.make_plan`)
         if not partial and (ring := ring_step(x_want, x_have, leading)) and y_have == y_want:
             return gather_matmul(*vma.match(x, w), dims, *ring)
         if ((ring := ring_step(y_have, y_want, leading)) and partial == [ring[1]] and x_have == x_want
@@ -110,7 +115,8 @@ def matmul(x: jax.Array, x_names, w: jax.Array, w_names) -> jax.Array:
             return matmul_scatter(*vma.match(x, w), dims, *ring)
     x = relayout_local(x, x_have, x_want)
     x, w = vma.match(x, w)  # a weight alike on every device of a batch axis meets this device's rows
-    return relayout_local(lax.dot_general(x, w, dims), y_have, y_want, partial)
+    y = fp8_dot(x, w, dims, layout(w_names, "param"), w_layout) if fp8 else lax.dot_general(x, w, dims)
+    return relayout_local(y, y_have, y_want, partial)
 
 
 def _as_tuple(x) -> tuple:
@@ -118,23 +124,31 @@ def _as_tuple(x) -> tuple:
 
 
 class Linear(nnx.Module):
-    """y = x · W (+ b) over named dims: W is `in_names + out_names`, b (with `bias`) `out_names`."""
+    """y = x · W (+ b) over named dims: W is `in_names + out_names`, b (with `bias`) `out_names`.
+
+    A projection: under the `fp8` precision policy its product runs in FP8 (`fp8.dot`), unless
+    built with `fp8=False` (a head, a router: what FP8's rounding would hurt, or too small to
+    gain). The kernel's metadata says which (`fp8`), for the step and the planner alike.
+    """
 
     def __init__(self, in_features, out_features, *, in_names, out_names, rngs: nnx.Rngs,
                  kernel_init=nnx.initializers.lecun_normal(), bias: bool = False, dtype=None,
-                 param_dtype=jnp.float32):
+                 param_dtype=jnp.float32, fp8: bool = True):
         self.out_names = _as_tuple(out_names)
         self.names = _as_tuple(in_names) + self.out_names
         self.dtype = dtype
         shape = _as_tuple(in_features) + _as_tuple(out_features)
-        self.kernel = nnx.Param(kernel_init(rngs.params(), shape, param_dtype), **named(*self.names))
+        self.kernel = nnx.Param(kernel_init(rngs.params(), shape, param_dtype), **named(*self.names), fp8=fp8)
         out_shape = _as_tuple(out_features)
         self.bias = nnx.Param(jnp.zeros(out_shape, param_dtype), **named(*self.out_names)) if bias else None
 
     def __call__(self, x: jax.Array, x_names: Sequence[str | None]) -> jax.Array:
         """`x` has dims `x_names`; its trailing ones are this layer's input names."""
         dtype = compute_dtype(self.dtype)
-        y = matmul(x.astype(dtype), x_names, param(self.kernel, dtype), self.names)
+        if current_step().fp8 and self.kernel.get_metadata().get("fp8"):
+            y = matmul(x.astype(dtype), x_names, held(self.kernel, dtype), self.names, fp8=True)
+        else:
+            y = matmul(x.astype(dtype), x_names, param(self.kernel, dtype), self.names)
         if self.bias is None:
             return y
         b = param(self.bias, dtype)

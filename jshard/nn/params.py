@@ -185,6 +185,17 @@ def gathered_layout(names) -> Layout:
     return tuple(tuple(a for a in axes if a not in zero) for axes in layout(names, "param"))
 
 
+def held(variable: nnx.Variable, dtype=None) -> jax.Array:
+    """The param as this device holds it, in `dtype` (None: the param's): inside a ZeRO-3 step
+    its block, not gathered (`param` gathers it; an FP8 matmul gathers it in FP8, `fp8.dot`)."""
+    value = variable.get_value()
+    if isinstance(value, ShardWithReplica):
+        return value._local().astype(dtype or value.dtype)
+    if isinstance(value, LocalBlock):
+        value = value.block
+    return value if dtype is None else value.astype(dtype)
+
+
 def param(variable: nnx.Variable, dtype=None) -> jax.Array:
     """The value a layer computes with, in `dtype` (the layer's compute dtype; None: the
     param's): inside a step, gathered over the ZeRO axes.
@@ -193,14 +204,8 @@ def param(variable: nnx.Variable, dtype=None) -> jax.Array:
     of fp32 params, as FSDP2's param dtype), and its remat policy, which drops gathered
     values, drops the weight it computes with, not just the wider copy before the cast.
     """
-    value = variable.get_value()
-    if isinstance(value, ShardWithReplica):
-        return value._local().astype(dtype or value.dtype)
-    if isinstance(value, LocalBlock):
-        value = value.block
-    if dtype is not None:
-        value = value.astype(dtype)
-    if not in_step():
+    value = held(variable, dtype)
+    if not in_step() or isinstance(variable.get_value(), ShardWithReplica):
         return value
     names = variable.get_metadata()["out_sharding"]
     # A scan over a stack (a user's lax.scan, not scan_layers) hands each layer its slice with

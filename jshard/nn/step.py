@@ -8,7 +8,8 @@ the context axes in `context_splits` (`context.py`, which the step checks after 
 loss), and `loss_scale` weighs the losses a layer adds in backward (`losses.py`; a
 pipeline's micro-batch scales it by `scaled_losses`); `compute` is the step's compute dtype,
 which layers without one of their own compute in (`compute_dtype`), and `platform` the one it
-is compiled for (attention's kernel is chosen for it). Outside a step the context
+is compiled for (attention's kernel is chosen for it), `fp8` whether the projections compute
+in FP8 (`fp8.py`). Outside a step the context
 is the default one: nothing recorded, scale 1, float32.
 
 The rules are not a field. They keep their own contextvar in `jshard.rules`
@@ -41,6 +42,7 @@ class StepContext:
     loss_scale: float = 1.0  # the weight of losses added in backward (`scaled_losses`)
     compute: np.dtype | None = None  # the step's compute dtype (its precision policy's); None: none given
     platform: str | None = None  # what the step is compiled for ("gpu", "cpu"); None: this host's backend
+    fp8: bool = False  # the projections compute in FP8 (the `fp8` precision policy; `nn.fp8`)
 
 
 _current: contextvars.ContextVar[StepContext] = contextvars.ContextVar("jshard_step", default=StepContext())
@@ -63,13 +65,15 @@ def replaced(**changes) -> Iterator[StepContext]:
 
 @contextlib.contextmanager
 def step_context(rules: Rules, whole_reads: dict[str, tuple[str, ...]] | None = None,
-                 compute=None, platform: str | None = None) -> Iterator[StepContext]:
+                 compute=None, platform: str | None = None, fp8: bool = False) -> Iterator[StepContext]:
     """While a step's function traces: `rules` active (`jshard.rules.use_rules`) and a fresh
     step context, recording whole reads into `whole_reads` (None: not recorded) and context
     splits into a new list; loss scale 1; layers without a dtype of their own compute in
     `compute` (the step's precision policy's; None: float32); kernels are chosen for `platform`
-    (its devices', which for a deviceless GPU compile are not this host's)."""
-    token = _current.set(StepContext(whole_reads, [], compute=compute and np.dtype(compute), platform=platform))
+    (its devices', which for a deviceless GPU compile are not this host's); `fp8`: the
+    projections (`nn.Linear` kernels marked so) compute in FP8."""
+    token = _current.set(StepContext(whole_reads, [], compute=compute and np.dtype(compute), platform=platform,
+                                     fp8=fp8))
     try:
         with use_rules(rules):
             yield _current.get()

@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from jshard.mesh import COLLECTIVES_IN_FLIGHT_OPTION, ZERO3_COLLECTIVES_IN_FLIGHT, mesh_shape
+from jshard.mesh import COLLECTIVES_IN_FLIGHT_OPTION, TRITON_GEMM_OPTION, ZERO3_COLLECTIVES_IN_FLIGHT, mesh_shape
 from jshard.models.stack import StagedLoss, has_stack
 from jshard.parallel import pipeline
 from jshard.parallel.model_state import check_no_pipeline
@@ -84,6 +84,11 @@ class Plan:
         return self.precision.compute if self.precision else None
 
     @property
+    def fp8(self) -> bool:
+        """Whether the projections compute in FP8 (the precision policy's; `nn.fp8`)."""
+        return bool(self.precision and self.precision.fp8)
+
+    @property
     def platform(self) -> str | None:
         """The platform the step is compiled for: its devices' ("gpu" for a GPU topology's, with
         no GPU here); None on an AbstractMesh (lowered for the host's, or `lower(platform=)`)."""
@@ -104,7 +109,10 @@ class Plan:
         passed to its `jax.jit`: `collectives_in_flight` where it is not XLA's default (nor
         XLA_FLAGS' own); under collective matmuls, XLA's dot merger off (XLA_FLAGS' disabled passes
         kept), which would join a ring's partial matmuls, all of one weight, into one matmul that
-        waits for every transfer (seen in the compiled H100 program)."""
+        waits for every transfer (seen in the compiled H100 program); under FP8, XLA's Triton
+        GEMMs off, which compute an FP8 product's dequantized operands in bf16 (seen in the
+        deviceless H100 program, which cannot autotune between them and cuBLAS), so that every
+        FP8 product is a cuBLASLt FP8 GEMM, as Transformer Engine's are."""
         if self.platform != "gpu":
             return {}
         flags, options = os.environ.get("XLA_FLAGS", ""), {}
@@ -113,6 +121,8 @@ class Plan:
         if self.rules.collective_matmul and self.sequence_parallel:
             disabled = m[1] if (m := re.search(r"--xla_disable_hlo_passes=(\S+)", flags)) else ""
             options["xla_disable_hlo_passes"] = ",".join(filter(None, (disabled, "dot-merger")))
+        if self.fp8 and TRITON_GEMM_OPTION not in flags:
+            options[TRITON_GEMM_OPTION] = False
         return options
 
     @property
@@ -256,6 +266,11 @@ def make_plan(model, mesh: Mesh | AbstractMesh, rules: Rules, *, loss_fn=None, p
             "StagedLoss whose micro-batch losses are summed, with no metrics beside them. Fix: compute the "
             "metrics in an evaluation step (step.loss) of a non-pipelined preset, or drop has_aux.")
     _check_experts(plan)
+    if plan.fp8 and rules.collective_matmul and plan.sequence_parallel:
+        raise ShardingError(
+            f"build_step: precision 'fp8' with rules {rules.name!r}: the collective matmuls' rings (sp-overlap) compute "
+            "in bf16 and have no FP8 form. Fix: drop sp-overlap (tp+sp gathers and reduce-scatters as whole "
+            "collectives) or use precision 'mixed'.")
     if plan.schedule:
         stacked = [p.shape[0] for p in rows if p.param and plan.stage_axis in p.param[0]]
         if not stacked:

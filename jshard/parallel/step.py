@@ -362,7 +362,7 @@ class ShardedStep(PlannedStep):
         return over_batch_shards(value, self.batch_axes), grads, written
 
     def _body(self, state: TrainState, batch):
-        with nn.step_context(self.rules, self.whole_reads, self.plan.compute, self.plan.platform):
+        with nn.step_context(self.rules, self.whole_reads, self.plan.compute, self.plan.platform, self.plan.fp8):
             loss, grads, model_state = self._loss_and_grads(state.params, state.model_state, batch, state.master)
             if state.master is not None:
                 shards = state.master
@@ -378,7 +378,7 @@ class ShardedStep(PlannedStep):
 
     def _loss_body(self, params, others, batch, master=None):
         """Evaluation: step 2's forward alone, on the same blocks; no gradient, no state written."""
-        with nn.step_context(self.rules, self.whole_reads, self.plan.compute, self.plan.platform):
+        with nn.step_context(self.rules, self.whole_reads, self.plan.compute, self.plan.platform, self.plan.fp8):
             diff, _ = self._differentiable(params, master)
             model_of = self._model_builder(params, self.others.for_batch_shard(others, self.batch_axes))
             with self._splitting_sequences():
@@ -391,7 +391,7 @@ class ShardedStep(PlannedStep):
             return over_batch_shards(value, self.batch_axes)
 
     def _grads_body(self, params, others, batch, master=None):
-        with nn.step_context(self.rules, self.whole_reads, self.plan.compute, self.plan.platform):
+        with nn.step_context(self.rules, self.whole_reads, self.plan.compute, self.plan.platform, self.plan.fp8):
             return self._loss_and_grads(params, others, batch, master)[:2]
 
     # -- what the step does with each param ------------------------------------------------

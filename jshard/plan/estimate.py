@@ -58,15 +58,19 @@ class Hardware:
     # Where attention may run as cuDNN's fused flash kernel, which keeps no (seq × seq) scores
     # (`nn.attention_implementation`: GPUs, in bf16); XLA's materialises them for backward.
     platform: str = "gpu"
+    # Dense FP8 FLOP/s per device (the `fp8` policy's projections); None: no FP8 tensor cores.
+    # A CPU has none either, but computes FP8 products in bf16 (`nn.fp8`): its bf16 peak.
+    fp8_peak_flops: float | None = None
 
 
 # Datasheets (SXM parts; NVLink 4 = 450 GB/s each way, 400 Gb/s InfiniBand NIC per GPU).
 # cpu: this repository's 2-core host (README: a measured 206 GFLOP/s), threads as "links".
 HARDWARE = {
-    "h100": Hardware("h100", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, 8),
-    "h200": Hardware("h200", 989e12, 141e9, 4.8e12, 450e9, 50e9, 8),
+    "h100": Hardware("h100", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, 8, fp8_peak_flops=1979e12),
+    "h200": Hardware("h200", 989e12, 141e9, 4.8e12, 450e9, 50e9, 8, fp8_peak_flops=1979e12),
     "a100": Hardware("a100", 312e12, 80 * GiB, 2.04e12, 300e9, 25e9, 8),
-    "cpu": Hardware("cpu", 0.206e12, 16 * GiB, 20e9, 10e9, 10e9, 8, matmul_efficiency=1.0, platform="cpu"),
+    "cpu": Hardware("cpu", 0.206e12, 16 * GiB, 20e9, 10e9, 10e9, 8, matmul_efficiency=1.0, platform="cpu",
+                    fp8_peak_flops=0.206e12),
 }
 
 # A GPU step's memory-bound work between its matmuls (`elementwise_seconds`), as bytes of HBM
@@ -262,7 +266,7 @@ def folded_norms(plan: Plan) -> frozenset[str]:
 
 
 def param_traffic(plan: Plan, remat: bool = False, tied_head: bool = True, combined: bool = False,
-                  folded: frozenset[str] = frozenset()) -> dict:
+                  folded: frozenset[str] = frozenset(), scale_reductions: int = 1) -> dict:
     """{(kind, axes): bytes} of the gradient and weight collectives, per device per step.
 
     ZeRO-3 gathers each param forward and reduce-scatters its gradient; the layer stack's
@@ -275,8 +279,10 @@ def param_traffic(plan: Plan, remat: bool = False, tied_head: bool = True, combi
     after the batch axes' all-reduce, or (`combined`, as XLA:GPU does) in one all-reduce over both;
     and the `folded` params (`folded_norms`) over the batch and tensor axes at once.
     Gathers move the held dtype (ZeRO-3's, of a matrix, the compute dtype where narrower: the
-    layers cast before they gather); reductions the reduction dtype, but ZeRO-3's
-    reduce-scatter is its gather's transpose, in the gather's dtype.
+    layers cast before they gather; under FP8 a projection's kernel in e4m3); reductions the
+    reduction dtype, but ZeRO-3's reduce-scatter is its gather's transpose, in the compute dtype.
+    An FP8 kernel's scale is all-reduced over the ZeRO axes `scale_reductions` times a layer
+    (XLA:GPU's collective pipeliner computes the next layer's once more, for its early gather).
     """
     sizes, stage_axis, zero = plan.mesh_sizes, plan.stage_axis, set(plan.zero_axes)
     # Gradients are summed over the batch and context axes (the step's grad axes).
@@ -293,7 +299,11 @@ def param_traffic(plan: Plan, remat: bool = False, tied_head: bool = True, combi
             # (a norm's scale: the norm's backward runs it again, `nn.recomputed`; its bias it does not read)
             again = p.stacked_kernel or (p.names[:1] == ("layers",) and (remat or p.path.endswith("norm/scale")))
             _add(out, "all-gather", sorted(in_param), size * (2 if again else 1))
-            _add(out, "reduce-scatter", sorted(in_param), size * (2 if tied else 1))
+            scattered = p.scattered_bytes // shards(p.param, sizes, skip=in_param)
+            _add(out, "reduce-scatter", sorted(in_param), scattered * (2 if tied else 1))
+            if p.fp8:  # its e4m3 shards share one scale, the max of theirs: a float32 all-reduce a layer
+                layers = p.shape[0] if p.names[:1] == ("layers",) else 1
+                _add(out, "all-reduce", sorted(in_param), 4 * layers * scale_reductions)
         elif shards(p.opt, sizes) > shards(p.param, sizes):
             axes = sorted({a for axes in p.opt for a in axes} - {a for axes in p.param for a in axes})
             _add(out, "all-gather", axes, p.bytes // shards(p.param, sizes))
@@ -453,7 +463,7 @@ def traffic(config: DecoderConfig, plan: Plan, rows: int, seq: int, platform: st
     # and under SP the final norm's over the batch and tensor axes. XLA:CPU does each separately.
     folded = folded_norms(plan) if platform == "gpu" else frozenset()
     comm = param_traffic(plan, remat=config.remat != "none", tied_head=config.tied_head and platform == "cpu",
-                         combined=platform == "gpu", folded=folded)
+                         combined=platform == "gpu", folded=folded, scale_reductions=2 if platform == "gpu" else 1)
     layers_run = config.layers // (sizes[stage_axis] if stage_axis else 1)
     sp, tensor = plan.sequence_parallel, plan.tensor_axes
     local_seq = seq // shards((context,), sizes)
@@ -632,6 +642,9 @@ def estimate(plan: PlanInput) -> dict:
     local_seq = config.seq_len // cp
     stages = schedule.stages if schedule else 1
     n_devices = math.prod(sizes.values())
+    if step.fp8 and hw.fp8_peak_flops is None:
+        raise ShardingError(f"--precision fp8: {hw.name} has no FP8 tensor cores (Hopper and later do). "
+                            "Fix: --precision mixed, or --hardware h100 / h200.")
     try:
         attention = attention_implementation(config.attention, config.dtype, config.head_dim, hw.platform)
     except ValueError as e:  # cudnn asked of a profile or dtype it cannot run on
@@ -711,6 +724,9 @@ def estimate(plan: PlanInput) -> dict:
         flops_run = flops_base
     peak = hw.peak_flops * (1 if jnp.dtype(config.dtype) == jnp.bfloat16 else 0.5)
     t_compute = flops_run / (n_devices * peak * hw.matmul_efficiency)
+    if step.fp8:  # the projections' products (forward, both gradients, what remat runs again) at the FP8 peak
+        flops_fp8 = 6 * sum(p.elements for p in params if p.fp8) * tokens * flops_run / flops_base
+        t_compute -= flops_fp8 / (n_devices * hw.matmul_efficiency) * (1 / peak - 1 / hw.fp8_peak_flops)
     if hw.platform == "gpu":
         recompute = flops_run / flops_base  # remat runs the forward's elementwise work again too
         t_compute += elementwise_seconds(config, optimizer_traffic, rows * m * local_seq, layers_local, tensor, sp,
@@ -853,7 +869,10 @@ def _precision_line(step: Plan) -> str:
         return f"params {step.params[0].held.name}, no master"
     line = policy.describe()
     gathered = min(policy.param, policy.compute, key=lambda d: d.itemsize)  # the layers cast, then gather
-    if step.rules.zero == 3 and gathered != policy.reduce:  # its reduce-scatter is its gather's transpose
+    if step.rules.zero == 3 and step.fp8 and step.zero_axes:
+        line += (f" (ZeRO-3 gathers the projections' weights in float8_e4m3fn, the others in {gathered.name}, "
+                 f"and reduce-scatters their gradients in {gathered.name})")
+    elif step.rules.zero == 3 and gathered != policy.reduce:  # its reduce-scatter is its gather's transpose
         line += f" (ZeRO-3 gathers weights in {gathered.name} and so reduce-scatters their gradients in it)"
     return line
 
