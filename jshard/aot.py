@@ -240,21 +240,24 @@ def report(program: GpuProgram, est: dict, devices: str) -> str:
              f"{fmt(mem['hbm'], 2)} of HBM"]
     lines.append("collectives per device per step  (async: split into start and done; overlapped: a matmul "
                  "scheduled between them)")
-    lines.append(f"  {'kind':<19}{'axes':<14}{'dtype':<7}{'plan':>12}{'compiled':>12}{'async':>8}{'overlapped':>12}")
+    rows = []
     for row in vs["bytes"]:
         ops = [c for c in program.collectives if (c["kind"], c["axes"]) == (row["kind"], row["axes"]) and c["bytes"]]
         by_dtype: dict[str, int] = {}
         for c in ops:
             for dtype, nbytes in c["bytes_by_dtype"].items():
                 by_dtype[dtype] = by_dtype.get(dtype, 0) + nbytes
-        dtypes = ",".join(sorted(by_dtype, key=lambda d: (d.startswith("f8"), d))) or "-"
+        rows.append((row, ops, by_dtype, ",".join(sorted(by_dtype, key=lambda d: (d.startswith("f8"), d))) or "-"))
+    width = max([7] + [len(dtypes) + 1 for *_, dtypes in rows])  # "bf16,f8e4m3fn": bf16 and FP8 weights combined
+    lines.append(f"  {'kind':<19}{'axes':<14}{'dtype':<{width}}{'plan':>12}{'compiled':>12}{'async':>8}{'overlapped':>12}")
+    for row, ops, by_dtype, dtypes in rows:
         total = sum(c["bytes"] for c in ops) or 1
         share = lambda key: sum(c["bytes"] for c in ops if c[key]) / total  # noqa: E731
         mark = "" if row["planned"] == row["compiled"] else "  ≠"
-        lines.append(f"  {row['kind']:<19}{row['axes']:<14}{dtypes:<7}{fmt(row['planned'], 2):>12}"
+        lines.append(f"  {row['kind']:<19}{row['axes']:<14}{dtypes:<{width}}{fmt(row['planned'], 2):>12}"
                      f"{fmt(row['compiled'], 2):>12}{share('asynchronous'):>8.0%}{share('overlapped'):>12.0%}{mark}")
-        if len(by_dtype) > 1:  # a combined collective moving several dtypes (bf16 and FP8 weights)
-            lines.append(f"  {'':<19}{'':<14}compiled: " + ", ".join(
+        if len(by_dtype) > 1:  # what each dtype of a combined collective moved
+            lines.append(f"  {'':<33}compiled: " + ", ".join(
                 f"{fmt(n, 2)} {d}" for d, n in sorted(by_dtype.items(), key=lambda kv: -kv[1])))
     lines.append("  bytes: " + ("equal to the plan's" if vs["bytes_exact"] else "NOT equal to the plan's (≠)"))
     if looped := program.overlap(looped=True):

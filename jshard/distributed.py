@@ -240,6 +240,9 @@ def _child_env(index: int, processes: int, devices: int, address: str, base: dic
 # the middle of other lines: the launcher leaves them out and joins what they split.
 GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
                             r"Expected number of connected peer ranks is : \d+")
+# Two of its threads may also write into each other's line, word by word: what is left of a
+# line once these parts and the numbers between them are taken out was gloo's alone.
+GLOO_PARTS = re.compile(r"\[Gloo\] Rank|is connected to|peer ranks\.|Expected number of connected peer ranks is :|\d+")
 
 
 def _command(command: list[str]) -> list[str]:
@@ -290,6 +293,8 @@ def launch(command: list[str], processes: int, devices_per_process: int | None =
                 before = line
                 continue
             before = ""
+            if "[Gloo]" in line and not GLOO_PARTS.sub("", line).strip():  # gloo's lines spliced into each other
+                continue
             with lock:
                 print(f"[{index}] {line}", file=out, flush=True)
         if before:

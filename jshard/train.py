@@ -96,7 +96,7 @@ class TrainConfig:
     seq_len: int | None = None  # None: SEQ_LEN, or the model's when shorter
     lr: float = 3e-3
     warmup: int | None = None  # None: steps // 10
-    precision: str = "fp32"  # jshard.precision: fp32, bf16 (compute), mixed (bf16 params, fp32 master)
+    precision: str = "fp32"  # jshard.precision: fp32, bf16 (compute), mixed (bf16 params, fp32 master), fp8
     grad_reduce: str | None = None  # the gradient reduction's dtype; None: the precision's
     grad_accum: int = 1
     remat: str = "none"

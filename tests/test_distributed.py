@@ -168,6 +168,16 @@ def test_launch_leaves_out_gloos_lines_and_joins_what_they_split():
     assert out.getvalue().splitlines() == ["[0] jshard train: GPT tiny on corpus.txt", "[0] last"]
 
 
+def test_launch_leaves_out_two_gloo_lines_spliced_into_each_other():
+    """Two of gloo's threads writing at once, as seen in a two-process `jshard train` run."""
+    spliced = ("[Gloo] Rank [Gloo] Rank 23 is connected to  is connected to 33 peer ranks.  peer ranks. Expected "
+               "number of connected peer ranks is : Expected number of connected peer ranks is : 33")
+    script = f"import sys; w = sys.stdout.write; w('{spliced}\\n'); w('jshard train: 3 ranks\\n')"
+    out = io.StringIO()
+    assert launch([sys.executable, "-c", script], 1, 1, out=out, err=io.StringIO()) == 0
+    assert out.getvalue().splitlines() == ["[0] jshard train: 3 ranks"]
+
+
 def test_a_failed_process_stops_the_others(tmp_path):
     # Process 1 fails after a second; process 0 would sleep for 2 minutes.
     script = textwrap.dedent(f"""

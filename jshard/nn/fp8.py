@@ -11,11 +11,14 @@ read of each operand (a max, which XLA fuses before the cast). Megatron Bridge's
 on H100 (744 TFLOP/s per GPU) uses current scaling.
 
 Per tensor as each device holds it: an activation's or a gradient's scale is its block's on
-this device (no collective on the critical path; the blocks' products are summed after their
-scales are applied, so any scale per block is exact arithmetic). A weight that ZeRO-3 gathers
-is cast with one scale for all its shards (the max of its shards' amaxes: a scalar's
-all-reduce), and its e4m3 shards are gathered: half of bf16's bytes, in forward and in
-backward's re-gather (the gradient's reduce-scatter stays in the param dtype).
+this device (no collective on the critical path; each block's product is scaled before blocks
+meet in a sum, so a scale per block is as valid as one per tensor, and FP8's rounding on N
+devices differs from one device's only as one rounding differs from another). A weight that
+ZeRO-3 gathers is cast with one scale for all its shards (the max of its shards' amaxes: a
+scalar's all-reduce), and its e4m3 shards are gathered: half of bf16's bytes. The cast and
+gather are not differentiated (the product's VJP hands the weight its gradient, reduce-scattered
+in the param dtype), so ZeRO-3's remat policy drops the gathered e4m3 weight and backward
+gathers it again, as it does a bf16 one.
 
 The product is a plain `dot_general` on the operands cast to FP8 and back (convert × scale):
 XLA:GPU's GEMM rewriter on Hopper turns that into one cuBLASLt FP8 GEMM with the scales as
@@ -69,39 +72,57 @@ def _gathered_axes(held: Layout | None, gathered: Layout | None) -> tuple[str, .
 
 def _gathered(w: jax.Array, s: jax.Array, held: Layout | None, gathered: Layout | None) -> jax.Array:
     """The weight in e4m3 at scale `s`, gathered from `held` to `gathered` (ZeRO-3) in e4m3."""
-    q = quantize(w, s, FORWARD)
+    q = from_bytes(as_bytes(quantize(w, s, FORWARD)))  # what a remat policy keeps: its bytes
     return relayout_local(q, held, gathered) if _gathered_axes(held, gathered) else q
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def dot(x: jax.Array, w: jax.Array, dims, held: Layout | None = None, gathered: Layout | None = None) -> jax.Array:
     """`dot_general(x, w, dims)` in FP8, in x's dtype. Inside a step, `w` is the weight as this
     device holds it (`held`) and is gathered to `gathered` in e4m3 (ZeRO-3); None: used as is."""
-    return _forward(x, w, dims, held, gathered)[0]
+    # The cast and the gather are not differentiated (the product's VJP hands `w` its gradient):
+    # so ZeRO-3's remat policy sees the e4m3 gather, and backward gathers again, as it does a
+    # bf16 weight.
+    fixed = lax.stop_gradient(w)
+    sw = scale(fixed, FORWARD, _gathered_axes(held, gathered))
+    return _product(x, w, _gathered(fixed, sw, held, gathered), sw, dims, held, gathered)
 
 
-def _forward(x, w, dims, held, gathered):
+def as_bytes(q: jax.Array) -> jax.Array:
+    """An FP8 value as its bytes (uint8), to be kept for backward: `jax.checkpoint` rounds each
+    float it saves to its format with `reduce_precision`, whose IEEE rules give e4m3fn (which has
+    no infinities) a largest value of 240, not 448: the values above it came back NaN (seen
+    under ZeRO-3's remat policy). `params.remat_policy` keeps the bytes, not the cast back."""
+    return lax.bitcast_convert_type(q, jnp.uint8)
+
+
+def from_bytes(b: jax.Array, dtype=FORWARD) -> jax.Array:
+    return lax.bitcast_convert_type(b, dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _product(x, w, qw, sw, dims, held, gathered):
+    return _forward(x, w, qw, sw, dims, held, gathered)[0]
+
+
+def _forward(x, w, qw, sw, dims, held, gathered):
     sx = scale(x, FORWARD)
     qx = quantize(x, sx, FORWARD)
-    sw = scale(w, FORWARD, _gathered_axes(held, gathered))
-    qw = _gathered(w, sw, held, gathered)
     y = lax.dot_general(*vma.match(dequantize(qx, sx, x.dtype), dequantize(qw, sw, x.dtype)), dims)
     # The barrier keeps XLA:GPU from fusing what follows (GPT's GELU) into the FP8 GEMM as an
     # epilogue with an auxiliary output, which its GPU backend cannot emit for FP8 (a RET_CHECK,
     # `!has_aux_output`, in the one-GPU GPT program; jax 0.12.0.1).
     y = lax.optimization_barrier(y)
-    # Backward keeps x in e4m3 (half of bf16), as its bytes: XLA:CPU widens an e4m3 value that
-    # a layer scan stacks through f16 with IEEE e4m3's range (240, not e4m3fn's 448), and the
-    # values above it come back NaN (seen in the CPU program); a bitcast costs nothing on a GPU.
-    # The weight is kept as held, with its scale: backward casts and gathers it again, as
-    # ZeRO-3's remat policy has every gathered weight.
-    return y, (lax.bitcast_convert_type(qx, jnp.uint8), sx, w, sw)
+    # Backward keeps x in e4m3 (half of bf16), as its bytes (`as_bytes`; a bitcast costs nothing).
+    # A gathered weight is kept (ZeRO-3's remat policy drops it: backward gathers again); one
+    # not gathered is cast again from the param, not kept as a second copy of every layer's.
+    kept_qw = qw if _gathered_axes(held, gathered) else None
+    return y, (as_bytes(qx), sx, w, kept_qw, sw)
 
 
 def _backward(dims, held, gathered, kept, dy):
-    qx, sx, w, sw = kept
-    qx = lax.bitcast_convert_type(qx, FORWARD)
-    qw = _gathered(w, sw, held, gathered)
+    qx, sx, w, qw, sw = kept
+    qx = from_bytes(qx)
+    qw = quantize(w, sw, FORWARD) if qw is None else qw
     sdy = scale(dy, GRADIENT)
     dtype = dy.dtype
     _, transpose = jax.vjp(lambda a, b: lax.dot_general(a, b, dims),
@@ -109,7 +130,7 @@ def _backward(dims, held, gathered, kept, dy):
     dx, dw = transpose(dequantize(quantize(dy, sdy, GRADIENT), sdy, dtype))
     if _gathered_axes(held, gathered):  # the gather's transpose: the gradient reduce-scattered, in w's dtype
         dw = jax.vjp(lambda v: relayout_local(v, held, gathered), w)[1](dw.astype(w.dtype))[0]
-    return dx, dw.astype(w.dtype)
+    return dx, dw.astype(w.dtype), None, None
 
 
-dot.defvjp(_forward, _backward)
+_product.defvjp(_forward, _backward)

@@ -15,6 +15,7 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
@@ -251,6 +252,9 @@ def remat_policy(primitive, *_, **params) -> bool:
     (A dtype conversion is not such a cast: it is saved, or its wider input would be.)
     """
     if str(primitive) in _CASTS or (str(primitive) == "custom_vjp_call" and _only_casts(params)):
+        return False
+    if str(primitive) == "bitcast_convert_type" and jnp.dtype(params["new_dtype"]).itemsize == 1 \
+            and jnp.issubdtype(params["new_dtype"], jnp.floating):  # FP8 from its bytes: keep the bytes (`fp8.as_bytes`)
         return False
     if str(primitive) != "all_gather":
         return True

@@ -36,3 +36,13 @@ def mlp_widths(config: DecoderConfig) -> int:
     up projection's outputs and the activation's (a GPT's up and GELU, 2·mlp; a Llama's gate,
     up and their product, 3·mlp)."""
     return (3 if isinstance(config, LlamaConfig) else 2) * config.mlp
+
+
+def fp8_cast_widths(config: DecoderConfig) -> int:
+    """Width per token of what a block's FP8 products cast (`nn.fp8`): each projection's input
+    forward and its output's gradient backward (a GPT's qkv, out, up, down: 3·embed + mlp in,
+    5·embed + mlp out; a Llama's q, kv, out, gate_up, down: 4·embed + mlp in, 3·embed +
+    2·kv_heads·head_dim + 2·mlp out)."""
+    if isinstance(config, LlamaConfig):
+        return 7 * config.embed + 2 * config.kv_heads * config.head_dim + 3 * config.mlp
+    return 8 * config.embed + 2 * config.mlp

@@ -33,7 +33,7 @@ from jshard.models import DecoderConfig, decoder
 from jshard.parallel.pipeline import STAGE_REMAT, compile_program, work as pipeline_work
 from jshard.parallel.plan import Plan, make_plan
 from jshard.placement import format_bytes
-from jshard.plan.counts import attention_widths, column_outputs, input_projections, mlp_widths
+from jshard.plan.counts import attention_widths, column_outputs, fp8_cast_widths, input_projections, mlp_widths
 from jshard.moe import capacity
 from jshard.nn import attention_implementation, compute_dtype, query_tile
 from jshard.precision import Precision
@@ -85,6 +85,10 @@ ELEMENTWISE_LOGIT_BYTES = 44  # per token and vocabulary entry: the loss over th
 # layer), measured the same way: a step with XLA's attention less the same step predicted with
 # cuDNN's, over its scores: 121 (Llama-3.2-1B), 118 (GPT-1B).
 XLA_SCORE_BYTES = 120
+# FP8 (`nn.fp8`): each cast reads its bf16 operand twice (its max, then the cast) and writes one
+# byte: activations and gradients per token (`counts.fp8_cast_widths`), the weights forward and
+# again in backward. Counted from the bytes, not fitted (docs/planning.md).
+FP8_CAST_BYTES = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -731,6 +735,10 @@ def estimate(plan: PlanInput) -> dict:
         recompute = flops_run / flops_base  # remat runs the forward's elementwise work again too
         t_compute += elementwise_seconds(config, optimizer_traffic, rows * m * local_seq, layers_local, tensor, sp,
                                          recompute, hw)
+        if step.fp8:
+            weights = sum(local(p.elements, p.param, sizes) for p in params if p.fp8)
+            casts = rows * m * local_seq * layers_local * fp8_cast_widths(config) / tensor * recompute + 2 * weights
+            t_compute += FP8_CAST_BYTES * casts / hw.hbm_bw
         if attention != "cudnn":  # XLA's kernel, or jshard's own under cp: each local query's scores over the sequence
             scores = layers_local * config.heads / tensor * rows * m * local_seq * config.seq_len
             t_compute += XLA_SCORE_BYTES * scores * recompute / hw.hbm_bw
