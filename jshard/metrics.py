@@ -24,6 +24,8 @@ import time
 import jax
 import jax.numpy as jnp
 
+from jshard.mesh import TRITON_GEMM_OPTION
+
 
 PROFILE_STEPS = 3  # steps traced by `train --profile` and `bench step --profile`, after compiling
 
@@ -118,7 +120,7 @@ def measured_fp8_matmul_flops(device, n: int, repeats: int = 10) -> float:
         x = a.astype(jnp.bfloat16) * s.astype(jnp.bfloat16)
         return x @ x
 
-    matmul = jax.jit(matmul, compiler_options={"xla_gpu_enable_triton_gemm": False} if device.platform == "gpu" else None)
+    matmul = jax.jit(matmul, compiler_options={TRITON_GEMM_OPTION: False} if device.platform == "gpu" else None)
     return 2 * n**3 / best_seconds(lambda: matmul(a, scale).block_until_ready(), repeats)
 
 

@@ -23,7 +23,8 @@ gathers it again, as it does a bf16 one.
 The product is a plain `dot_general` on the operands cast to FP8 and back (convert × scale):
 XLA:GPU's GEMM rewriter on Hopper turns that into one cuBLASLt FP8 GEMM with the scales as
 its factors (`__cublas$lt$matmul$f8`, forward and both gradients; `Plan.xla_options` keeps
-XLA's Triton GEMMs out of such programs, which compute these in bf16). Elsewhere (a CPU) the
+out of such programs XLA's Triton GEMMs, which compute these in bf16, and its dot merger, which
+joins products at different scales into one bf16 GEMM). Elsewhere (a CPU) the
 same program computes in bf16 on FP8-rounded values: the tests on fake CPU devices see FP8's
 rounding.
 """
