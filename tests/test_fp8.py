@@ -3,12 +3,16 @@
 The product against NumPy (ml_dtypes' e4m3 and e5m2 casts, per-tensor current scaling computed
 here, not by jshard), forward and both gradients: on one device, and under ZeRO-3 with the
 weight gathered in e4m3 (its scale the max over its shards, each device's rows their own).
-Then the policy in steps: every strategy trains like one device in fp32 within FP8's rounding;
+Then the policy in steps: five strategies, each a way a product meets the mesh, train like one
+device in fp32 within FP8's rounding;
 the projections alone compute in FP8 (not the embedding, the head, a router); the planner's
 bytes; the refusals; and the default run's loss after 100 steps, against bf16 compute's.
 """
 
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +24,6 @@ from jax import lax
 
 import jshard
 from jshard import plan
-from jshard.cli import main
 from jshard.models import GPT_SIZES, LlamaConfig, decoder, gpt_loss
 from jshard.nn import fp8
 from jshard.parallel import build_step, make_plan
@@ -118,10 +121,9 @@ def test_zero3_gathers_the_weight_in_e4m3_at_one_scale_and_reduce_scatters_its_g
 # no biases: 0.014).
 FP8_LOSS, FP8_PARAMS = 1e-3, 0.2
 # What FP8 changes is the product and ZeRO-3's gather: each way a product meets the mesh (batch
-# axes; ZeRO-2's replicas; ZeRO-3's e4m3 gather; column and row parallel, with SP; context
+# axes; ZeRO-3's e4m3 gather; column and row parallel, with SP; context
 # parallel; experts' batched products), on its example mesh. (sp-overlap is refused: below.)
-FP8_CASES = [("gpt", "dp"), ("gpt", "zero2"), ("gpt", "zero3"), ("gpt", "dp+tp+sp"), ("llama", "dp+fsdp+tp"),
-             ("gpt", "dp+cp+tp"), ("moe", "dp+ep+tp")]
+FP8_CASES = [("gpt", "zero3"), ("gpt", "dp+tp+sp"), ("llama", "dp+fsdp+tp"), ("gpt", "dp+cp+tp"), ("moe", "dp+ep+tp")]
 
 
 @pytest.mark.parametrize("model_name, preset", FP8_CASES, ids=[f"{m}-{p}" for m, p in FP8_CASES])
@@ -159,14 +161,18 @@ def test_zero3_gathers_the_projections_in_half_the_bytes_of_mixed():
     assert fp8_ == {"all-gather": mixed["all-gather"] // 2, "reduce-scatter": mixed["reduce-scatter"]}
 
 
-def test_the_planner_counts_fp8_gathers_and_their_scales():
-    """Exactly what the compiled program moves (`jshard plan --validate` has these rows)."""
-    row = plan.validate_one("zero3", None, None, "none", "example", "fp8", model=plan.VALIDATION_MODELS["gpt"])
-    assert row["comm_exact"], row
-    mixed = plan.validate_one("zero3", None, None, "none", "example", "mixed", model=plan.VALIDATION_MODELS["gpt"])
-    assert row["comm_compiled"]["all-gather"] < mixed["comm_compiled"]["all-gather"]
-    layers = plan.VALIDATION_MODELS["gpt"].layers
-    assert row["comm_compiled"]["all-reduce"] - mixed["comm_compiled"]["all-reduce"] == 4 * 4 * layers  # 4 kernels a layer
+def test_the_planner_counts_e4m3_gathers_and_their_scales():
+    """ZeRO-3 under fp8: the projections' gathers in e4m3 (the rest bf16), their gradients'
+    reduce-scatters in bf16 as under mixed, and one f32 scale a projection a layer all-reduced
+    (on a CPU). That these are the compiled program's bytes: `tests/test_plan.py`'s fp8 rows."""
+    config = plan.VALIDATION_MODELS["gpt"]
+    comm = {name: plan.estimate(plan.PlanInput(config, dict(fsdp=8), "zero3", precision=name, micro_batch_size=2,
+                                               hardware=plan.HARDWARE["cpu"]))["comm_bytes_per_step"]
+            for name in ("mixed", "fp8")}
+    projections = 4 * config.layers * config.embed * config.embed + 2 * config.layers * config.embed * config.mlp
+    assert comm["mixed"]["all-gather"] - comm["fp8"]["all-gather"] == 2 * projections  # 2 gathers, a byte less each
+    assert comm["fp8"]["reduce-scatter"] == comm["mixed"]["reduce-scatter"]
+    assert comm["fp8"]["all-reduce"] - comm["mixed"]["all-reduce"] == 4 * 4 * config.layers  # 4 projections a layer
 
 
 def test_fp8_step_time_counts_the_projections_at_the_fp8_peak():
@@ -185,15 +191,19 @@ def test_fp8_is_refused_where_it_cannot_run():
         make_plan(model, jshard.make_mesh(data=2, tensor=4), jshard.preset("dp+tp+sp-overlap"), precision="fp8")
 
 
-def test_fp8_trains_the_default_run_like_bf16(tmp_path, capsys):
-    """100 steps of `jshard train` (GPT small, dp+zero3+tp on 8 devices): the mean loss of the last
-    10 steps under fp8 within 6% of bf16 compute's (measured: 5.1% above; over the whole
-    400-step run 0.35% apart, docs/precision.md)."""
+def test_fp8_trains_the_default_run_like_bf16(tmp_path):
+    """100 steps of `jshard train` (GPT small, dp+zero3+tp on 8 devices), as a user runs it (its
+    own process, XLA's optimizations on: the suite's are off, 4x slower here): the mean loss of
+    the last 10 steps under fp8 within 6% of bf16 compute's (measured: 5.1% above; over the
+    whole 400-step run 0.6% apart, docs/training.md)."""
+    env = dict(os.environ, XLA_FLAGS=" ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                                              if "optimization_level" not in f))
     means = {}
     for name in ("bf16", "fp8"):
         out = tmp_path / f"{name}.jsonl"
-        assert main(["train", "--steps", "100", "--precision", name, "--metrics", str(out)]) == 0
+        run = subprocess.run([sys.executable, "-m", "jshard.cli", "train", "--steps", "100", "--precision", name,
+                              "--metrics", str(out)], capture_output=True, text=True, env=env, timeout=600)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
         losses = [r["loss"] for r in map(json.loads, out.read_text().splitlines()) if "loss" in r]
         means[name] = float(np.mean(losses[-10:]))
-    capsys.readouterr()
     assert np.isfinite(means["fp8"]) and abs(means["fp8"] / means["bf16"] - 1) <= 0.06, means

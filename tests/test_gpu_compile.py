@@ -22,7 +22,7 @@ from jshard import aot
 from jshard.cli import main
 from jshard.models import GPTConfig, decoder, gpt_loss
 from jshard.parallel import make_plan
-from jshard.plan.estimate import ACTIVATIONS, activation_bytes_per_token_layer
+from jshard.plan.estimate import ACTIVATIONS, HARDWARE, PlanInput, activation_bytes_per_token_layer, estimate
 from jshard.plan.validate import (MEMORY_TOLERANCE, VALIDATION_MODEL, VALIDATION_MODELS, example_mesh, validate_one,
                                   validation_models)
 
@@ -146,10 +146,9 @@ def test_fp8_zero3_gathers_move_e4m3_bytes_as_planned(zero3_fp8, zero3_mixed):
                 gathered[dtype] = gathered.get(dtype, 0) + n
     assert gathered["f8e4m3fn"] > gathered.get("bf16", 0)
     assert sum(gathered.values()) < zero3_mixed.bytes_by_kind_and_axes()[("all-gather", "fsdp")]
-    t = aot.target("h100x8")
-    row = validate_one("zero3", None, None, "none", "example", "fp8", model=VALIDATION_MODELS["llama"],
-                       devices=aot.target_devices(t), hardware=t.hardware)
-    assert row["comm_exact"], row
+    est = estimate(PlanInput(VALIDATION_MODELS["llama"], dict(example_mesh("zero3")), "zero3", precision="fp8",
+                             micro_batch_size=2, hardware=HARDWARE["h100"]))
+    assert aot.compared(zero3_fp8, est)["bytes_exact"], aot.compared(zero3_fp8, est)["bytes"]
 
 
 def cudnn_installed() -> bool:
