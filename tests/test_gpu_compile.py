@@ -92,13 +92,18 @@ def test_gpu_validation_rows_on_the_gpu_validation_models(case, model):
     assert row["comm_exact"] and abs(row["memory_rel_err"]) <= MEMORY_TOLERANCE, row
 
 
-@pytest.fixture(scope="module")
-def zero3_mixed():
-    """A bf16 Llama (head dim 16) under ZeRO-3, `mixed`, on 8 H100s."""
+def zero3_llama(precision: str):
+    """The validation Llama (head dim 16) under ZeRO-3 on 8 H100s, compiled under `precision`."""
     config = VALIDATION_MODELS["llama"]
     model = nnx.eval_shape(lambda: decoder(config, nnx.Rngs(0)))
     return aot.compile_step(model, optax.adamw(1e-3), gpt_loss, example_mesh("zero3"), jshard.preset("zero3"),
-                            aot.target("h100x8"), (16, config.seq_len + 1), precision="mixed")
+                            aot.target("h100x8"), (16, config.seq_len + 1), precision=precision)
+
+
+@pytest.fixture(scope="module")
+def zero3_mixed():
+    """bf16 params and compute."""
+    return zero3_llama("mixed")
 
 
 def test_mixed_moves_weights_and_gradients_in_bf16(zero3_mixed):
@@ -121,10 +126,7 @@ def test_zero3_gathers_overlap_matmuls_inside_the_layer_scan(zero3_mixed):
 @pytest.fixture(scope="module")
 def zero3_fp8():
     """`zero3_mixed` under `fp8`: the projections' products in FP8."""
-    config = VALIDATION_MODELS["llama"]
-    model = nnx.eval_shape(lambda: decoder(config, nnx.Rngs(0)))
-    return aot.compile_step(model, optax.adamw(1e-3), gpt_loss, example_mesh("zero3"), jshard.preset("zero3"),
-                            aot.target("h100x8"), (16, config.seq_len + 1), precision="fp8")
+    return zero3_llama("fp8")
 
 
 def test_fp8_projections_are_cublas_fp8_gemms(zero3_fp8, zero3_mixed):
