@@ -27,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -42,6 +43,7 @@ COORDINATOR_ENV, PROCESSES_ENV, PROCESS_ID_ENV = "JAX_COORDINATOR_ADDRESS", "JAX
 # left the others waiting in a collective for 88 s on a cut link.
 HEARTBEAT_TIMEOUT_S = 20
 FORCE_ENV = "JSHARD_DISTRIBUTED"  # "1": let jax.distributed.initialize() detect the cluster
+SUPERVISED_ENV = "JSHARD_SUPERVISED"  # set in a process whose output a parent reads (`supervise`, `launch`)
 LAUNCH_GRACE_S = 5.0  # after SIGTERM, how long a stopped process has before SIGKILL
 
 
@@ -180,6 +182,70 @@ def leave(code: int, traceback: bool = False, at_once: bool = False) -> int:
     return code
 
 
+# -- one process of a multi-process run, under a parent that reads its output ---------------
+
+
+def needs_supervisor() -> bool:
+    """True for a command started as one process of a multi-process run (the settings or a
+    cluster launcher say so) that no jshard parent watches yet (`supervise`, `launch`)."""
+    if os.environ.get(SUPERVISED_ENV):
+        return False
+    count = os.environ.get(PROCESSES_ENV, "").strip()
+    return _cluster() is not None or count not in ("", "0", "1")
+
+
+def _dies_with_parent() -> None:  # (in the child, before it runs the command: Linux only)
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: a killed supervisor leaves no process behind
+
+
+def supervise(command: list[str], name: str, err=None) -> int:
+    """Run `command` (this process's own jshard command) as a child and relay its output, for a
+    process of a multi-process run: gloo's lines left out, and when JAX's runtime ends it for a
+    lost process or coordinator, one line (`jshard NAME: ...`) in place of JAX's report (kept in
+    `JAX_REPORT_LOG`). Returns the child's exit code (128 + signal when killed); SIGINT and
+    SIGTERM go on to it. A process JAX aborts cannot print that line itself."""
+    err = err or sys.stderr
+    linux = sys.platform.startswith("linux")
+    child = subprocess.Popen(command, env={**os.environ, SUPERVISED_ENV: "1", "PYTHONUNBUFFERED": "1"},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                             preexec_fn=_dies_with_parent if linux else None)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda signum, _: child.send_signal(signum))
+    outputs = {stream: ProcessOutput(os.environ.get(PROCESS_ID_ENV, "this process"))
+               for stream in ("stdout", "stderr")}
+    readers = [threading.Thread(target=_relay, daemon=True, args=(
+        outputs[stream], getattr(child, stream), lambda line, to=getattr(sys, stream): print(line, file=to, flush=True)))
+        for stream in outputs]
+    try:
+        for reader in readers:
+            reader.start()
+        code = _exit_code(child.wait())
+        for reader in readers:
+            reader.join(timeout=5)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    report = outputs["stderr"]
+    if code and report.reported:
+        me = f"process {os.environ[PROCESS_ID_ENV]}" if PROCESS_ID_ENV in os.environ else "this process"
+        address = os.environ.get(COORDINATOR_ENV)
+        if report.lost:
+            what = f"{lost_processes_line(report.lost)}, so JAX's runtime ended every process, {me} with it"
+        elif report.lost_coordinator:
+            what = (f"{me} lost JAX's coordination service{f' at {address}' if address else ''} (process 0, or the "
+                    f"link to it), so JAX's runtime ended it")
+        else:
+            what = f"JAX's distributed runtime ended {me}"
+        print(f"jshard {name}: {what}; {_describe(code)}. Fix: bring the host or link back, then start every "
+              f"process again (with --resume to go on from the latest checkpoint). JAX's report: {JAX_REPORT_LOG}",
+              file=err, flush=True)
+    return code
+
+
 # -- meshes over processes ---------------------------------------------------------------
 
 
@@ -228,21 +294,81 @@ def _child_env(index: int, processes: int, devices: int, address: str, base: dic
     env.update({
         COORDINATOR_ENV: address, PROCESSES_ENV: str(processes), PROCESS_ID_ENV: str(index),
         "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices), "XLA_FLAGS": " ".join(flags),
-        "PYTHONUNBUFFERED": "1",
+        "PYTHONUNBUFFERED": "1", SUPERVISED_ENV: "1",
     })
     for name in ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", FORCE_ENV):  # this launch is the cluster
         env.pop(name, None)
     return env
 
 
-# gloo (JAX's CPU collectives) reports each communicator it connects on stderr, one line per
-# process and communicator (38 for a short 2-process run), written from its own threads into
-# the middle of other lines: the launcher leaves them out and joins what they split.
+# gloo (JAX's CPU collectives) reports each communicator it connects, one line per process and
+# communicator (38 for a short 2-process run), written from its own threads into the middle of
+# other lines: a parent (the launcher, a supervisor) leaves them out and joins what they split.
 GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
                             r"Expected number of connected peer ranks is : \d+")
 # Two of its threads may also write into each other's line, word by word: what is left of a
 # line once these parts and the numbers between them are taken out was gloo's alone.
 GLOO_PARTS = re.compile(r"\[Gloo\] Rank|is connected to|peer ranks\.|Expected number of connected peer ranks is :|\d+")
+# JAX's distributed runtime ends a process that lost another (or the coordinator) with an absl
+# report and a C++ stack (about 20 lines): from its first line on, a parent keeps what the process
+# writes in a log (`JAX_REPORT_LOG`) and says in one line what happened.
+JAX_REPORT = re.compile(r"^(F\d{4} |E\d{4} .*\b(coordination_service(_agent)?\.cc|client\.h):\d+\])")
+JAX_REPORT_LOG = os.path.join(tempfile.gettempdir(), f"jshard-distributed-{os.getpid()}.log")
+
+
+class ProcessOutput:
+    """What a parent shows of one JAX process's output: `show(raw)` gives each raw line's text to
+    print, or None for what is left out (gloo's lines; JAX's report of a lost process, which goes
+    to `JAX_REPORT_LOG`). Reads from that report which processes were lost."""
+
+    def __init__(self, name: str):
+        self.name, self.before = name, ""  # before: what preceded a gloo line written into a line
+        self.lost: set[int] = set()  # processes JAX's coordination service declared dead
+        self.lost_coordinator = False  # this process's heartbeats to the coordinator failed
+        self.reported = False  # JAX's report began: the rest goes to the log
+        self._unhealthy = False  # the next line lists the processes that stopped sending heartbeats
+
+    def show(self, raw: str) -> str | None:
+        text = raw.rstrip("\r\n")
+        if self._unhealthy:
+            self.lost.update(int(n) for n in re.findall(r"\d+", text))
+        self._unhealthy = "stopped sending heartbeats" in text
+        self.lost_coordinator |= "CoordinationService/Heartbeat" in text
+        if self.reported or JAX_REPORT.match(text):
+            self.reported = True
+            with open(JAX_REPORT_LOG, "a") as log:
+                log.write(f"[{self.name}] {text}\n")
+            return None
+        line, gloo = self.before + text, 0
+        while (cut := GLOO_CONNECTED.subn("", line))[1]:  # (one gloo line may split another)
+            line, gloo = cut[0], gloo + cut[1]
+        if gloo:  # the rest of the interrupted line comes next
+            self.before = line
+            return None
+        self.before = ""
+        if "[Gloo]" in line and not GLOO_PARTS.sub("", line).strip():  # gloo's lines spliced into each other
+            return None
+        return line
+
+    def rest(self) -> str | None:
+        """What was left of a line when the output ended."""
+        rest, self.before = self.before or None, ""
+        return rest
+
+
+def lost_processes_line(lost: set[int]) -> str:
+    return (f"process {', '.join(map(str, sorted(lost)))} stopped answering JAX's coordination service for "
+            f"{HEARTBEAT_TIMEOUT_S} s (a lost host or link, or a stopped process)")
+
+
+def _relay(output: ProcessOutput, pipe, write) -> None:
+    """Each line of `pipe` that `output` shows, to `write`, until the pipe closes."""
+    for raw in iter(pipe.readline, b""):
+        if (line := output.show(raw.decode(errors="replace"))) is not None:
+            write(line)
+    if (rest := output.rest()) is not None:
+        write(rest)
+    pipe.close()
 
 
 def _command(command: list[str]) -> list[str]:
@@ -276,31 +402,13 @@ def launch(command: list[str], processes: int, devices_per_process: int | None =
         with lock:
             print(f"[launch] {text}", file=err, flush=True)
 
-    lost: set[int] = set()  # processes JAX's coordination service declared dead (no heartbeat)
+    outputs = [ProcessOutput(str(i)) for i in range(processes)]
 
-    def relay(index: int, pipe) -> None:
-        before = ""  # what preceded a gloo line written into the middle of one of the process's
-        unhealthy = False  # the next line lists the processes that stopped sending heartbeats
-        for raw in iter(pipe.readline, b""):
-            text = raw.decode(errors="replace")
-            if unhealthy:
-                lost.update(int(n) for n in re.findall(r"\d+", text))
-            unhealthy = "stopped sending heartbeats" in text
-            line, gloo = before + raw.decode(errors="replace").rstrip("\r\n"), 0
-            while (cut := GLOO_CONNECTED.subn("", line))[1]:  # (one gloo line may split another)
-                line, gloo = cut[0], gloo + cut[1]
-            if gloo:  # the rest of the interrupted line comes next
-                before = line
-                continue
-            before = ""
-            if "[Gloo]" in line and not GLOO_PARTS.sub("", line).strip():  # gloo's lines spliced into each other
-                continue
+    def printer(index: int):
+        def write(line: str) -> None:
             with lock:
                 print(f"[{index}] {line}", file=out, flush=True)
-        if before:
-            with lock:
-                print(f"[{index}] {before}", file=out, flush=True)
-        pipe.close()
+        return write
 
     say(f"{processes} process(es) × {devices} CPU device(s), coordinator {address}: {' '.join(command)}")
     children: list[subprocess.Popen] = []
@@ -322,7 +430,7 @@ def launch(command: list[str], processes: int, devices_per_process: int | None =
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,  # its own group
             )
             children.append(child)
-            reader = threading.Thread(target=relay, args=(i, child.stdout), daemon=True)
+            reader = threading.Thread(target=_relay, args=(outputs[i], child.stdout, printer(i)), daemon=True)
             reader.start()
             readers.append(reader)
         while True:
@@ -355,9 +463,11 @@ def launch(command: list[str], processes: int, devices_per_process: int | None =
         return 0
     for i, child in enumerate(children):
         say(f"process {i}: {_describe(_exit_code(child.returncode))}")
-    if lost:
-        say(f"process {', '.join(map(str, sorted(lost)))} stopped answering JAX's coordination service for "
-            f"{HEARTBEAT_TIMEOUT_S} s (a lost host or link, or a stopped process), so every process ended")
+    if lost := set().union(*(o.lost for o in outputs)):
+        say(f"{lost_processes_line(lost)}, so every process ended; JAX's reports: {JAX_REPORT_LOG}")
+    elif any(o.reported for o in outputs):
+        say(f"JAX's distributed runtime ended process {', '.join(o.name for o in outputs if o.reported)}; "
+            f"its report: {JAX_REPORT_LOG}")
     return first_failure
 
 

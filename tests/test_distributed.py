@@ -372,6 +372,74 @@ def test_a_process_killed_or_stopped_mid_run_ends_the_launch_within_60_s(tmp_pat
             os.kill(pid, 0)
 
 
+# -- one process of a multi-process run, supervised ----------------------------------------
+
+# What JAX's runtime writes as it ends a process (jaxlib 0.10.2, a cut link, the stacks cut short):
+# process 0, the coordinator, which lost process 1; process 1, which lost the coordinator.
+JAX_ENDS = {
+    0: """E1126 13:43:49.725310   14979 coordination_service.cc:1549] [12409168212850975006] Use error polling to propagate the following error to all tasks: UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):
+1
+The tasks have crashed. Check the task logs for an earlier error, or scheduler events (e.g. preemption, eviction) to debug further. [type.googleapis.com/tensorflow.CoordinationServiceError='']
+F1126 13:43:49.726974   14990 client.h:80] Terminating process because the JAX distributed service detected fatal errors. This most likely indicates that another task died; see the other task logs for more details.
+RPC: /xla.coordination.CoordinationService/PollForError [type.googleapis.com/tensorflow.CoordinationServiceError='']
+*** Check failure stack trace: ***
+    @     0x7f589da40634  absl::lts_20260107::log_internal::LogMessage::SendToLog()
+""",
+    1: """F1126 13:43:49.744179   15000 client.h:80] Terminating process because the JAX distributed service detected fatal errors. This most likely indicates that another task died; see the other task logs for more details.
+
+RPC: /xla.coordination.CoordinationService/Heartbeat
+*** Check failure stack trace: ***
+    @     0x7f2863240634  absl::lts_20260107::log_internal::LogMessage::SendToLog()
+""",
+}
+GLOO_LINE = "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
+
+
+def supervised(script: str, log: str = "", **env) -> subprocess.CompletedProcess:
+    """`distributed.supervise` over `python -c script`, as `jshard` runs it: in a process of its own
+    (the supervisor forks, which a process running JAX's threads must not)."""
+    supervisor = (f"import sys; from jshard import distributed; distributed.JAX_REPORT_LOG = {log!r} or "
+                  f"distributed.JAX_REPORT_LOG; sys.exit(distributed.supervise([sys.executable, '-c', {script!r}], 'train'))")
+    return subprocess.run([sys.executable, "-c", supervisor], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **env}, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("index, said", [
+    (0, "jshard train: process 1 stopped answering JAX's coordination service for 20 s (a lost host or link, "
+        "or a stopped process), so JAX's runtime ended every process, process 0 with it; exit code 134"),
+    (1, "jshard train: process 1 lost JAX's coordination service at 10.77.0.1:9476 (process 0, or the link to it), "
+        "so JAX's runtime ended it; exit code 134"),
+])
+def test_a_supervised_process_that_jax_ends_says_so_in_one_line(tmp_path, index, said):
+    """The child prints a line and gloo's, then JAX's report, and aborts as JAX does."""
+    (tmp_path / "report").write_text(JAX_ENDS[index])
+    log = tmp_path / "jax.log"
+    run = supervised(f"import os, sys; print('step 3 loss 5.5591'); print({GLOO_LINE!r}, flush=True); "
+                     f"sys.stderr.write(open({str(tmp_path / 'report')!r}).read()); sys.stderr.flush(); os.abort()",
+                     JAX_PROCESS_ID=str(index), JAX_COORDINATOR_ADDRESS="10.77.0.1:9476", log=str(log))
+    assert run.returncode == 128 + signal.SIGABRT
+    assert run.stdout.splitlines() == ["step 3 loss 5.5591"]
+    assert run.stderr.splitlines() == [run.stderr.strip()] and run.stderr.startswith(said), run.stderr
+    assert f"JAX's report: {log}" in run.stderr
+    assert log.read_text().splitlines() == [f"[{index}] {line}" for line in JAX_ENDS[index].splitlines()]
+
+
+def test_a_supervised_process_keeps_its_exit_code_and_its_own_lines():
+    run = supervised("import sys; print('out'); print('jshard train: bad flag', file=sys.stderr); sys.exit(2)")
+    assert (run.returncode, run.stdout, run.stderr) == (2, "out\n", "jshard train: bad flag\n")
+
+
+@pytest.mark.parametrize("env, supervised", [
+    ({}, False), ({"JAX_NUM_PROCESSES": "1"}, False), ({"JAX_NUM_PROCESSES": "2"}, True),
+    ({"SLURM_STEP_NUM_TASKS": "4"}, True), ({"JAX_NUM_PROCESSES": "2", "JSHARD_SUPERVISED": "1"}, False),
+])
+def test_which_commands_run_under_a_supervisor(clean_env, monkeypatch, env, supervised):
+    monkeypatch.delenv("JSHARD_SUPERVISED", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert distributed.needs_supervisor() == supervised
+
+
 def test_axes_across_processes_of_a_one_process_mesh_is_empty():
     import jshard
 
@@ -433,11 +501,12 @@ def _on_two_hosts(tmp_path, name: str, steps: int) -> list[subprocess.Popen]:
             for i, namespace in enumerate(HOSTS)]
 
 
-def test_two_hosts_train_as_one_and_a_cut_link_ends_both_within_60_s(two_hosts, tmp_path):
+def test_two_hosts_train_as_one_and_a_cut_link_ends_both_within_30_s_with_one_line(two_hosts, tmp_path):
     """Two processes, each in its own network namespace (its own host), over a veth: refused
     with the fix while the host name resolves to loopback; once it resolves to each host's
-    link address, the losses are the one-process run's; the link cut mid-run ends both (JAX's
-    heartbeat, `distributed.HEARTBEAT_TIMEOUT_S`) instead of leaving them waiting."""
+    link address, the losses are the one-process run's and gloo's lines are left out; the link cut
+    mid-run ends both (JAX's heartbeat, `distributed.HEARTBEAT_TIMEOUT_S`) instead of leaving them
+    waiting, each with one jshard line (its supervisor's) naming what was lost."""
     if ipaddress.ip_address(socket.gethostbyname(socket.gethostname())).is_loopback:
         two_hosts(False)
         for process in _on_two_hosts(tmp_path, "loopback", 2):
@@ -450,6 +519,7 @@ def test_two_hosts_train_as_one_and_a_cut_link_ends_both_within_60_s(two_hosts, 
     assert [p.wait(timeout=TIMEOUT_S) for p in processes] == [0, 0], (tmp_path / "linked0.err").read_text()[-3000:]
     alone = train(TrainConfig(**TINY, steps=4), out=io.StringIO())
     np.testing.assert_allclose(losses(tmp_path / "linked0.jsonl"), alone.losses, rtol=1e-6)
+    assert "[Gloo]" not in (tmp_path / "linked0.out").read_text() + (tmp_path / "linked1.out").read_text()
 
     processes = _on_two_hosts(tmp_path, "cut", 100000)
     try:
@@ -468,4 +538,8 @@ def test_two_hosts_train_as_one_and_a_cut_link_ends_both_within_60_s(two_hosts, 
                 p.kill()
                 p.wait()
     print(f"both processes ended {took:.1f} s after the link was cut, exit codes {codes}")
-    assert all(code != 0 for code in codes) and took < 60
+    assert all(code != 0 for code in codes) and took < 30
+    said = [(tmp_path / f"cut{i}.err").read_text().splitlines() for i in range(2)]
+    assert len(said[0]) == 1 and said[0][0].startswith("jshard train: process 1 stopped answering"), said[0]
+    assert len(said[1]) == 1 and said[1][0].startswith("jshard train: process 1 lost JAX's coordination service "
+                                                       f"at {HOSTS['jshard-a']}:9476"), said[1]

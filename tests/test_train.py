@@ -27,7 +27,8 @@ from jax.sharding import NamedSharding
 import jshard
 from jshard import data, optim
 from jshard.checkpoint import Checkpoints
-from jshard.cli import main
+from jshard.cli import build_parser, main
+from jshard.cli.train import config_from_args
 from jshard import metrics
 from jshard.metrics import device_memory
 from jshard.models import GPT, gpt_loss
@@ -463,6 +464,13 @@ def test_a_full_disk_stops_the_run_with_one_line_and_keeps_the_last_checkpoint(t
     assert "No space left on device" in line and str(failed - 1) in kept, (line, kept)
 
 
+def test_a_config_may_give_the_mesh_as_an_object_and_the_strategy_as_a_list(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"mesh": {"data": 2, "tensor": 4}, "strategy": ["dp", "tp"], "steps": 3}))
+    config = config_from_args(build_parser().parse_args(["train", "--config", str(path)]))
+    assert (config.mesh, config.strategy, config.steps) == ("data=2,tensor=4", "dp+tp", 3)
+
+
 def test_config_file_is_mirrored_by_flags(capsys, tmp_path):
     config = tmp_path / "run.json"
     config.write_text(json.dumps({"model": "tiny", "steps": 0}))
@@ -530,9 +538,12 @@ def test_an_update_of_non_finite_gradients_is_not_applied():
 
 @pytest.mark.parametrize("config, message", [
     ({"resume": "false"}, 'resume is "false", not true or false. Fix: e.g. "resume": false.'),
-    ({"mesh": {"data": 8}}, 'mesh is {"data": 8}, not a string or null. Fix: e.g. "mesh": "data=2,fsdp=2,tensor=2".'),
-    ({"strategy": ["dp"]}, 'strategy is ["dp"], not a string. Fix: e.g. "strategy": "dp+fsdp+tp".'),
-    ({"seed": "1"}, 'seed is "1", not an integer or null. Fix: e.g. "seed": 1.'),
+    ({"mesh": {"data": "8"}}, 'mesh is {"data": "8"}, not a string ("data=2,tensor=4"), an object of axis sizes '
+                              '({"data": 2, "tensor": 4}) or null. Fix: e.g. "mesh": "data=2,fsdp=2,tensor=2".'),
+    ({"strategy": ["dp", 2]}, 'strategy is ["dp", 2], not a string ("dp+tp") or a list of strings (["dp", "tp"]). '
+                              'Fix: e.g. "strategy": "dp+fsdp+tp".'),
+    ({"seed": "1", "steps": 2.5}, 'steps is 2.5, not an integer; seed is "1", not an integer or null. '
+                                  'Fix: e.g. "steps": 400, "seed": 1.'),
 ])
 def test_a_config_value_of_the_wrong_type_gets_one_line(capsys, tmp_path, config, message):
     path = tmp_path / "config.json"

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from jshard.checkpoint import CheckpointError
     from jshard.collectives import CollectiveError
     from jshard.config import FlagError
-    from jshard.distributed import DistributedError, initialize, leave
+    from jshard.distributed import DistributedError, initialize, leave, needs_supervisor, supervise
     from jshard.generate import GenerateError
     from jshard.hf import HFError
     from jshard.mesh import MeshError
@@ -44,7 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     from jshard.rules import ShardingError
     from jshard.train import TrainError
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    if args.command != "launch" and needs_supervisor():  # one process of a multi-process run, no parent yet:
+        # its parent prints one line, not JAX's report, if JAX's runtime ends it (a lost host)
+        return supervise([sys.executable, "-m", "jshard.cli", *argv], args.command)
     try:
         if args.command != "launch":  # every process of a multi-process run joins it first
             initialize()

@@ -85,18 +85,34 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         if unknown:
             raise TrainError(f"--config {args.config}: unknown field(s) {', '.join(unknown)}. "
                              f"Known: {', '.join(sorted(fields))}")
-    for field in dataclasses.fields(TrainConfig):  # a JSON value of the wrong type: one line, as a flag's
-        if field.name in values and not _of_type(values[field.name], field.type):
-            raise TrainError(f"--config {args.config}: {field.name} is {json.dumps(values[field.name])}, not "
-                             f"{_TYPE_WORDS[field.type]}. Fix: e.g. \"{field.name}\": {json.dumps(_example(field))}.")
+    values = {k: _as_text(k, v) for k, v in values.items()}
+    wrong = [f for f in dataclasses.fields(TrainConfig) if f.name in values and not _of_type(values[f.name], f.type)]
+    if wrong:  # a JSON value of the wrong type, as a flag's: one line for them all
+        raise TrainError(f"--config {args.config}: " + "; ".join(
+            f"{f.name} is {json.dumps(values[f.name])}, not {_TYPE_WORDS.get(f.name, _TYPE_WORDS[f.type])}"
+            for f in wrong) + ". Fix: e.g. " + ", ".join(f'"{f.name}": {json.dumps(_example(f))}' for f in wrong) + ".")
     values.update({k: v for k, v in vars(args).items() if k in fields and v is not None})
     return TrainConfig(**values)
 
 
-# TrainConfig's field types, as JSON must give them (a mesh is text, as --mesh takes it).
+# TrainConfig's field types, as JSON must give them; a mesh and a strategy may also be given as
+# JSON structures (`_as_text` turns them into the text --mesh and --strategy take).
 _TYPES = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}
 _TYPE_WORDS = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string",
-               "int | None": "an integer or null", "float | None": "a number or null", "str | None": "a string or null"}
+               "int | None": "an integer or null", "float | None": "a number or null", "str | None": "a string or null",
+               "mesh": 'a string ("data=2,tensor=4"), an object of axis sizes ({"data": 2, "tensor": 4}) or null',
+               "strategy": 'a string ("dp+tp") or a list of strings (["dp", "tp"])'}
+
+
+def _as_text(name: str, value):
+    """A mesh given as {"axis": size}, a strategy as a list of parts: the text the flags take;
+    anything else as it is (then checked by type)."""
+    if name == "mesh" and isinstance(value, dict) and value and all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in value.items()):
+        return ",".join(f"{axis}={size}" for axis, size in value.items())
+    if name == "strategy" and isinstance(value, list) and value and all(isinstance(p, str) for p in value):
+        return "+".join(value)
+    return value
 
 
 def _example(field):
