@@ -31,6 +31,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
@@ -539,7 +540,7 @@ def _train(p: Setup, out) -> TrainResult:
             in_a_row = int(optim.skipped(state.opt_state))
             norm = None if in_a_row else float(optim.grad_norm(state.opt_state))  # (the clip keeps it)
             if not math.isfinite(loss) or in_a_row > c.skip_nonfinite:
-                raise TrainError(_not_finite(p, index + 1, loss, in_a_row, saved_at))
+                raise TrainError(_not_finite(p, index + 1, loss, in_a_row, saved_at, state))
             if in_a_row:
                 skipped.append(index + 1)
             if traced and index == traced[-1]:
@@ -635,14 +636,20 @@ def _schedule(c: TrainConfig) -> dict:
     return dict(steps=c.steps, lr=c.lr, warmup=_warmup(c))
 
 
-def _not_finite(p: Setup, step: int, loss: float, in_a_row: int, saved_at: int | None) -> str:
+def _not_finite(p: Setup, step: int, loss: float, in_a_row: int, saved_at: int | None, state) -> str:
     """The line a run stops with at its first non-finite loss, or at non-finite gradients (more
-    than --skip-nonfinite in a row; their updates were not applied): nothing after it is saved."""
+    than --skip-nonfinite in a row; their updates were not applied): nothing after it is saved.
+    `state`: after that step, whose non-finite update was not applied."""
     c = p.config
     kept = (f"the last checkpoint, step {saved_at or p.record['step']} in {c.checkpoint_dir}, is kept"
             if saved_at or p.record else "no checkpoint was written")
-    if step == (p.record["step"] + 1 if p.record else 1):  # before any update: what it started from
+    if step == (p.record["step"] + 1 if p.record else 1) and not math.isfinite(loss):  # before any update
         started = (f"checkpoint step {p.record['step']}" if p.record else c.init_from) or "the random init"
+        if all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(state.params)):  # the forward overflowed
+            fix = "--precision fp32, or other weights" if c.precision != "fp32" else "other weights or data"
+            return (f"step {step}: the loss is {loss} at the first step, before any update, though the params it "
+                    f"started from ({started}) are finite: the forward overflows in {c.precision}; training stopped, "
+                    f"{kept}. Fix: {fix}.")
         return (f"step {step}: the loss is {loss} at the first step, before any update: the params it started from "
                 f"({started}) are not finite; training stopped, {kept}. Fix: start from another checkpoint (delete "
                 "this one to resume from the one before), or from other weights.")

@@ -243,13 +243,18 @@ def test_hf_commands_refuse_bad_input_in_one_line(tmp_path):
     assert "holds no checkpoint" in cli.stderr
 
 
-def test_hf_weights_that_are_not_finite_stop_the_first_step(tmp_path):
+@pytest.mark.parametrize("value, said", [
+    (np.nan, "before any update: the params it started from \\({directory}\\) are not finite"),
+    # Finite weights whose forward overflows (the final norm's 1e38 times the logits' sums):
+    (1e38, "before any update, though the params it started from \\({directory}\\) are finite: the forward "
+           "overflows in fp32; training stopped, no checkpoint was written. Fix: other weights or data."),
+], ids=["nan", "overflow"])
+def test_hf_weights_whose_loss_is_not_finite_stop_the_first_step(tmp_path, value, said):
     directory = str(tmp_path / "model")
     shutil.copytree(fixture("qwen3"), directory)
     tensors = load_file(os.path.join(directory, hf.SINGLE))
-    tensors["model.norm.weight"][3] = np.nan
+    tensors["model.norm.weight"][3 if np.isnan(value) else slice(None)] = value
     from safetensors.numpy import save_file
     save_file(tensors, os.path.join(directory, hf.SINGLE))
-    with pytest.raises(TrainError, match=f"step 1: the loss is nan at the first step, before any update: the params "
-                                         f"it started from \\({directory}\\) are not finite"):
+    with pytest.raises(TrainError, match=r"step 1: the loss is (nan|inf) at the first step, " + said.format(directory=directory)):
         train(TrainConfig(init_from=directory, strategy="dp", steps=2, batch_size=8))
