@@ -257,6 +257,7 @@ def test_schedule_without_pipeline():
         build_step(make_mlp(), OPTIMIZER, mlp_loss, jshard.make_mesh(data=8), jshard.preset("dp"), schedule="1f1b")
 
 
+@pytest.mark.once
 def test_bench_pipeline_rows(tmp_path):
     from jshard.cli import main
 

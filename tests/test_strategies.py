@@ -180,6 +180,7 @@ def test_memory_falls_with_each_zero_stage():
     assert abs(sizes[3] - textbook) <= 0.1 * textbook, (sizes[3], textbook)
 
 
+@pytest.mark.once
 def test_bench_strategies_rows(tmp_path):
     from jshard.cli import main
 
