@@ -24,7 +24,8 @@ from jshard.precision import precision as precision_policy
 from parity import BF16_TOLERANCE, OPTIMIZER, TOLERANCE, assert_losses_close, relative_error
 from seed import SEED
 
-pytestmark = pytest.mark.device
+# `once`: on a fake CPU device these are the parity tests' kind, run in CI's first pass only.
+pytestmark = [pytest.mark.device, pytest.mark.once]
 
 CONFIGS = {
     "gpt": GPTConfig(vocab=256, seq_len=128, embed=128, heads=2, mlp=512, layers=2),
