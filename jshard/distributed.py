@@ -215,8 +215,8 @@ def supervise(command: list[str], name: str, err=None) -> int:
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, lambda signum, _: child.send_signal(signum))
-    outputs = {stream: ProcessOutput(os.environ.get(PROCESS_ID_ENV, "this process"))
-               for stream in ("stdout", "stderr")}
+    index = os.environ.get(PROCESS_ID_ENV)
+    outputs = {stream: ProcessOutput(index or "this process") for stream in ("stdout", "stderr")}
     readers = [threading.Thread(target=_relay, daemon=True, args=(
         outputs[stream], getattr(child, stream), lambda line, to=getattr(sys, stream): print(line, file=to, flush=True)))
         for stream in outputs]
@@ -231,7 +231,7 @@ def supervise(command: list[str], name: str, err=None) -> int:
             signal.signal(sig, handler)
     report = outputs["stderr"]
     if code and report.reported:
-        me = f"process {os.environ[PROCESS_ID_ENV]}" if PROCESS_ID_ENV in os.environ else "this process"
+        me = f"process {index}" if index else "this process"
         address = os.environ.get(COORDINATOR_ENV)
         if report.lost:
             what = f"{lost_processes_line(report.lost)}, so JAX's runtime ended every process, {me} with it"

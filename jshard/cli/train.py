@@ -89,7 +89,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     wrong = [f for f in dataclasses.fields(TrainConfig) if f.name in values and not _of_type(values[f.name], f.type)]
     if wrong:  # a JSON value of the wrong type, as a flag's: one line for them all
         raise TrainError(f"--config {args.config}: " + "; ".join(
-            f"{f.name} is {json.dumps(values[f.name])}, not {_TYPE_WORDS.get(f.name, _TYPE_WORDS[f.type])}"
+            f"{f.name} is {json.dumps(values[f.name])}, not {_FIELD_WORDS.get(f.name) or _TYPE_WORDS[f.type]}"
             for f in wrong) + ". Fix: e.g. " + ", ".join(f'"{f.name}": {json.dumps(_example(f))}' for f in wrong) + ".")
     values.update({k: v for k, v in vars(args).items() if k in fields and v is not None})
     return TrainConfig(**values)
@@ -99,9 +99,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 # JSON structures (`_as_text` turns them into the text --mesh and --strategy take).
 _TYPES = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}
 _TYPE_WORDS = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string",
-               "int | None": "an integer or null", "float | None": "a number or null", "str | None": "a string or null",
-               "mesh": 'a string ("data=2,tensor=4"), an object of axis sizes ({"data": 2, "tensor": 4}) or null',
-               "strategy": 'a string ("dp+tp") or a list of strings (["dp", "tp"])'}
+               "int | None": "an integer or null", "float | None": "a number or null", "str | None": "a string or null"}
+_FIELD_WORDS = {"mesh": 'a string ("data=2,tensor=4"), an object of axis sizes ({"data": 2, "tensor": 4}) or null',
+                "strategy": 'a string ("dp+tp") or a list of strings (["dp", "tp"])'}
 
 
 def _as_text(name: str, value):
