@@ -7,19 +7,24 @@ token, printed in Korthikanti et al. 2022's unit, s·b·h bytes (their Table 2: 
 layer; tp: 10 + 24/t + 5as/(ht); tp + sp: (34 + 5as/h)/t; selective recompute 34/t; full 2).
 docs/gpu-compile.md holds the table. Needs the CUDA plugin (`make venv GPU_COMPILE=1`).
 
-    python examples/gpu_activations.py [--embed 2048 --heads 16 --seq-len 2048] [--json FILE]
+    python examples/gpu_activations.py [--embed 2048 --heads 16 --seq-len 2048] [--remat none ...]
+                                       [--attention xla ...] [--json FILE]
+
+Each row also gives the planner's figure for the same layer (`plan.estimate.ACTIVATIONS["gpu"]`).
 """
 
 import argparse
 import dataclasses
 import json
 
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
 import jshard
 from jshard import aot
 from jshard.models import GPTConfig, decoder, gpt_loss
+from jshard.plan.estimate import ACTIVATIONS, activation_bytes_per_token_layer
 
 # (strategy, mesh, rows per data shard -> global rows): one data-parallel, one tensor-parallel
 STRATEGIES = (("dp", dict(data=8)), ("dp+tp", dict(tensor=8)), ("dp+tp+sp", dict(tensor=8)))
@@ -43,6 +48,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--embed", type=int, default=2048)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--remat", nargs="+", choices=("none", "selective", "full"), default=("none", "selective", "full"))
+    p.add_argument("--attention", nargs="+", choices=("xla", "cudnn"), default=("xla", "cudnn"))
     p.add_argument("--target", choices=aot.TARGETS, default="h100x8")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
@@ -51,15 +58,18 @@ def main(argv=None) -> list[dict]:
     h, a, s = args.embed, args.heads, args.seq_len
     base = GPTConfig(vocab=1024, seq_len=s, embed=h, heads=a, mlp=4 * h, layers=2)
     rows = []
-    print(f"{'strategy':<10}{'remat':<11}{'attention':<10}{'kept, s·b·h bytes':>18}")
+    print(f"{'strategy':<10}{'remat':<11}{'attention':<10}{'kept, s·b·h bytes':>18}{'planned':>9}")
     for strategy, mesh in STRATEGIES:
-        for remat in ("none", "selective", "full"):
-            for attention in ("xla", "cudnn"):
+        for remat in args.remat:
+            for attention in args.attention:
                 config = dataclasses.replace(base, remat=remat, attention=attention)
                 per_token, kernel = kept_per_token_layer(config, strategy, mesh, target)
+                planned = activation_bytes_per_token_layer(dataclasses.replace(config, dtype=jnp.bfloat16),
+                                                           mesh.get("tensor", 1), strategy.endswith("+sp"),
+                                                           kernel == "cudnn", ACTIVATIONS["gpu"])
                 rows.append(dict(strategy=strategy, remat=remat, attention=kernel, sbh=per_token / h,
-                                 embed=h, heads=a, seq_len=s, target=target.name))
-                print(f"{strategy:<10}{remat:<11}{kernel:<10}{per_token / h:>18.2f}", flush=True)
+                                 planned_sbh=planned / h, embed=h, heads=a, seq_len=s, target=target.name))
+                print(f"{strategy:<10}{remat:<11}{kernel:<10}{per_token / h:>18.2f}{planned / h:>9.2f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -123,10 +123,13 @@ def test_the_plan_follows_the_kernel():
     flash, xla = plan_of("--precision", "bf16"), plan_of("--precision", "bf16", "--attention", "xla")
     assert (flash["attention"], xla["attention"]) == ("cudnn", "xla")
     config = LLAMA_SIZES["llama-3.1-8b"]
-    # XLA keeps the scores (the GPU table's elements per head and key, a token, in bf16) in each
-    # layer and in the one layer's backward the step holds beside them; the flash kernel none.
+    # XLA keeps the scores (the GPU table's elements per head and key, a token, in bf16) and more
+    # per element of q, k, v and its output, in each layer and in the one layer's backward the
+    # step holds beside them; the flash kernel keeps no scores.
     gpu = ACTIVATIONS["gpu"]
-    scores = gpu.scores * config.heads * config.seq_len * 2 * (config.layers + gpu.backward["none"]) * config.seq_len
+    q_k_v_out = config.embed * 2 + 2 * config.kv_heads * config.head_dim
+    per_token = gpu.scores * config.heads * config.seq_len + gpu.xla_attention * q_k_v_out
+    scores = per_token * 2 * (config.layers + gpu.backward["none"]) * config.seq_len
     difference = xla["memory_bytes_per_device"]["activations"] - flash["memory_bytes_per_device"]["activations"]
     assert difference == pytest.approx(scores, rel=1e-6)
     assert plan_of("--precision", "fp32")["attention"] == "xla"

@@ -28,17 +28,18 @@ One module per idea, lower first (none imports a higher one, nor anything above 
   are specs as tuples, one tuple of mesh axes per dim: `((data, fsdp), (), (tensor,))`;
 - `params.py`: the step's split-param protocol (`LocalBlock`, `ShardWithReplica`, `param`,
   `remat_policy`, `gathers_weights`, `holds_replicas`);
+- `softmax.py`: attention's softmax, keeping only its output for backward (`probabilities`);
 - `context.py`: context parallelism (`split_input`, `positions`, `ring_attention`,
   `gathered_kv_attention`, `balanced_order`);
 - `layers.py`: `matmul`, `Linear`, `Embed`, `LayerNorm`, `RMSNorm`, and the elementwise work
   between them recomputed in backward (`recomputed`, `gelu`, `swiglu`);
-- `attn.py`: the kernel choice (`attention_implementation`, `attention`) and the KV
+- `attn.py`: the kernel choice (`attention_implementation`, `attention`, `xla_attention`) and the KV
   cache (`KVCache`, `cached_attention`);
 - `losses.py`: `cross_entropy` and the losses a layer adds (`with_loss_gradient`,
   `scaled_losses`).
 """
 
-from jshard.nn.attn import ATTENTION, KVCache, attention, attention_implementation, cached_attention
+from jshard.nn.attn import ATTENTION, KVCache, attention, attention_implementation, cached_attention, xla_attention
 from jshard.nn.context import (
     QUERY_TILE,
     balanced_order,
@@ -75,5 +76,5 @@ __all__ = [
     "current_step", "gathered_kv_attention", "gathered_layout", "gathers_weights", "gelu", "holds_replicas",
     "in_step", "input_layout", "laid_out_input", "layout", "manual_axes", "matmul", "param", "positions",
     "query_tile", "recomputed", "relayout", "relayout_local", "remat_policy", "ring_attention", "scaled_losses",
-    "split_input", "step_context", "swiglu", "with_loss_gradient",
+    "split_input", "step_context", "swiglu", "with_loss_gradient", "xla_attention",
 ]

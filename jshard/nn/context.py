@@ -22,6 +22,7 @@ from jax import lax
 
 from jshard import vma
 from jshard.nn.layouts import Layout, layout, relayout_local
+from jshard.nn.softmax import probabilities
 from jshard.nn.step import current_step, in_step
 from jshard.rules import ShardingError, active_rules
 
@@ -125,8 +126,7 @@ def gathered_kv_attention(q, k, v, axes):
     whole = balanced_order(k.shape[1], n)
     mine = whole.reshape(n, -1)[lax.axis_index(axes)]
     s = _scores(q, k, mine[:, None] >= whole[None, :])
-    p = jax.nn.softmax(s, axis=-1)
-    out = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("bhgqk,bkhd->bhgqd", probabilities(s, v.dtype), v, preferred_element_type=jnp.float32)
     return _ungroup(out).astype(q.dtype)
 
 

@@ -83,8 +83,10 @@ ELEMENTWISE_LOGIT_BYTES = 44  # per token and vocabulary entry: the loss over th
 # XLA's attention (not cuDNN's fused kernel) computes the seq × seq scores in HBM: masking,
 # softmax and their gradients in fp32. Bytes per score element (one query, key, head and
 # layer), measured the same way: a step with XLA's attention less the same step predicted with
-# cuDNN's, over its scores: 121 (Llama-3.2-1B), 118 (GPT-1B).
-XLA_SCORE_BYTES = 120
+# cuDNN's, over its scores: 121 (Llama-3.2-1B), 118 (GPT-1B) with JAX's kernel; `nn.xla_attention`,
+# whose softmax keeps its output alone, saves 25.7 and 32.5 of them (the same steps on one H100,
+# 121.3 -> 104.8 and 81.1 -> 69.3 ms, docs/benchmarks.md).
+XLA_SCORE_BYTES = 91
 # FP8 (`nn.fp8`): each cast reads its bf16 operand twice (its max, then the cast) and writes one
 # byte: activations and gradients per token (`counts.fp8_cast_widths`), the weights forward and
 # again in backward. Counted from the bytes, not fitted (docs/planning.md).
@@ -102,7 +104,8 @@ class Activations:
     h_replicated: float  # per element of h, whole over tensor: the norms' inputs, residuals, the out-projections' outputs
     attention: float  # per element of q, k, v and the attention output (`counts.attention_widths`), split by TP
     mlp: float  # per element of the MLP's hidden values (`counts.mlp_widths`), split by TP
-    scores: float  # XLA's attention: scores and probabilities (cuDNN's fused kernel and the ring keep none)
+    scores: float  # XLA's attention (`nn.xla_attention`): its probabilities (cuDNN's fused kernel and the ring keep none)
+    xla_attention: float  # XLA's attention: more per element of q, k, v and its output than cuDNN's keeps
     h_sp_whole: float  # under SP, the part of h_replicated that stays whole: the column-parallel linears' gathered inputs
     # Once per step, the backward of one layer (recomputed under remat) beside what the layers
     # keep: a multiple of what a layer keeps without remat, by remat policy.
@@ -110,7 +113,9 @@ class Activations:
     logits: float  # the cross-entropy's float32 copies of the logits (per token and vocab entry ÷ tensor)
     # A pipeline tick's residual record (one micro-batch's chunk), as a share of one: copied out of
     # its slot buffer (1) or read in place (0). XLA:CPU copies it under JAX 0.10 and not 0.12
-    # (measured; 0.5 between the two), XLA:GPU copies it.
+    # (measured; 0.5 between the two), XLA:GPU copies it. ZB-H1's W ticks read their crossover
+    # record the same way (counted so, its validation rows moved toward the compiled: XLA:GPU
+    # −11.0..−3.3% → −6.8..+4.1%, XLA:CPU −6.6..+0.4% → −4.6..+3.7%).
     record: float
     # A pipeline stage that recomputes its chunk (`--stage-remat full`) holds the chunk's layers'
     # activations, this many layers' worth a layer (measured over chunks of 2 and 4 layers), and one
@@ -122,11 +127,13 @@ class Activations:
 # compiled for 8 H100s by `examples/gpu_activations.py` at h = s = 2048, its once-per-step
 # terms on Llama 3.1 8B at 8192 tokens a row (docs/gpu-compile.md). Measured, XLA:GPU keeps
 # less of the MLP's hidden values than XLA:CPU and more per element of attention's projections.
+# XLA:GPU's `xla_attention` alone is fitted to `--validate --target h100x8`'s rows, `scores` held
+# at its measured slope over heads (docs/gpu-compile.md).
 ACTIVATIONS = {
-    "cpu": Activations(h_replicated=5.1, attention=1.025, mlp=1.2, scores=2.33, h_sp_whole=2.65,
+    "cpu": Activations(h_replicated=5.1, attention=1.025, mlp=1.2, scores=1.17, xla_attention=0.0, h_sp_whole=2.65,
                        backward={"none": 0.0, "selective": 0.37, "full": 2.0}, logits=6.0, record=0.5,
                        stage_recompute=1.0),
-    "gpu": Activations(h_replicated=4.0, attention=1.75, mlp=0.625, scores=2.81, h_sp_whole=2.0,
+    "gpu": Activations(h_replicated=4.0, attention=1.75, mlp=0.625, scores=0.94, xla_attention=0.9, h_sp_whole=2.0,
                        backward={"none": 1.0, "selective": 1.0, "full": 0.5}, logits=1.5, record=1.0,
                        stage_recompute=1.45),
 }
@@ -568,7 +575,7 @@ def _all_activations(config: DecoderConfig, tensor: int, sp: bool, flash: bool, 
     """Bytes per token of one layer that keeps everything for its backward (a MoE layer: its
     slots and router in place of the MLP's `f` term)."""
     h, f, scores = config.embed, config.mlp, 0 if flash else config.heads * config.seq_len
-    split = act.attention * attention_widths(config) + act.scores * scores
+    split = (act.attention + (0.0 if flash else act.xla_attention)) * attention_widths(config) + act.scores * scores
     whole = act.h_sp_whole * h + (act.h_replicated - act.h_sp_whole) * h / tensor if sp else act.h_replicated * h
     itemsize = jnp.dtype(config.dtype).itemsize
     if is_moe(config):
@@ -606,8 +613,8 @@ def pipeline_activations(program, config: DecoderConfig, chunk_layers: int, per_
     Kept (`stage_remat="none"`): per micro-batch in flight what the chunk's layers keep for
     their backward (an unpipelined layer's activations) and, at the last position, the head's
     (the logits'), and the one record a tick reads; ZB-H1's crossover, what B hands W: each
-    matmul's and norm's output gradient per layer, and the logits'. Recomputing: the stage
-    inputs, and one chunk's backward."""
+    matmul's and norm's output gradient per layer, and the logits', and the crossover record a
+    W tick reads. Recomputing: the stage inputs, and one chunk's backward."""
     itemsize = jnp.dtype(config.dtype).itemsize
 
     def slots(count):
@@ -619,6 +626,8 @@ def pipeline_activations(program, config: DecoderConfig, chunk_layers: int, per_
     total = (program.act_slots + program.grad_slots + 2) * a_mb + tokens * (
         program.crossover_slots["layers"] * chunk_layers * crossover  # (measured: not its unread slot)
         + program.crossover_slots["last"] * head)
+    # The crossover record a W tick reads, copied or read in place as the residual record is.
+    total += tokens * act.record * chunk_layers * crossover * bool(program.crossover_slots["layers"])
     if stage_remat == "full":  # one chunk recomputed (`Activations.stage_recompute`), one layer's backward beside it
         return total + tokens * ((chunk_layers * act.stage_recompute + 1) * per_token_layer + logits)
     total += tokens * (slots(program.saved_slots["layers"]) * chunk_layers * per_token_layer
