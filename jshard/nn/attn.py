@@ -63,6 +63,8 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     the compute dtype (`nn.softmax.probabilities`): XLA:GPU keeps 1.9 bytes a score in bf16
     where JAX's kernel keeps 5.6. Grouped-query heads are one grouped einsum (JAX vmaps its
     core over the group)."""
+    # Not cp's `context._scores`: JAX's order (scale, then a finite mask) keeps this bit-exact to
+    # JAX's kernel; cp's mask varies over devices (`vma.where`) and masks with -inf.
     b, t, heads, d = q.shape
     kv_heads = k.shape[2]
     grouped = q.reshape(b, t, kv_heads, heads // kv_heads, d)
