@@ -73,16 +73,18 @@ class SkipState(NamedTuple):
 def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformation:
     """`inner`, but an update whose gradients are not finite is not applied: zero updates, the
     inner state unchanged, `SkipState.skipped` counting them in a row. The test is the global
-    norm (`global_norm`), the same on every shard, so all devices skip alike (optax's
-    `apply_if_finite` tests each shard alone); what to do about a skip, the caller decides
-    (`jshard train`: stop, or go on for `--skip-nonfinite N` in a row, as Megatron does)."""
+    norm (`global_norm`, or the one a `clip_by_global_norm` in `inner` keeps), the same on every
+    shard, so all devices skip alike (optax's `apply_if_finite` tests each shard alone); what to
+    do about a skip, the caller decides (`jshard train`: stop, or go on for `--skip-nonfinite N`
+    in a row, as Megatron does)."""
 
     def init(params):
         return SkipState(inner.init(params), jnp.zeros((), jnp.int32))
 
     def update(updates, state, params=None):
-        finite = jnp.isfinite(global_norm(updates))
         applied, after = inner.update(updates, state.inner, params)
+        norm = grad_norm(after)  # a clip inside `inner` took it already: not a second all-reduce
+        finite = jnp.isfinite(global_norm(updates) if norm is None else norm)
         kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), after, state.inner)
         applied = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), applied)
         return applied, SkipState(kept, jnp.where(finite, 0, state.skipped + 1))
