@@ -52,7 +52,7 @@ def add_parser(commands) -> None:
         help="build small steps on --fake-devices CPU devices and compare with XLA (ignores the model flags)")
     add("--target", choices=aot.TARGETS, help="with --validate: compile every step for these GPUs with XLA:GPU, on "
         "this machine (no GPU needed; `jshard compile`), instead of for the CPU; the models 4 times as wide and "
-        "long (plan.validate.GPU_VALIDATION_SCALE)")
+        "long, twice as deep (plan.validate.GPU_VALIDATION_SCALE, GPU_VALIDATION_DEPTH)")
     flags.add_fake_devices(parser)
     parser.set_defaults(run=run)
 

@@ -107,6 +107,7 @@ class Activations:
     scores: float  # XLA's attention (`nn.xla_attention`): its probabilities (cuDNN's fused kernel and the ring keep none)
     xla_attention: float  # XLA's attention: more per element of q, k, v and its output than cuDNN's keeps
     h_sp_whole: float  # under SP, the part of h_replicated that stays whole: the column-parallel linears' gathered inputs
+    combine: float  # a MoE layer: per element of its combine's expert outputs (top_k · h a token, whole over tensor)
     # Once per step, the backward of one layer (recomputed under remat) beside what the layers
     # keep: a multiple of what a layer keeps without remat, by remat policy.
     backward: dict[str, float]
@@ -125,16 +126,21 @@ class Activations:
 
 # XLA:CPU, fp32: fitted to the `jshard plan --validate` rows (docs/planning.md); XLA:GPU, bf16:
 # compiled for 8 H100s by `examples/gpu_activations.py` at h = s = 2048, its once-per-step
-# terms on Llama 3.1 8B at 8192 tokens a row (docs/gpu-compile.md). Measured, XLA:GPU keeps
-# less of the MLP's hidden values than XLA:CPU and more per element of attention's projections.
-# XLA:GPU's `xla_attention` alone is fitted to `--validate --target h100x8`'s rows, `scores` held
-# at its measured slope over heads (docs/gpu-compile.md).
+# terms on Llama 3.1 8B at 8192 tokens a row (docs/gpu-compile.md). XLA:GPU's `attention` and
+# `mlp` are counted in its buffer assignment: the layer scan's stacked residuals hold each
+# element of q, k, v, the attention output and the MLP's hidden values once (Llama 3.1 8B, and
+# the GPU validation models; a GPT layer at h = s = 2048 keeps the same sum, 4 h + 2 f, at f = 4 h).
+# Its `xla_attention` alone is fitted to `--validate --target h100x8`'s rows (the backward scan's
+# transposed copies of attention's residuals, seen there), `scores` held at its measured slope over
+# heads (docs/gpu-compile.md). A MoE layer's `combine` is counted there too: XLA:GPU keeps each
+# token's top_k expert outputs (`[layers, rows, seq, top_k, h]`) for the gates' gradient; XLA:CPU's
+# rows, fitted without it, stay so.
 ACTIVATIONS = {
     "cpu": Activations(h_replicated=5.1, attention=1.025, mlp=1.2, scores=1.17, xla_attention=0.0, h_sp_whole=2.65,
-                       backward={"none": 0.0, "selective": 0.37, "full": 2.0}, logits=6.0, record=0.5,
+                       combine=0.0, backward={"none": 0.0, "selective": 0.37, "full": 2.0}, logits=6.0, record=0.5,
                        stage_recompute=1.0),
-    "gpu": Activations(h_replicated=4.0, attention=1.75, mlp=0.625, scores=0.94, xla_attention=0.9, h_sp_whole=2.0,
-                       backward={"none": 1.0, "selective": 1.0, "full": 0.5}, logits=1.5, record=1.0,
+    "gpu": Activations(h_replicated=4.0, attention=1.0, mlp=1.0, scores=0.94, xla_attention=0.5, h_sp_whole=2.0,
+                       combine=1.0, backward={"none": 1.0, "selective": 1.0, "full": 0.5}, logits=1.5, record=1.0,
                        stage_recompute=1.45),
 }
 # Under remat the same on both compilers:
@@ -580,7 +586,7 @@ def _all_activations(config: DecoderConfig, tensor: int, sp: bool, flash: bool, 
     itemsize = jnp.dtype(config.dtype).itemsize
     if is_moe(config):
         slots = slots_per_token(config) * (ACT_SLOT_H * h + ACT_SLOT_F * f / tensor)
-        return (whole + split / tensor + slots) * itemsize + _router_bytes(config)
+        return (whole + act.combine * config.top_k * h + split / tensor + slots) * itemsize + _router_bytes(config)
     return (whole + (split + act.mlp * mlp_widths(config)) / tensor) * itemsize
 
 
