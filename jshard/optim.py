@@ -83,7 +83,7 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
 
     def update(updates, state, params=None):
         applied, after = inner.update(updates, state.inner, params)
-        norm = grad_norm(after)  # a clip inside `inner` took it already: not a second all-reduce
+        norm = grad_norm(after)  # a clip inside `inner` took it already (derived once; XLA merged the two anyway)
         finite = jnp.isfinite(global_norm(updates) if norm is None else norm)
         kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), after, state.inner)
         applied = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), applied)
