@@ -18,8 +18,9 @@ For each model family this writes tests/hf/fixtures/<family>/ with
   versions.json                          torch / transformers / safetensors ... + date
 
 Everything is deterministic (torch.manual_seed(0) per family, numpy
-default_rng(0) for the ids), so a second run gives byte-identical files except
-for the date in versions.json.  No file is downloaded: models are built from
+default_rng(0) for the ids), so a second run on the same CPU gives byte-identical
+files except for the date in versions.json (on another, reference.npz's floats may
+differ in their last bits: same_fixtures.py compares within 1e-5).  No file is downloaded: models are built from
 config objects, never from hub names.
 
 Notes on what transformers 5.x saves (verified with transformers 5.24.0):
