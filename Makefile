@@ -49,7 +49,7 @@ versions: $(NEEDS)
 TEST_WORKERS ?= 2
 IN_WORKERS := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
-# PYTEST_ARGS: more of pytest's arguments (.ci/run's second run leaves out the `once` tests: -m 'not once').
+# PYTEST_ARGS: more of pytest's arguments (.ci/run's second run: -m '(fast or gpu_compile) and not once' --dist load).
 PYTEST_ARGS ?=
 
 test: versions
