@@ -1,45 +1,41 @@
 """Every test runs on 8 fake CPU devices: JAX must hear that before it starts.
 
+The tiers are markers at the tests (pyproject.toml lists them): `fast` (make test-fast), `slow`
+(end to end: processes, the network, a benchmark command), `gpu_compile` (XLA:GPU, no GPU),
+`device` (a real device under `make gpu-check`); the rest is the unmarked middle. Each test's
+cost is counted as it runs (seconds and XLA compilations) and the run ends with the tiers'
+totals and its slowest tests, so that the suite's budget stays in view.
+
 JSHARD_TEST_DEVICE=1 (`make gpu-check`, on a GPU machine): JAX starts on the device it finds and
 only the device tier's files (DEVICE_FILES, their tests marked `device`) are collected."""
 
+import collections
 import os
+
+import jax
+import pytest
 
 import jshard
 from seed import describe_seed
 
-# The suite compiles far more than it runs: XLA:CPU's LLVM optimisation of the generated code
-# is most of a compile and changes no result (the HLO, its buffers and collectives are the
-# same). Without it the suite takes a quarter less time. Subprocesses (launch tests) inherit it.
+# The suite compiles far more than it runs, and no test reads XLA:CPU's machine code: only its
+# results, HLO, buffers and collectives. So the tests compile with LLVM's optimisation off, and
+# where the JAX release still has them (0.10), with XLA:CPU's loop emitters in place of its
+# MLIR fusion emitters, which take 2-3x longer to emit the same fusions (their buffer sizes
+# differ by under 0.1%; every parity test checks the numbers). Subprocesses inherit them.
 # jshard's GPU flags too, for the gpu_compile tier's programs (`jshard compile` sets them);
 # XLA:CPU ignores them.
 ON_DEVICE = os.environ.get("JSHARD_TEST_DEVICE") == "1"
+CPU_COMPILE_FLAGS = ["--xla_backend_optimization_level=0"] + (
+    ["--xla_cpu_use_fusion_emitters=false"] if jax.__version_info__ < (0, 11) else [])
 os.environ["XLA_FLAGS"] = " ".join(os.environ.get("XLA_FLAGS", "").split() + (
-    [] if ON_DEVICE else ["--xla_backend_optimization_level=0"]) + list(jshard.mesh.GPU_XLA_FLAGS))
+    [] if ON_DEVICE else CPU_COMPILE_FLAGS) + list(jshard.mesh.GPU_XLA_FLAGS))
 if not ON_DEVICE:
     jshard.use_fake_cpu_devices(8)
 
 
 def pytest_report_header(config):
     return describe_seed()  # in every CI log, so that a failure can be replayed
-
-
-# The fast tier (`make test-fast`, `pytest -m fast`): one case per strategy family against one
-# device, the checks of bad input, the plan, the planner and the layout of the code. One table,
-# by test id prefix, so the tier is read in one place; the full suite still runs every test.
-FAST = (
-    "tests/test_imports.py::", "tests/test_step_plan.py::", "tests/test_rules.py::", "tests/test_schedules.py::",
-    "tests/test_plan.py::test_plan_cli_json_and_warnings", "tests/test_plan.py::test_plan_formulas_scale_as_the_textbook",
-    "tests/test_plan.py::test_context_parallel_moe_is_refused",
-    "tests/test_abstract_step.py::test_the_abstract_step_is_the_step_built_on_devices",
-    *(f"tests/test_strategies.py::test_matches_one_device[{case}]" for case in (
-        "dp-gpt", "zero1-gpt", "zero2-gpt", "zero3-gpt", "dp+tp+sp-gpt", "dp+cp-gpt0", "dp+ep-moe")),
-    "tests/test_strategies.py::test_data_parallel_traffic_is_textbook",
-    "tests/test_strategies.py::test_batch_not_divisible_by_batch_shards",
-    "tests/test_pipeline.py::test_schedule_mlp[4-2-1f1b]",
-    "tests/test_train.py::test_bad_flags_are_refused_before_device_work",
-    "tests/test_hf.py::test_hf_logits_match_transformers", "tests/test_hf.py::test_hf_bad_configs_get_one_line",
-)
 
 
 # The files of the device tier: on a device only these are imported (the others build 8-device
@@ -53,8 +49,51 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        nodeid = item.nodeid if item.nodeid.startswith("tests/") else f"tests/{item.nodeid}"
-        if nodeid.startswith(FAST):
-            item.add_marker("fast")
+# -- what each test costs ------------------------------------------------------------------------
+
+_compiles = [0]  # XLA compilations in this process so far (eager operations' too)
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, _, **__: _compiles.__setitem__(0, _compiles[0] + (event == "/jax/core/compile/backend_compile_duration")))
+
+TIERS = ("fast", "slow", "gpu_compile", "device")
+SLOWEST = 15  # tests listed at the end of a run
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[_COMPILES_AT_START] = _compiles[0]
+
+
+_COMPILES_AT_START = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    if call.when == "call":  # setup's and the call's compilations; teardown compiles nothing
+        item.user_properties.append(("compiles", _compiles[0] - item.stash.get(_COMPILES_AT_START, _compiles[0])))
+    yield
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Each tier's tests, seconds and compilations, then the slowest tests (with pytest-xdist the
+    workers' reports arrive here with their user_properties)."""
+    seconds, compiles, tier = collections.Counter(), collections.Counter(), {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if not isinstance(report, pytest.TestReport):
+                continue
+            seconds[report.nodeid] += report.duration
+            compiles[report.nodeid] += dict(report.user_properties).get("compiles", 0)
+            tier[report.nodeid] = next((t for t in TIERS if t in report.keywords), "unmarked")
+    if not seconds:
+        return
+    write = terminalreporter.write_line
+    terminalreporter.section("what the tests cost")
+    for name in (*TIERS, "unmarked"):
+        ids = [i for i in seconds if tier[i] == name]
+        if ids:
+            write(f"{name:>12}: {len(ids):5d} tests {sum(seconds[i] for i in ids):8.0f} s "
+                  f"{sum(compiles[i] for i in ids):7d} XLA compilations")
+    write(f"the {SLOWEST} slowest (s, compilations, tier):")
+    for nodeid, s in seconds.most_common(SLOWEST):
+        write(f"{s:8.1f} {compiles[nodeid]:5d}  {tier[nodeid]:<11} {nodeid}")

@@ -57,6 +57,7 @@ def test_every_preset_and_schedule_lowers_on_an_abstract_mesh(preset, sizes, kwa
     ("dp+pp", dict(data=2, stage=4), dict(PIPELINE, schedule="1f1b")),
     ("zero2", dict(fsdp=8), dict(precision="mixed")),
 ])
+@pytest.mark.fast
 def test_the_abstract_step_is_the_step_built_on_devices(preset, sizes, kwargs):
     abstract, batch = abstract_step(preset, sizes, abstract_mesh(**sizes), **kwargs)
     mesh = jshard.make_mesh(**sizes)

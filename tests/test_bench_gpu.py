@@ -20,7 +20,7 @@ XLA_SOFTMAX_CHECK = RESULTS / "gpu-check-h100-jax0.11.2-2026-11-26-softmax.json"
 UNFITTED = RESULTS / "bench-step-h100-jax0.11.2-2026-11-25-unfitted.json"
 
 
-@pytest.mark.once
+@pytest.mark.slow
 def test_dry_run_writes_every_case(tmp_path, capsys):
     assert main(["bench", "gpu", "--dry", "--out", str(tmp_path), "--repeats", "2"]) == 0
     result = json.loads((tmp_path / "gpu-check.json").read_text())

@@ -102,7 +102,7 @@ def test_bad_strategies_are_refused_before_placing(preset, sizes, message):
                    microbatches=2 if "pp" in preset else None)
 
 
-@pytest.mark.once
+@pytest.mark.slow
 def test_bench_strategies_shows_parity_and_textbook_bytes(tmp_path):
     """The issue's check (its `--plans` is `--strategies` here): cp alone and with dp and tp."""
     from jshard.cli import main

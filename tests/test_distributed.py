@@ -238,7 +238,7 @@ def test_a_command_that_cannot_start_is_exit_127():
 # -- real multi-process JAX runs -----------------------------------------------------------
 
 
-@pytest.mark.once
+@pytest.mark.slow
 def test_two_processes_train_as_one_and_checkpoints_cross_process_counts(tmp_path):
     """2 processes × 4 fake devices under dp+fsdp+tp = 1 process × 8; checkpoints both ways.
     The data is a memory-mapped token file, which each process reads only its rows of, and
@@ -336,7 +336,7 @@ def _children(pid: int) -> dict[int, int]:
     # Stopped, not dead: only JAX's heartbeat (HEARTBEAT_TIMEOUT_S) tells the others, as for a lost host.
     (signal.SIGSTOP, f"process 1 stopped answering JAX's coordination service for {distributed.HEARTBEAT_TIMEOUT_S} s"),
 ], ids=["killed", "stopped"])
-@pytest.mark.once
+@pytest.mark.slow
 def test_a_process_killed_or_stopped_mid_run_ends_the_launch_within_60_s(tmp_path, sig, said):
     metrics, out, err = tmp_path / "m.jsonl", tmp_path / "out", tmp_path / "err"
     with open(out, "w") as stdout, open(err, "w") as stderr:  # files: no pipe to fill up
@@ -503,7 +503,7 @@ def _on_two_hosts(tmp_path, name: str, steps: int) -> list[subprocess.Popen]:
             for i, namespace in enumerate(HOSTS)]
 
 
-@pytest.mark.once
+@pytest.mark.slow
 def test_two_hosts_train_as_one_and_a_cut_link_ends_both_within_30_s_with_one_line(two_hosts, tmp_path):
     """Two processes, each in its own network namespace (its own host), over a veth: refused
     with the fix while the host name resolves to loopback; once it resolves to each host's

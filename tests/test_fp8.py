@@ -191,7 +191,7 @@ def test_fp8_is_refused_where_it_cannot_run():
         make_plan(model, jshard.make_mesh(data=2, tensor=4), jshard.preset("dp+tp+sp-overlap"), precision="fp8")
 
 
-@pytest.mark.once
+@pytest.mark.slow
 def test_fp8_trains_the_default_run_like_bf16(tmp_path):
     """100 steps of `jshard train` (GPT small, dp+zero3+tp on 8 devices), as a user runs it (its
     own process, XLA's optimizations on: the suite's are off, 4x slower here): the mean loss of

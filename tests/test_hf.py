@@ -69,6 +69,7 @@ def relative_error(a, b) -> float:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.fast
 def test_hf_logits_match_transformers(family):
     model, _ = imported(fixture(family))
     ref = reference(family)
@@ -202,6 +203,7 @@ def test_hf_train_init_from_fine_tunes_and_exports(tmp_path, capsys):
     (dict(num_hidden_layers="2"), "num_hidden_layers = '2': a size must be a positive integer"),
     (dict(rope_parameters=dict(rope_type="llama3", rope_theta=1e4)), "no field 'factor'"),
 ])
+@pytest.mark.fast
 def test_hf_bad_configs_get_one_line(tmp_path, change, message):
     directory = str(tmp_path / "model")
     shutil.copytree(fixture("llama"), directory)

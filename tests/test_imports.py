@@ -6,6 +6,8 @@ import pathlib
 
 import pytest
 
+pytestmark = pytest.mark.fast  # the whole file: the import layout of the code, read from its source
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "jshard"
 
 

@@ -25,7 +25,7 @@ from parity import BF16_TOLERANCE, OPTIMIZER, TOLERANCE, assert_losses_close, re
 from seed import SEED
 
 # `once`: on a fake CPU device these are the parity tests' kind, run in CI's first pass only.
-pytestmark = [pytest.mark.device, pytest.mark.once]
+pytestmark = [pytest.mark.device, pytest.mark.slow]
 
 CONFIGS = {
     "gpt": GPTConfig(vocab=256, seq_len=128, embed=128, heads=2, mlp=512, layers=2),

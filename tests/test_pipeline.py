@@ -36,9 +36,10 @@ def assert_matches_one_device(make, loss_fn, batch, preset, sizes, microbatches,
         assert_trees_close(nnx.state(step.model(state)), nnx.state(reference), f"param after {steps} steps")
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("stages", [2, 4])
-@pytest.mark.parametrize("per_stage", [1, 4])
+@pytest.mark.parametrize("schedule, stages, per_stage", [
+    pytest.param(schedule, stages, per_stage, id=f"{per_stage}-{stages}-{schedule}",
+                 marks=[pytest.mark.fast] * ((schedule, stages, per_stage) == ("1f1b", 2, 4)))  # the fast tier's
+    for per_stage in (1, 4) for stages in (2, 4) for schedule in SCHEDULES])
 def test_schedule_mlp(schedule, stages, per_stage):
     microbatches = per_stage * stages  # m in {p, 4p}
     batch = np.random.default_rng(SEED).standard_normal((8 * microbatches, MLP_CONFIG.dim), dtype=np.float32)
@@ -257,7 +258,7 @@ def test_schedule_without_pipeline():
         build_step(make_mlp(), OPTIMIZER, mlp_loss, jshard.make_mesh(data=8), jshard.preset("dp"), schedule="1f1b")
 
 
-@pytest.mark.once
+@pytest.mark.slow
 def test_bench_pipeline_rows(tmp_path):
     from jshard.cli import main
 

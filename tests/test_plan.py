@@ -33,6 +33,7 @@ def test_estimate_matches_compiler(case, model):
     assert abs(r["memory_rel_err"]) <= plan.MEMORY_TOLERANCE, r
 
 
+@pytest.mark.fast
 def test_plan_cli_json_and_warnings(tmp_path, capsys):
     out = tmp_path / "plan.json"
     argv = ["plan", "--model", "llama-3.1-70b", "--kv-heads", "16", "--mesh", "stage=4,tensor=16", "--strategy", "tp+pp",
@@ -50,6 +51,7 @@ def test_plan_cli_json_and_warnings(tmp_path, capsys):
     assert "all-reduce         tensor" in text and "inter" in text
 
 
+@pytest.mark.fast
 def test_plan_formulas_scale_as_the_textbook():
     # ZeRO-3 on 8 devices keeps 1/8 of the 16 bytes per param; DP all-reduces every param once.
     config = GPT_SIZES["gpt-125m"]
@@ -173,6 +175,7 @@ def test_mixtral_plan(argv, fits, capsys):
     assert "all-to-all         expert      ×8" in text and ("DOES NOT FIT" in text) != fits
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("strategy, mesh", [("cp", "context=8"), ("dp+cp+ep", "data=2,context=2,expert=2"),
                                             ("cp-gather+ep", "context=2,expert=4")])
 def test_context_parallel_moe_is_refused(strategy, mesh, capsys):

@@ -12,6 +12,8 @@ import jshard
 from jshard import Rules, ShardingError
 from jshard.models import GPT, DeepMLP, GPTConfig, MLPConfig
 
+pytestmark = pytest.mark.fast  # the whole file: the rules and their refusals
+
 P = jax.P
 MESH_222 = jshard.make_mesh(data=2, fsdp=2, tensor=2)
 GPT_CONFIG = GPTConfig(vocab=64, seq_len=16, embed=32, heads=4, mlp=64, layers=4)

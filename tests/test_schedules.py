@@ -20,6 +20,8 @@ from jshard.parallel.schedules import (
 )
 from jshard.cli.show import render
 
+pytestmark = pytest.mark.fast  # the whole file: the schedules' tables, nothing compiled
+
 SIZES = [(p, m) for p in (2, 4) for m in (p, 2 * p, 4 * p)]
 VIRTUAL = 2
 LAYERS = 16  # splits over p*v chunks for every p in SIZES and v = VIRTUAL

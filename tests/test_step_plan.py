@@ -14,6 +14,8 @@ from jshard.rules import Rules
 
 import decoders
 
+pytestmark = pytest.mark.fast  # the whole file: step plans, derived without compiling
+
 BATCH = np.random.default_rng(0).integers(0, 64, (16, decoders.CONFIGS["gpt"].seq_len + 1))
 
 

@@ -60,9 +60,18 @@ CASES = [(model, preset, sizes) for model in MODELS if model != "moe" for preset
          ("moe", preset, sizes) for preset, sizes in EXPERT_PLANS]
 
 
-@pytest.mark.parametrize("model_name, preset, sizes", CASES,
-                         ids=[f"{p}-{m}" + ("" if (p, s) in EXPERT_STRATEGIES or m != "moe" else "-" + format_mesh(s))
-                              for m, p, s in CASES])
+# The fast tier's cases: one per strategy family.
+FAST = {("gpt", "dp", "data=8"), ("gpt", "zero1", "fsdp=8"), ("gpt", "zero2", "fsdp=8"), ("gpt", "zero3", "fsdp=8"),
+        ("gpt", "dp+tp+sp", "data=2,tensor=4"), ("gpt", "dp+cp", "data=2,context=4"), ("moe", "dp+ep", "data=2,expert=4")}
+
+
+def case(model, preset, sizes):
+    return pytest.param(model, preset, sizes, marks=[pytest.mark.fast] * ((model, preset, format_mesh(sizes)) in FAST),
+                        id=f"{preset}-{model}" + ("" if (preset, sizes) in EXPERT_STRATEGIES or model != "moe"
+                                                  else "-" + format_mesh(sizes)))
+
+
+@pytest.mark.parametrize("model_name, preset, sizes", [case(*c) for c in CASES])
 def test_matches_one_device(model_name, preset, sizes):
     make, loss_fn, _ = MODELS[model_name]
     run = reference(model_name)
@@ -106,6 +115,7 @@ MLP_BATCH = np.ones((16, MLP_CONFIG.dim), np.float32)
         ("zero3", dict(fsdp=8), {"reduce-scatter": 1, "all-gather": 2}),
     ],
 )
+@pytest.mark.fast
 def test_data_parallel_traffic_is_textbook(preset, sizes, expected):
     """Ψ = param bytes: DP all-reduces Ψ (ring cost 2Ψ); ZeRO-1/2 reduce-scatter Ψ and
     all-gather Ψ; ZeRO-3 all-gathers Ψ twice (forward, backward) and reduce-scatters Ψ."""
@@ -180,7 +190,7 @@ def test_memory_falls_with_each_zero_stage():
     assert abs(sizes[3] - textbook) <= 0.1 * textbook, (sizes[3], textbook)
 
 
-@pytest.mark.once
+@pytest.mark.slow
 def test_bench_strategies_rows(tmp_path):
     from jshard.cli import main
 
@@ -233,6 +243,7 @@ def test_user_module_matches_one_device(preset):
     assert_gradients_close(step, batch, *one_device_gradients(UserMLP(nnx.Rngs(SEED)), user_loss, batch))
 
 
+@pytest.mark.fast
 def test_batch_not_divisible_by_batch_shards():
     step = build_step(make_mlp(), OPTIMIZER, mlp_loss, jshard.make_mesh(data=8), jshard.preset("dp"))
     with pytest.raises(jshard.ShardingError, match=r"batch size 12 does not split over 8 batch shards \(data\) = 8"):

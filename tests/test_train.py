@@ -387,6 +387,7 @@ def refused(capsys, argv, message):
     (["--tensorboard", "/proc/no"], "--tensorboard /proc/no: cannot write into /proc/no (no such file"),
     (["--profile", "/proc/no"], "--profile /proc/no: cannot write into /proc/no (no such file"),
 ])
+@pytest.mark.fast
 def test_bad_flags_are_refused_before_device_work(capsys, flags, message):
     refused(capsys, CLI + flags, message)
 
