@@ -107,6 +107,12 @@ GROUPINGS = [
     (MESH_3D, ("tensor", "data")),  # against mesh order: rank = tensor * 2 + data
 ]
 NP_REDUCE = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min}
+OPS = ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "scatter", "gather", "reduce",
+       "send_recv", "barrier"]
+REDUCING = ("all_reduce", "reduce_scatter", "reduce")
+# Each op once, and those that reduce once per reduction: the others take none, so rerunning them
+# per reduction would only redraw shapes.
+OP_REDUCTIONS = [(op, r) for op in OPS for r in (C.REDUCE_OPS if op in REDUCING else (None,))]
 
 
 def draw(op, n, reduction, rng):
@@ -163,10 +169,10 @@ def per_group(mesh, axes, xs, reference):
 
 
 @pytest.mark.parametrize("grouping", GROUPINGS, ids=lambda g: str(g[1]))
-@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast",
-                                "scatter", "gather", "reduce", "send_recv", "barrier"])
-def test_matches_numpy(op, grouping):
-    rng = case_rng("test_matches_numpy", op, grouping)  # a mesh size and shapes of its own per case
+@pytest.mark.parametrize("op, reduction", OP_REDUCTIONS,
+                         ids=[op if r is None else f"{op}-{r}" for op, r in OP_REDUCTIONS])
+def test_matches_numpy(op, reduction, grouping):
+    rng = case_rng("test_matches_numpy", op, reduction, grouping)  # a mesh size and shapes of its own per case
     sizes, axis = grouping
     if sizes is None:
         n = int(rng.choice([2, 3, 5, 8]))
@@ -176,13 +182,12 @@ def test_matches_numpy(op, grouping):
     axes = (axis,) if isinstance(axis, str) else axis
     n = math.prod(jshard.mesh_shape(mesh)[a] for a in axes)
     every_device = jax.P(mesh.axis_names)
-    for reduction in C.REDUCE_OPS:  # one draw each, so every reduction is checked every run
-        shape, ours, reference = draw(op, n, reduction, rng)
-        xs = rng.standard_normal((mesh.size, *shape)).astype(np.float32)
-        body = jax.shard_map(lambda block: ours(block[0], axis)[None], mesh=mesh,
-                             in_specs=every_device, out_specs=every_device, check_vma=True)
-        np.testing.assert_allclose(jax.jit(body)(xs), per_group(mesh, axes, xs, reference), rtol=1e-5, atol=1e-6,
-                                   err_msg=f"{op} ({reduction}) over {axis}, shape {shape}, seed {SEED}")
+    shape, ours, reference = draw(op, n, reduction, rng)
+    xs = rng.standard_normal((mesh.size, *shape)).astype(np.float32)
+    body = jax.shard_map(lambda block: ours(block[0], axis)[None], mesh=mesh,
+                         in_specs=every_device, out_specs=every_device, check_vma=True)
+    np.testing.assert_allclose(jax.jit(body)(xs), per_group(mesh, axes, xs, reference), rtol=1e-5, atol=1e-6,
+                               err_msg=f"{op} ({reduction}) over {axis}, shape {shape}, seed {SEED}")
 
 
 # Before 0.12, turning jax_auto_pcast off stops JAX's integer casts too, and its own
@@ -193,8 +198,7 @@ WITHOUT_AUTO_PCAST = pytest.param(False, id="no_auto_pcast", marks=pytest.mark.s
 
 
 @pytest.mark.parametrize("auto_pcast", [pytest.param(True, id="auto_pcast"), WITHOUT_AUTO_PCAST])
-@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast",
-                                "scatter", "gather", "reduce", "send_recv", "barrier"])
+@pytest.mark.parametrize("op", OPS)
 def test_an_input_alike_on_every_rank_is_each_ranks_own(op, auto_pcast):
     """x given whole to every device (in_specs P(): JAX types it invariant) takes part once per
     rank, as in torch, whether or not JAX casts it to varying itself (`jax_auto_pcast`, which

@@ -95,10 +95,10 @@ def test_router_stats():
 # -- expert parallelism, counted ---------------------------------------------------------------
 
 
+# ep, dp+ep under full remat and fsdp+ep are left out: test_plan.py's MoE rows compile those steps (moe-tiny,
+# the same meshes and rows) and hold their bytes to the planner's; these rows still count the buffers by hand
+# (4 per layer without remat, 6 with).
 @pytest.mark.parametrize("preset, sizes, remat, moe_every", [
-    ("ep", dict(expert=8), "none", 1),
-    ("dp+ep", dict(data=2, expert=4), "full", 1),
-    ("fsdp+ep", dict(fsdp=2, expert=4), "none", 1),
     ("zero2+ep", dict(fsdp=2, expert=4), "selective", 1),
     ("dp+ep+tp", dict(data=2, expert=2, tensor=2), "full", 1),
     ("dp+ep+tp+sp", dict(data=2, expert=2, tensor=2), "none", 1),

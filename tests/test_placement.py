@@ -43,8 +43,20 @@ MODELS = {
 }
 
 
-@pytest.mark.parametrize("model_name", MODELS)
-@pytest.mark.parametrize("preset, sizes", PLACEMENTS, ids=[p for p, _ in PLACEMENTS])
+# Left out, each compiling a program (or taking the jshard path) of a case that stays: zero2 is
+# zero1's forward (params whole under both, same mesh). Neither model has experts, so the ep
+# presets only add `expert` to the batch axes: ep is dp's program with the axis renamed, dp+ep,
+# fsdp+ep and dp+ep+tp take dp's, zero3's and dp+tp's paths. The MLP names no seq: its sp presets
+# are dp+tp's and dp+fsdp+tp's programs, and its cp presets only replicate (dp's and dp+tp's
+# paths). GPT's dp+tp+sp-overlap is its dp+tp+sp program: under jit there is no collective matmul.
+SAME_AS_ANOTHER = {("gpt", p) for p in ("zero2", "ep", "dp+ep", "fsdp+ep", "dp+ep+tp", "dp+tp+sp-overlap")} | {
+    ("mlp", p) for p in ("zero2", "ep", "dp+ep", "fsdp+ep", "dp+ep+tp", "dp+tp+sp", "dp+fsdp+tp+sp", "dp+tp+sp-overlap",
+                         "cp", "dp+cp", "dp+cp+tp")}
+FORWARD_CASES = [(model_name, preset, sizes) for preset, sizes in PLACEMENTS for model_name in MODELS
+                 if (model_name, preset) not in SAME_AS_ANOTHER]
+
+
+@pytest.mark.parametrize("model_name, preset, sizes", FORWARD_CASES, ids=[f"{p}-{m}" for m, p, _ in FORWARD_CASES])
 def test_forward_matches_one_device(model_name, preset, sizes):
     factory, make_inputs = MODELS[model_name]
     assert_matches_one_device(factory, make_inputs(np.random.default_rng(SEED)), preset, sizes)

@@ -21,10 +21,11 @@ from parity import (SGD_MOMENTUM, TOLERANCE, assert_trains_like_one_device, asse
                     train_on_one_device)
 from seed import SEED
 
-PRESETS = [  # the issue's, and sequence parallelism (nothing of a plain model's is split on seq)
+# The issue's presets. dp+tp+sp is left out: nothing of a plain model's is named seq, so it compiles
+# dp+tp's program (the last test here trains a plain model under sp; its rules' seq fallback: test_placement).
+PRESETS = [
     ("dp", dict(data=8)), ("zero1", dict(fsdp=8)), ("zero2", dict(fsdp=8)), ("zero3", dict(fsdp=8)),
     ("dp+tp", dict(data=2, tensor=4)), ("dp+fsdp+tp", dict(data=2, fsdp=2, tensor=2)),
-    ("dp+tp+sp", dict(data=2, tensor=4)),
 ]
 
 
@@ -36,9 +37,11 @@ OPTIMIZER = SGD_MOMENTUM
 
 # (model, preset, mesh sizes, micro-batches): the CNN and the transformer under every preset,
 # the MLP under a data, a ZeRO-3 and a tensor-parallel layout; the stacked transformer where
-# its stack matters: ZeRO-3's per-layer gathers, and pipelines.
+# its stack matters: ZeRO-3's per-layer gathers, and pipelines. MiniGPT is left out under zero1
+# and zero2: the transformer's and the CNN's take that path, and its named biases are minigpt-zero3's.
 CASES = [(name, preset, sizes, None) for name in ("mlp", "cnn", "transformer", "minigpt") for preset, sizes in PRESETS
-         if name != "mlp" or preset in ("dp", "zero3", "dp+fsdp+tp")] + [
+         if (name != "mlp" or preset in ("dp", "zero3", "dp+fsdp+tp"))
+         and not (name == "minigpt" and preset in ("zero1", "zero2"))] + [
     ("user scan", preset, sizes, None) for preset, sizes in PRESETS if preset in ("zero2", "zero3", "dp+fsdp+tp")] + [
     ("stacked transformer", "zero3", dict(fsdp=8), None),
     ("stacked transformer", "dp+pp", dict(data=2, stage=4), 2),
@@ -46,11 +49,19 @@ CASES = [(name, preset, sizes, None) for name in ("mlp", "cnn", "transformer", "
 ]
 
 
+class ShapeReadingMLP(MLP):
+    def __call__(self, x):
+        # What plain code sees of a split param's shape: the whole param's.
+        assert self.up.kernel.shape == (16, 64) and self.down.kernel.ndim == 2, self.up.kernel.shape
+        return super().__call__(x)
+
+
 @pytest.mark.parametrize("name, preset, sizes, microbatches", CASES, ids=[f"{n}-{p}" for n, p, _, _ in CASES])
 def test_plain_flax_model_matches_one_device(name, preset, sizes, microbatches):
     """Losses, params and batch statistics after 3 steps, as on one device (dropout off:
-    the per-shard draws are tested below)."""
-    make, loss_fn, batches = MODELS[name]
+    the per-shard draws are tested below). The MLP reads its params' shapes as it runs: a
+    split param's is the whole param's."""
+    make, loss_fn, batches = (ShapeReadingMLP, mse_loss, regression_batches) if name == "mlp" else MODELS[name]
     extra = dict(dropout=0.0) if name in ("mlp", "cnn") else {}
     run = train_on_one_device(make(nnx.Rngs(SEED), **extra), OPTIMIZER, loss_fn, batches(SEED, 3))
     step = build_step(make(nnx.Rngs(SEED), **extra), OPTIMIZER, loss_fn, jshard.make_mesh(**sizes),
@@ -74,8 +85,17 @@ def test_zero_splits_params_without_names_by_itself(name, preset):
     assert f"{where}no logical names: split by itself over fsdp on dim {dim} (ZeRO)" in flags[kernel], flags[kernel]
 
 
-@pytest.mark.parametrize("preset, sizes", STRATEGIES + EXPERT_STRATEGIES, ids=[p for p, _ in STRATEGIES + EXPERT_STRATEGIES])
-@pytest.mark.parametrize("name", ["unnamed cnn", "unnamed transformer", "unnamed minigpt", "user scan"])
+# Left out, as the tests above compile their programs and train them like one device: the unnamed
+# models under ZeRO, the user scan under zero2, zero3 and dp+fsdp+tp; and the user scan's dp+tp+sp and
+# dp+fsdp+tp+sp, which compile its dp+tp and dp+fsdp+tp programs (nothing named seq). Every refusal stays.
+TRAINED_ABOVE = {(name, preset) for name in ("unnamed cnn", "unnamed transformer", "unnamed minigpt")
+                 for preset in ("zero1", "zero2", "zero3")} | {
+    ("user scan", preset) for preset in ("zero2", "zero3", "dp+fsdp+tp", "dp+tp+sp", "dp+fsdp+tp+sp")}
+FIRST_CONTACT = [(name, preset, sizes) for name in ("unnamed cnn", "unnamed transformer", "unnamed minigpt", "user scan")
+                 for preset, sizes in STRATEGIES + EXPERT_STRATEGIES if (name, preset) not in TRAINED_ABOVE]
+
+
+@pytest.mark.parametrize("name, preset, sizes", FIRST_CONTACT, ids=[f"{n}-{p}" for n, p, _ in FIRST_CONTACT])
 def test_a_plain_model_under_any_preset_trains_or_gets_one_sharding_error(name, preset, sizes):
     """First contact: a model as a user writes it either takes its first step or is refused by
     one jshard error with a Fix, never an exception from deep inside Flax or JAX."""
@@ -128,19 +148,6 @@ def test_describe_warns_of_a_random_key_the_loss_makes_from_a_constant(loss_fn, 
     step = build_step(CNN(nnx.Rngs(0)), OPTIMIZER, loss_fn, jshard.make_mesh(**sizes), rules)
     report = step.describe(image_batches(0, 1)[0])
     assert ("! the loss makes a random key from a constant" in str(report)) == warned, str(report)
-
-
-class ShapeReadingMLP(MLP):
-    def __call__(self, x):
-        # What plain code sees of a split param's shape: the whole param's.
-        assert self.up.kernel.shape == (16, 64) and self.down.kernel.ndim == 2, self.up.kernel.shape
-        return super().__call__(x)
-
-
-def test_a_split_params_shape_is_the_whole_params():
-    step = build_step(ShapeReadingMLP(nnx.Rngs(0)), OPTIMIZER, mse_loss, jshard.make_mesh(data=2, fsdp=2, tensor=2),
-                      jshard.preset("dp+fsdp+tp"))
-    train(step, regression_batches(0, 1))
 
 
 class EveryReadMLP(MLP):
@@ -260,26 +267,31 @@ def test_dropout_draws_from_the_stream_of_each_batch_shard(preset, sizes):
 @pytest.mark.parametrize("preset, sizes", [("dp", dict(data=8)), ("dp+fsdp", dict(data=2, fsdp=4))])
 def test_cnn_with_batch_norm_and_dropout_trains_and_resumes_exactly(preset, sizes, tmp_path):
     """The docs' CNN learns under dp and fsdp; its batch statistics and dropout stream
-    survive a checkpoint: 2 steps, save, restore into a new step, 2 more = 4 uninterrupted."""
-    mesh, rules = jshard.make_mesh(**sizes), jshard.preset(preset)
+    survive a checkpoint: saved after 2 steps, restored after 12 into the same step (one
+    program), 2 more steps are the uninterrupted run's steps 3 and 4."""
     data = image_batches(SEED, 1) * 12  # one batch, again and again: the loss must fall
-    step = build_step(CNN(nnx.Rngs(SEED)), optax.adam(1e-2), classification_loss, mesh, rules)
-    state, losses = train(step, data)
+    step = build_step(CNN(nnx.Rngs(SEED)), optax.adam(1e-2), classification_loss, jshard.make_mesh(**sizes),
+                      jshard.preset(preset))
+    state, losses = step.state, []
+    for i, batch in enumerate(data):
+        state, loss = step(state, step.shard_batch(batch))
+        losses.append(float(loss))
+        if i == 1:
+            with Checkpoints(tmp_path) as checkpoints:  # written before the next step donates `state`
+                checkpoints.save(2, state, {"step": 2})
     assert losses[-1] < 0.5 * losses[0], f"{preset}: {losses} (seed {SEED})"
     model = step.model(state)
     assert int(model.dropout.rngs.count[...]) == len(data)  # one draw per step, as on one device
     assert np.abs(np.asarray(model.bn1.mean[...])).sum() > 0  # the running statistics moved
 
-    first = build_step(CNN(nnx.Rngs(SEED)), optax.adam(1e-2), classification_loss, mesh, rules)
-    state, before = train(first, data[:2])
+    # Restored over the state of step 12 (its count and statistics are further on): only the
+    # checkpoint's can give steps 3 and 4 again.
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
     with Checkpoints(tmp_path) as checkpoints:
-        checkpoints.save(2, state, {"step": 2})
-    second = build_step(CNN(nnx.Rngs(SEED + 1)), optax.adam(1e-2), classification_loss, mesh, rules)  # other init: restored over
-    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), second.state)
-    with Checkpoints(tmp_path) as checkpoints:
-        second.state = checkpoints.restore(2, like)
-    _, after = train(second, data[2:4])
-    np.testing.assert_allclose(before + after, losses[:4], rtol=1e-6)
+        step.state = checkpoints.restore(2, like)
+    assert int(step.model(step.state).dropout.rngs.count[...]) == 2
+    _, after = train(step, data[2:4])
+    np.testing.assert_allclose(after, losses[2:4], rtol=1e-6)
 
 
 class CountedMLP(MLP):
