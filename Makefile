@@ -2,6 +2,7 @@
 #   make train      - the main job on its default: `jshard train`, a sharded GPT run on 8 fake CPU devices
 #   make test       - the test suite (8 fake CPU devices), what CI runs
 #   make test-fast  - its fast tier (`pytest -m fast`): one case per strategy family, the checks, the planner
+#   make coverage   - the suite with branch coverage of jshard/ (docs/testing.md)
 #   make gpu-check  - on a GPU machine: the device tier of the tests there, then `jshard bench gpu`
 #                     (docs/benchmarks.md); DRY=1 runs the same path here with tiny models
 # The suite's seed is fixed; JSHARD_TEST_SEED=<int> replaces it to fuzz (pytest's header shows it).
@@ -17,7 +18,7 @@ GPU_COMPILE ?=
 GPU_STAMP := $(VENV)/.gpu-compile
 NEEDS     := $(STAMP) $(if $(GPU_COMPILE),$(GPU_STAMP))
 
-.PHONY: train test test-fast gpu-check venv versions clean
+.PHONY: train test test-fast coverage gpu-check venv versions clean
 
 # Re-install only when the package definition changes.
 $(STAMP): pyproject.toml
@@ -49,7 +50,7 @@ versions: $(NEEDS)
 TEST_WORKERS ?= 2
 IN_WORKERS := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
-# PYTEST_ARGS: more of pytest's arguments (.ci/run's second run: -m '(fast or gpu_compile) and not once' --dist load).
+# PYTEST_ARGS: more of pytest's arguments (e.g. -m 'not slow', a file, -k).
 PYTEST_ARGS ?=
 
 test: versions
@@ -57,6 +58,10 @@ test: versions
 
 test-fast: versions
 	$(VENV)/bin/python -m pytest -m fast $(IN_WORKERS)
+
+# Branch coverage of jshard/ over the suite (or PYTEST_ARGS' part of it); subprocesses are not measured.
+coverage: versions
+	$(VENV)/bin/python -m pytest $(IN_WORKERS) --cov=jshard --cov-branch --cov-report=term:skip-covered $(PYTEST_ARGS)
 
 # GPU_CHECK_PYTHON: a Python whose JAX sees the GPU (default: this virtualenv's); CASES: some of
 # `jshard bench gpu`'s cases, comma-separated. Both parts run; the target fails if either did.

@@ -87,19 +87,20 @@ class OneDeviceRun:
         return self.losses[0]
 
 
+@nnx.jit(static_argnames="loss_fn")
+def _train_step(model, optimizer, batch, loss_fn):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+    optimizer.update(model, grads)
+    return loss, grads
+
+
 def train_on_one_device(model: nnx.Module, tx, loss_fn, batches) -> OneDeviceRun:
-    """One optimizer step per batch on `model` (updated in place)."""
+    """One optimizer step per batch on `model` (updated in place). One jitted step for every
+    caller: a model and optimizer of the same structure, loss and batch shapes reuse its compile."""
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-    @nnx.jit
-    def train_step(model, optimizer, batch):
-        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-        optimizer.update(model, grads)
-        return loss, grads
-
     losses, first_grads = [], None
     for batch in batches:
-        loss, grads = train_step(model, optimizer, batch)
+        loss, grads = _train_step(model, optimizer, batch, loss_fn)
         losses.append(float(loss))
         first_grads = grads if first_grads is None else first_grads
     return OneDeviceRun(list(batches), losses, first_grads, nnx.state(model))
