@@ -16,18 +16,13 @@ import jax
 import pytest
 
 import jshard
+from compile_flags import CPU_COMPILE_FLAGS
 from seed import describe_seed
 
-# The suite compiles far more than it runs, and no test reads XLA:CPU's machine code: only its
-# results, HLO, buffers and collectives. So the tests compile with LLVM's optimisation off, and
-# where the JAX release still has them (0.10), with XLA:CPU's loop emitters in place of its
-# MLIR fusion emitters, which take 2-3x longer to emit the same fusions (their buffer sizes
-# differ by under 0.1%; every parity test checks the numbers). Subprocesses inherit them.
-# jshard's GPU flags too, for the gpu_compile tier's programs (`jshard compile` sets them);
-# XLA:CPU ignores them.
+# The suite's XLA:CPU flags (compile_flags.py says why), and jshard's GPU flags for the
+# gpu_compile tier's programs (`jshard compile` sets them; XLA:CPU ignores them). Subprocesses
+# inherit them.
 ON_DEVICE = os.environ.get("JSHARD_TEST_DEVICE") == "1"
-CPU_COMPILE_FLAGS = ["--xla_backend_optimization_level=0"] + (
-    ["--xla_cpu_use_fusion_emitters=false"] if jax.__version_info__ < (0, 11) else [])
 os.environ["XLA_FLAGS"] = " ".join(os.environ.get("XLA_FLAGS", "").split() + (
     [] if ON_DEVICE else CPU_COMPILE_FLAGS) + list(jshard.mesh.GPU_XLA_FLAGS))
 if not ON_DEVICE:
