@@ -46,26 +46,30 @@ def pytest_ignore_collect(collection_path, config):
 
 # -- what each test costs ------------------------------------------------------------------------
 
-_compiles = [0]  # XLA compilations in this process so far (eager operations' too)
-jax.monitoring.register_event_duration_secs_listener(
-    lambda event, _, **__: _compiles.__setitem__(0, _compiles[0] + (event == "/jax/core/compile/backend_compile_duration")))
+_compiles = 0  # XLA compilations in this process so far (eager operations' too)
+_COMPILES_AT_START = pytest.StashKey[int]()
 
-TIERS = ("fast", "slow", "gpu_compile", "device")
+
+def _count_compiles(event, duration, **_):
+    global _compiles
+    _compiles += event == "/jax/core/compile/backend_compile_duration"
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+
+TIERS = ("device", "gpu_compile", "slow", "fast")  # a test's tier: the first of its markers here
 SLOWEST = 15  # tests listed at the end of a run
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    item.stash[_COMPILES_AT_START] = _compiles[0]
-
-
-_COMPILES_AT_START = pytest.StashKey[int]()
+    item.stash[_COMPILES_AT_START] = _compiles
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     if call.when == "call":  # setup's and the call's compilations; teardown compiles nothing
-        item.user_properties.append(("compiles", _compiles[0] - item.stash.get(_COMPILES_AT_START, _compiles[0])))
+        item.user_properties.append(("compiles", _compiles - item.stash.get(_COMPILES_AT_START, _compiles)))
     yield
 
 
@@ -78,7 +82,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             if not isinstance(report, pytest.TestReport):
                 continue
             seconds[report.nodeid] += report.duration
-            compiles[report.nodeid] += dict(report.user_properties).get("compiles", 0)
+            if report.when == "call":  # the teardown's report carries the same count again
+                compiles[report.nodeid] += dict(report.user_properties).get("compiles", 0)
             tier[report.nodeid] = next((t for t in TIERS if t in report.keywords), "unmarked")
     if not seconds:
         return

@@ -16,12 +16,11 @@ from flax import nnx
 
 import jshard
 from jshard import nn
-from jshard.bench.strategies import textbook_bytes
 from jshard.models import DeepMLP, MLPConfig, decoder, gpt_loss, mlp_loss
 from jshard.parallel import build_step
 import decoders
 from parity import BF16_TOLERANCE, OPTIMIZER, assert_gradients_close, assert_trees_close, one_device_gradients
-from traffic import collective_bytes
+from traffic import assert_context_bytes_are_the_planners
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
@@ -48,24 +47,6 @@ def test_every_device_holds_an_equal_share_of_causal_work(n):
             np.testing.assert_array_equal(visible, half, err_msg=f"device {i}, block of {j}")
 
 
-def assert_compiled_bytes_are_the_planners(step, config, batch, preset, sizes):
-    """Every collective the compiled step runs, in bytes, is what the planner's formulas say
-    (`plan.traffic`: the ring's sends, the gradient all-reduce over batch and context axes,
-    TP/SP on the local chunks); and the ring's, counted by hand: per layer K and V
-    (rows · seq/n · kv_heads/tensor · head_dim · 4 B each) sent on n-1 times forward and n-1
-    times backward, their gradients n times."""
-    counted = collective_bytes(step, batch)
-    assert sum(counted.values()) == textbook_bytes(step, config, batch.shape)
-    n, tensor = sizes["context"], sizes.get("tensor", 1)
-    kv_heads = getattr(config, "kv_heads", config.heads)
-    rows = batch.shape[0] // sizes.get("data", 1) // sizes.get("fsdp", 1)
-    block = rows * config.seq_len // n * kv_heads // tensor * config.head_dim * 4
-    if "gather" in preset:
-        assert "collective-permute" not in counted
-    else:
-        assert counted["collective-permute"] == config.layers * 2 * block * (2 * (n - 1) + n)
-
-
 # With remat "none" (the decoders' default) this check runs on test_strategies.py's parity steps
 # (its BYTES_COUNTED: cp-gpt on 8, dp+cp+tp-llama, fsdp+cp+sp-gpt), which compile those programs anyway.
 @pytest.mark.parametrize("model, preset, sizes", [
@@ -77,7 +58,7 @@ def test_compiled_bytes_are_the_planners_under_full_remat(model, preset, sizes):
     config = dataclasses.replace(decoders.CONFIGS[model], remat="full")
     batch = np.random.default_rng(0).integers(0, config.vocab, (8, config.seq_len + 1))
     step = build_step(decoder(config, nnx.Rngs(0)), OPTIMIZER, gpt_loss, jshard.make_mesh(**sizes), jshard.preset(preset))
-    assert_compiled_bytes_are_the_planners(step, config, batch, preset, sizes)
+    assert_context_bytes_are_the_planners(step, config, batch, preset, sizes)
 
 
 # -- bad input -----------------------------------------------------------------------------------

@@ -194,7 +194,7 @@ def test_fp8_is_refused_where_it_cannot_run():
 @pytest.mark.slow
 def test_fp8_trains_the_default_run_like_bf16(tmp_path):
     """100 steps of `jshard train` (GPT small, dp+zero3+tp on 8 devices), as a user runs it (its
-    own process, without the suite's XLA flags: XLA's optimizations on, 4x faster here): the mean loss of
+    own process, without the suite's XLA flags: XLA's optimizations on, which run it 2.6x faster here): the mean loss of
     the last 10 steps under fp8 within 6% of bf16 compute's (measured: 5.1% above; over the
     whole 400-step run 0.6% apart, docs/training.md)."""
     env = users_environment()

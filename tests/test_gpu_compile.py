@@ -34,9 +34,10 @@ pytestmark = [pytest.mark.gpu_compile,
 
 
 @functools.cache
-def validated(case: tuple, model: str, target: str = "h100x8", platform: str = "cpu") -> dict:
+def validated(case: tuple, model: str, target: str, platform: str) -> dict:
     """`validate_one` of `case` on `validation_models(platform)[model]` for `target`'s GPUs,
-    compiled once a module: a row held to both its bytes and its memory compiles once."""
+    compiled once a module: a row held to both its bytes and its memory compiles once (every
+    argument positional and given, so that one row has one cache key)."""
     t = aot.target(target)
     return validate_one(*case, model=validation_models(platform)[model], devices=aot.target_devices(t),
                         hardware=t.hardware)
@@ -62,7 +63,7 @@ CASES = [
 @pytest.mark.parametrize("case, model, target", CASES,
                          ids=[f"{c[0]}-{m}-{t}" for c, m, t in (getattr(c, "values", c) for c in CASES)])
 def test_collective_bytes_are_the_planners(case, model, target):
-    row = validated(case, model, target)
+    row = validated(case, model, target, "cpu")
     assert row["comm_exact"], f"{row['strategy']}: planned {row['comm_predicted']}, compiled {row['comm_compiled']}"
 
 
@@ -78,7 +79,7 @@ GPU_MEMORY_ROWS = [
 @pytest.mark.parametrize("case, model", GPU_MEMORY_ROWS,
                          ids=["-".join(map(str, c[:4])) + f"-{m}" for c, m in GPU_MEMORY_ROWS])
 def test_gpu_memory_terms(case, model):
-    row = validated(case, model)
+    row = validated(case, model, "h100x8", "cpu")
     assert abs(row["memory_rel_err"]) <= MEMORY_TOLERANCE, row
 
 
@@ -105,7 +106,7 @@ def _scale_row_id(case, model) -> str:
 @pytest.mark.parametrize("case, model", GPU_SCALE_ROWS,
                          ids=[_scale_row_id(*p) for p in GPU_SCALE_ROWS])
 def test_gpu_validation_rows_on_the_gpu_validation_models(case, model):
-    row = validated(case, model, platform="gpu")
+    row = validated(case, model, "h100x8", "gpu")
     assert row["comm_exact"] and abs(row["memory_rel_err"]) <= MEMORY_TOLERANCE, row
 
 

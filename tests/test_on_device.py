@@ -24,8 +24,7 @@ from jshard.precision import precision as precision_policy
 from parity import BF16_TOLERANCE, OPTIMIZER, TOLERANCE, assert_losses_close, relative_error
 from seed import SEED
 
-# `once`: on a fake CPU device these are the parity tests' kind, run in CI's first pass only.
-pytestmark = [pytest.mark.device, pytest.mark.slow]
+pytestmark = pytest.mark.device  # on a fake CPU device, parity tests of the kind the rest of the suite runs
 
 CONFIGS = {
     "gpt": GPTConfig(vocab=256, seq_len=128, embed=128, heads=2, mlp=512, layers=2),

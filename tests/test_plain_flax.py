@@ -22,7 +22,7 @@ from parity import (SGD_MOMENTUM, TOLERANCE, assert_trains_like_one_device, asse
 from seed import SEED
 
 # The issue's presets. dp+tp+sp is left out: nothing of a plain model's is named seq, so it compiles
-# dp+tp's program (the last test here trains a plain model under sp; its rules' seq fallback: test_placement).
+# dp+tp's program (the last test here trains a plain model under sp; its rules' seq fallback: test_rules).
 PRESETS = [
     ("dp", dict(data=8)), ("zero1", dict(fsdp=8)), ("zero2", dict(fsdp=8)), ("zero3", dict(fsdp=8)),
     ("dp+tp", dict(data=2, tensor=4)), ("dp+fsdp+tp", dict(data=2, fsdp=2, tensor=2)),

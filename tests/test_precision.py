@@ -141,16 +141,14 @@ def test_collective_bytes_follow_the_programs_dtype_not_xla_cpus():
 # -- memory and the planner --------------------------------------------------------------------
 
 
-# fp32 is left out: test_strategies' test_memory_falls_with_each_zero_stage makes that claim on
-# the MLP (the docstring's reasoning: only mixed needs the GPT's activations).
-@pytest.mark.parametrize("name", ["mixed"])
-def test_memory_falls_with_each_zero_stage_on_the_gpt(name):
-    """DP > ZeRO-1 > ZeRO-2 > ZeRO-3 per device (compiled): ZeRO-2 scatters each layer's
-    gradient in the backward scan, so no layer's full gradient outlives its layer. (The MLP's
-    fp32 case is test_strategies'. Its mixed case is not a test on CPU: XLA:CPU widens the
-    final bf16 all-gather of the params to an f32 temporary, 4Ψ, the peak of ZeRO-1 and
-    ZeRO-2 alike; the GPT's activations make the difference visible.)"""
-    policy = PRECISIONS[name]
+def test_memory_falls_with_each_zero_stage_under_mixed():
+    """DP > ZeRO-1 > ZeRO-2 > ZeRO-3 per device (compiled), bf16 params and compute on the GPT:
+    ZeRO-2 scatters each layer's gradient in the backward scan, so no layer's full gradient
+    outlives its layer. (The fp32 case is test_strategies' on the MLP. The MLP's mixed case is
+    not a test on CPU: XLA:CPU widens the final bf16 all-gather of the params to an f32
+    temporary, 4Ψ, the peak of ZeRO-1 and ZeRO-2 alike; the GPT's activations make the
+    difference visible.)"""
+    policy = PRECISIONS["mixed"]
     config = GPTConfig(vocab=256, seq_len=32, embed=128, heads=4, mlp=512, layers=4, dtype=policy.compute)
     batch = np.zeros((16, 33), np.int32)
 

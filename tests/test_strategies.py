@@ -21,8 +21,7 @@ from meshes import EXPERT_STRATEGIES, STRATEGIES
 from parity import (OPTIMIZER, OneDeviceRun, assert_gradients_close, assert_trains_like_one_device,
                     one_device_gradients, train_on_one_device)
 from seed import SEED
-from test_context import assert_compiled_bytes_are_the_planners
-from traffic import collective_bytes
+from traffic import assert_context_bytes_are_the_planners, collective_bytes
 
 PLANS = STRATEGIES + [("dp+zero1+tp", dict(data=2, fsdp=2, tensor=2)), ("dp+zero2+sp", dict(data=2, fsdp=2, tensor=2)),
                       # context parallelism over 2 (and 4, 8: the example meshes), with ZeRO and SP, all-gathering K/V
@@ -97,7 +96,7 @@ def test_matches_one_device(model_name, preset, sizes):
     run = reference(model_name)
     step = build_step(make(SEED), OPTIMIZER, loss_fn, jshard.make_mesh(**sizes), jshard.preset(preset))
     if (model_name, preset, format_mesh(sizes)) in BYTES_COUNTED:
-        assert_compiled_bytes_are_the_planners(step, decoders.CONFIGS[model_name], run.batches[0], preset, sizes)
+        assert_context_bytes_are_the_planners(step, decoders.CONFIGS[model_name], run.batches[0], preset, sizes)
     assert_gradients_close(step, run.batches[0], run.loss, run.grads)
     assert_trains_like_one_device(step, run)
 
