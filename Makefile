@@ -4,7 +4,7 @@
 #   make test-fast  - its fast tier (`pytest -m fast`): one case per strategy family, the checks, the planner
 #   make coverage   - the suite with branch coverage of jshard/ (docs/testing.md)
 #   make gpu-check  - on a GPU machine: the device tier of the tests there, then `jshard bench gpu`
-#                     (docs/benchmarks.md); DRY=1 runs the same path here with tiny models
+#                     and `jshard bench kernels` (docs/benchmarks.md); DRY=1 runs the same path here with tiny models
 # The suite's seed is fixed; JSHARD_TEST_SEED=<int> replaces it to fuzz (pytest's header shows it).
 # Another Python gets its own virtualenv, e.g. the newest JAX (which needs Python >= 3.12):
 #   make test PYTHON=python3.12 VENV=.venv-py3.12
@@ -75,7 +75,8 @@ gpu-check: $(if $(filter $(VENV)/bin/python,$(GPU_CHECK_PYTHON)),$(STAMP))
 	    --junitxml=$(GPU_CHECK_OUT)/tests.xml; tests=$$?; \
 	$(GPU_CHECK_PYTHON) -m jshard.cli bench gpu --out $(GPU_CHECK_OUT) $(if $(DRY),--dry) \
 	    $(if $(CASES),--cases $(CASES)); bench=$$?; \
-	exit $$(( tests || bench ))
+	$(GPU_CHECK_PYTHON) -m jshard.cli bench kernels --json $(GPU_CHECK_OUT)/kernels.json $(if $(DRY),--dry); kernels=$$?; \
+	exit $$(( tests || bench || kernels ))
 
 clean:
 	rm -rf $(VENV) .venv-py* .venv-hf build *.egg-info

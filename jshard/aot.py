@@ -152,6 +152,16 @@ class GpuProgram:
                 totals[1] += c["bytes"]
         return {kind: hidden / total for kind, (hidden, total) in moved.items()}
 
+    def overlapped_share(self) -> dict[tuple[str, str], float]:
+        """{(kind, axes): the share of its bytes a matmul is scheduled beside}, as the planner keys them."""
+        moved: dict[tuple[str, str], list[int]] = {}
+        for c in self.collectives:
+            if c["bytes"]:
+                totals = moved.setdefault((c["kind"], c["axes"]), [0, 0])
+                totals[0] += c["bytes"] * c["overlapped"]
+                totals[1] += c["bytes"]
+        return {key: hidden / total for key, (hidden, total) in moved.items()}
+
     def as_json(self) -> dict:
         return dataclasses.asdict(self) | dict(hlo=None, fits=self.fits, overlap=self.overlap(),
                                                overlap_in_loops=self.overlap(looped=True))
@@ -191,13 +201,14 @@ def program_of(compiled, mesh: dict[str, int], t: Target, seconds: float) -> Gpu
 
 
 def compile_step(model, tx, loss_fn, sizes: dict[str, int], rules, t: Target, batch_shape: tuple[int, int], *,
-                 precision=None, microbatches=None, schedule=None, virtual=None, stage_remat=None) -> GpuProgram:
+                 precision=None, microbatches=None, schedule=None, virtual=None, stage_remat=None,
+                 grad_accum: int = 1) -> GpuProgram:
     """`loss_fn`'s training step for `model` (an `nnx.eval_shape` of it will do) and optimizer
     `tx`, on a mesh of `sizes` over target `t`'s GPUs, compiled by XLA's GPU compiler here, with
     no GPU. `batch_shape`: the global batch of token ids (rows, seq + 1)."""
     mesh = make_mesh(target_devices(t), **sizes)
     step = build_step(model, tx, loss_fn, mesh, rules, precision=precision, microbatches=microbatches,
-                      schedule=schedule, virtual=virtual, stage_remat=stage_remat, abstract=True)
+                      schedule=schedule, virtual=virtual, stage_remat=stage_remat, grad_accum=grad_accum, abstract=True)
     batch = abstract_batch(step.plan, batch_shape, jnp.int32)
     start = time.perf_counter()
     try:
@@ -225,8 +236,9 @@ def compared(program: GpuProgram, est: dict) -> dict:
     )
 
 
-def report(program: GpuProgram, est: dict, devices: str) -> str:
-    """What `jshard compile` prints: the compiled program per device beside the plan."""
+def report(program: GpuProgram, est: dict, devices: str, scheduled_step_s: float | None = None) -> str:
+    """What `jshard compile` prints: the compiled program per device beside the plan (and the
+    plan's step time with the compiled schedule's overlap, where given)."""
     vs = compared(program, est)
     mem = program.memory
     lines = [f"compiled by XLA:GPU for {devices} ({program.target}), on this host with no GPU, in "
@@ -263,6 +275,10 @@ def report(program: GpuProgram, est: dict, devices: str) -> str:
     if looped := program.overlap(looped=True):
         lines.append("  in loops (the scan over layers, a pipeline's ticks), overlapped: "
                      + ", ".join(f"{kind} {share:.0%}" for kind, share in sorted(looped.items())) + " of the bytes")
+    if scheduled_step_s is not None:
+        lines.append(f"step time: {scheduled_step_s * 1e3:.1f} ms with each collective exposed but for the share the "
+                     f"compiled schedule overlaps (`plan.estimate.scheduled_step_seconds`; the plan's, by overlap "
+                     f"ratios: {est['predicted_step_s'] * 1e3:.1f} ms)")
     kernel = {"cudnn": "cuDNN's fused flash attention (__cudnn$fmha)", "xla": "XLA's own fusions (scores kept)"}
     lines.append(f"attention: {kernel[program.attention]}; planned: {est['attention']}")
     return "\n".join(lines)

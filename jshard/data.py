@@ -4,6 +4,9 @@
     load("notes.txt"), load(dir)  text files (a folder: every *.txt under it, sorted by path)
     load("train.bin")             token ids, nanoGPT's layout: a flat array of uint16
     load("train.npy")             token ids, a flat integer array saved by numpy
+    load("docs.jsonl"), load("docs.parquet"), load(saved_dir)
+                                  documents (JSONL, Parquet, a `datasets.save_to_disk` folder),
+                                  streamed through the tokenizer into a cached token file (`documents.py`)
 
 Text is tokenised here, by bytes (vocab 256: nothing to ship or download) or a BPE trained
 on it (`tokenizer.py`). Token files are opened as numpy memory maps: nothing is read until
@@ -37,6 +40,7 @@ from importlib import resources
 import jax
 import numpy as np
 
+from jshard import documents
 from jshard import tokenizer as tokenizers
 
 CORPUS = "corpus.txt"  # public-domain texts, in the package beside this module
@@ -124,26 +128,40 @@ def _id_range(tokens: np.memmap) -> tuple[int, int]:
 
 
 def load(path: str | None, tokenizer_kind: str = "bytes", bpe_vocab: int = tokenizers.BPE_VOCAB,
-         tokenizer: tokenizers.ByteTokenizer | tokenizers.BPETokenizer | None = None) -> Data:
+         tokenizer: tokenizers.ByteTokenizer | tokenizers.BPETokenizer | None = None,
+         text_field: str = documents.TEXT_FIELD) -> Data:
     """The tokens at `path` (None: the shipped corpus). Text is tokenised by `tokenizer` where
-    given (a resumed run's), else by bytes or a BPE of `bpe_vocab` trained on it."""
+    given (a resumed run's, an imported model's), else by bytes or a BPE of `bpe_vocab` trained
+    on it. A token file's ids are taken as given: as `tokenizer`'s ids where one is given."""
     if tokenizer_kind not in tokenizers.KINDS:
         raise DataError(f"unknown --tokenizer {tokenizer_kind!r}; choose one of {', '.join(tokenizers.KINDS)}")
     if path is not None and not os.path.exists(path):
         raise DataError(f"--data {path}: no such file or folder. Fix: give a text file, a folder of *{TEXT_SUFFIX} "
-                        f"files, or a token file ({', '.join(TOKEN_FILES)}).")
+                        f"files, a token file ({', '.join(TOKEN_FILES)}) or documents ({documents.FORMATS}).")
     if path is not None and path.endswith(TOKEN_FILES):
-        if tokenizer_kind != "bytes":
+        if tokenizer_kind == "bpe" and tokenizer is None:
             raise DataError(f"--data {path} holds token ids already; --tokenizer {tokenizer_kind} trains on text. "
                             "Fix: drop --tokenizer, or give the text itself.")
         tokens = _memmap(path)
         if not len(tokens):
             raise DataError(f"--data {path}: no tokens in it. Fix: point --data at a file with token ids.")
-        low, high = _id_range(tokens)
-        if low < 0:
-            raise DataError(f"--data {path}: holds a negative token id ({low}). Fix: write ids in 0..vocab-1.")
-        identity = {"path": os.path.abspath(path), "tokens": len(tokens)}
-        return Data(tokens, f"{path}: {len(tokens):,} token ids ({tokens.dtype}, memory-mapped)", identity, None, high)
+        given = f"; the ids of the {tokenizer.kind} tokenizer given, vocab {tokenizer.vocab_size}" if tokenizer else ""
+        return _token_data(path, tokens, f"{path}: {len(tokens):,} token ids ({tokens.dtype}, memory-mapped{given})",
+                           {"path": os.path.abspath(path), "tokens": len(tokens)}, tokenizer)
+    if path is not None and documents.is_documents(path):
+        try:
+            found = documents.open_documents(path, text_field)
+            if tokenizer is None:  # a BPE learns from the documents: one pass more, streamed too
+                tokenizer = tokenizers.train_bpe(found.texts(), bpe_vocab) if tokenizer_kind == "bpe" else \
+                    tokenizers.ByteTokenizer()
+            tokens, file, count = documents.tokenize(found, tokenizer)
+        except documents.DocumentError as e:
+            raise DataError(str(e)) from None
+        joined = f"{tokenizer.kind}, EOS id {tokenizer.eos_id} after each document" if tokenizer.eos_id is not None \
+            else f"{tokenizer.kind}, a blank line after each document: the tokenizer has no EOS"
+        return _token_data(path, tokens, f"{path}: {count:,} documents ({found.format}) -> {len(tokens):,} tokens "
+                           f"({joined}; memory-mapped from {file})",
+                           {"path": os.path.abspath(path), "tokens": len(tokens), "text_field": text_field}, tokenizer)
     if path is None:
         texts, source = [resources.files("jshard").joinpath(CORPUS).read_text("utf-8")], f"{CORPUS} (shipped)"
     else:
@@ -157,6 +175,14 @@ def load(path: str | None, tokenizer_kind: str = "bytes", bpe_vocab: int = token
     identity = {"path": os.path.abspath(path) if path else CORPUS, "tokens": len(tokens)}
     return Data(tokens, f"{source}: {sum(map(len, texts)):,} characters -> {len(tokens):,} tokens ({tokenizer.kind})",
                 identity, tokenizer, int(tokens.max()))
+
+
+def _token_data(path: str, tokens: np.ndarray, source: str, identity: dict, tokenizer) -> Data:
+    """A memory-mapped token stream, its ids checked for sign (the vocab is the caller's)."""
+    low, high = _id_range(tokens)
+    if low < 0:
+        raise DataError(f"--data {path}: holds a negative token id ({low}). Fix: write ids in 0..vocab-1.")
+    return Data(tokens, source, identity, tokenizer, high)
 
 
 @dataclasses.dataclass

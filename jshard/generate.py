@@ -336,6 +336,22 @@ def _rules(c: GenerateConfig) -> jshard.Rules:
     return rules
 
 
+def _mesh(c: GenerateConfig, rules: jshard.Rules, abstract: nnx.Module):
+    """The mesh and plan: --mesh's, else the strategy's default mesh over the most devices whose
+    batch shards split --num-samples (one prompt on 8 devices under dp: one device), since
+    samples are the only thing dp splits. A multi-process run keeps every device (each process
+    must hold part of the mesh)."""
+    counts = [jax.device_count()]
+    if c.mesh is None and jax.process_count() == 1:
+        counts = [n for n in range(jax.device_count(), 0, -1) if jax.device_count() % n == 0]
+    for n in counts:  # the plan makes every check of the layouts: a dim that does not divide raises
+        mesh = jshard.make_mesh(jax.devices()[:n], **mesh_sizes(c.mesh, rules, n))
+        plan = make_plan(abstract, mesh, rules)
+        if c.num_samples % plan.data_shards == 0:
+            break
+    return mesh, plan
+
+
 def set_up(c: GenerateConfig) -> Setup:
     """Check every input; raises before any device work (a GenerateError, or the mesh's,
     rules' or checkpoint's own error)."""
@@ -364,9 +380,8 @@ def set_up(c: GenerateConfig) -> Setup:
     prompt = _prompt(c, tokenizer, model.vocab)
     max_tokens = c.max_tokens or max(1, min(MAX_TOKENS, model.seq_len - len(prompt)))
     check_fits(len(prompt), max_tokens, model.seq_len)
-    mesh = jshard.make_mesh(**mesh_sizes(c.mesh, rules, jax.device_count()))
     abstract = nnx.eval_shape(lambda: decoder(model, nnx.Rngs(0)))
-    plan = make_plan(abstract, mesh, rules)  # the mesh, and every param's layout: a dim that does not divide raises
+    mesh, plan = _mesh(c, rules, abstract)
     if c.num_samples % plan.data_shards:
         raise GenerateError(
             f"--num-samples {c.num_samples} does not split over the {plan.data_shards} batch shards of {rules.name} "
@@ -379,6 +394,12 @@ def set_up(c: GenerateConfig) -> Setup:
 
 
 # -- the run ---------------------------------------------------------------------------------
+
+
+def _devices(mesh) -> str:
+    """'1 × cpu', or '1 of 8 × cpu' where the samples fill fewer devices than there are."""
+    used = f"{mesh.devices.size} of " if mesh.devices.size < jax.device_count() else ""
+    return f"{used}{jax.device_count()} × {jax.devices()[0].device_kind}"
 
 
 def load_model(setup: Setup) -> nnx.Module:
@@ -416,7 +437,7 @@ def run_generation(c: GenerateConfig, out=None) -> GenerateResult:
     say(f"  {c.num_samples} sample(s) of {len(s.prompt)} prompt + {sampling.max_tokens} new tokens, "
         f"temperature {sampling.temperature:g}, top-k {sampling.top_k or 'all'}, seed {sampling.seed}, "
         f"{'KV cache' if c.cache else 'no cache'}; {s.rules.name} on {format_mesh(mesh_shape(s.mesh)) or 'one device'} "
-        f"({jax.device_count()} × {jax.devices()[0].device_kind})")
+        f"({_devices(s.mesh)})")
     model = load_model(s)
     generated = generate(model, np.tile(s.prompt, (c.num_samples, 1)), sampling, s.mesh, s.rules, c.cache)
     texts = [s.tokenizer.decode(np.concatenate([s.prompt, row])) for row in generated.tokens]
@@ -430,7 +451,7 @@ def run_generation(c: GenerateConfig, out=None) -> GenerateResult:
         f"(compiling {generated.compile_s:.1f} s)")
     report = dict(checkpoint=s.directory, step=s.step, family=m.family, model=s.record["model"],
                   tokenizer=s.tokenizer.identity(), strategy=s.rules.name, mesh=format_mesh(mesh_shape(s.mesh)),
-                  devices=jax.device_count(), prompt=c.prompt, prompt_tokens=s.prompt.tolist(),
+                  devices=s.mesh.devices.size, prompt=c.prompt, prompt_tokens=s.prompt.tolist(),
                   **dataclasses.asdict(sampling), num_samples=c.num_samples, cache=c.cache, samples=texts,
                   tokens=generated.tokens.tolist(), prefill_ms=generated.prefill_s * 1e3,
                   per_token_ms=per_token and per_token * 1e3, tokens_per_s=generated.tokens_per_s,

@@ -30,8 +30,10 @@ from jshard.mesh import TRITON_GEMM_OPTION
 PROFILE_STEPS = 3  # steps traced by `train --profile` and `bench step --profile`, after compiling
 
 # Dense bf16 tensor-core peaks per device (vendor datasheets, SXM parts), FLOP/s.
-# fp32 matmuls run as TF32 on these, at half the bf16 rate.
+# fp32 matmuls run as TF32 on these, at half the bf16 rate; FP8 at twice it where the part has
+# FP8 tensor cores (Hopper on; not the A100).
 GPU_BF16_PEAKS = {"B200": 2250e12, "H200": 989e12, "H100": 989e12, "A100": 312e12}
+NO_FP8 = ("A100",)
 CPU_MATMUL = 1024  # the square matmul that measures a CPU host's peak
 
 
@@ -63,8 +65,10 @@ def device_peak(devices, dtype, per_device_tflops: float | None = None) -> Peak 
                            f"{peak_cache().replace(os.path.expanduser('~'), '~', 1)}")
     for name, bf16 in GPU_BF16_PEAKS.items():
         if name in kind:
-            per_device = bf16 if jnp.dtype(dtype) == jnp.bfloat16 else bf16 / 2
-            label = "bf16" if per_device == bf16 else "TF32 (fp32 matmuls)"
+            if jnp.dtype(dtype).itemsize == 1 and name in NO_FP8:
+                return None
+            per_device, label = {2: (bf16, "bf16"), 1: (2 * bf16, "FP8")}.get(
+                jnp.dtype(dtype).itemsize, (bf16 / 2, "TF32 (fp32 matmuls)"))
             return Peak(per_device * n, f"{name} {label} datasheet: {per_device / 1e12:.0f} TFLOP/s × {n} devices")
     return None
 
@@ -157,7 +161,11 @@ def median_step_seconds(step, batch, repeats: int, compiled=None) -> float:
         state, loss = run(state, batch)
         loss.block_until_ready()
 
-    return median_seconds(once, repeats)
+    seconds = median_seconds(once, repeats)
+    # The last update may still run: let it end before the caller runs another program (two
+    # multi-device XLA:CPU programs at once can deadlock in their collectives' rendezvous).
+    jax.block_until_ready(state)
+    return seconds
 
 
 def device_memory() -> dict[str, int]:

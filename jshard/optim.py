@@ -1,5 +1,5 @@
 """The optimizer of `jshard train`: AdamW on a warm-up + cosine schedule, gradients clipped
-by their global norm, optionally accumulated over several micro-steps.
+by their global norm. (Gradient accumulation is the step's: `build_step(grad_accum=)`.)
 
 It is a plain `optax.GradientTransformation`, built from optax's parts, with one change
 for the explicit step: there the update runs on each device's shard of every gradient
@@ -59,7 +59,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
 def grad_norm(opt_state) -> jax.Array | None:
     """The global gradient norm of the last optimizer step (`ClipState`), if the optimizer keeps it."""
-    for state in jax.tree.leaves(inner_state(opt_state), is_leaf=lambda x: isinstance(x, ClipState)):
+    for state in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ClipState)):
         if isinstance(state, ClipState):
             return state.norm
     return None
@@ -94,8 +94,7 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
 
 def skipped(opt_state) -> jax.Array | None:
     """Updates not applied in a row, their gradients not finite (`SkipState`), if the optimizer counts them."""
-    state = inner_state(opt_state)
-    return state.skipped if isinstance(state, SkipState) else None
+    return opt_state.skipped if isinstance(opt_state, SkipState) else None
 
 
 def _decayed(params):
@@ -118,29 +117,10 @@ def schedule(lr: float, steps: int, warmup: int) -> optax.Schedule:
 
 
 def adamw(learning_rate: optax.Schedule, *, weight_decay: float = 0.1, clip: float = 1.0,
-          grad_accum: int = 1, b2: float = 0.95) -> optax.GradientTransformation:
+          b2: float = 0.95) -> optax.GradientTransformation:
     """Clip, then AdamW on `learning_rate` (`schedule`: the same one `jshard train` logs), an
-    update of non-finite gradients not applied (`skip_nonfinite`).
-
-    With `grad_accum` = k > 1 it is wrapped in `optax.MultiSteps`: each call is one
-    micro-step, and every k-th applies the update of the k gradients' mean (the others
-    return zero updates). The schedule counts optimizer steps, not micro-steps.
-    """
-    tx = skip_nonfinite(optax.chain(
+    update of non-finite gradients not applied (`skip_nonfinite`)."""
+    return skip_nonfinite(optax.chain(
         clip_by_global_norm(clip),
         optax.adamw(learning_rate, b2=b2, weight_decay=weight_decay, mask=_decayed),
     ))
-    return optax.MultiSteps(tx, every_k_schedule=grad_accum).gradient_transformation() if grad_accum > 1 else tx
-
-
-def inner_state(opt_state):
-    """The optimizer state without gradient accumulation's (which is empty between steps)."""
-    return opt_state.inner_opt_state if isinstance(opt_state, optax.MultiStepsState) else opt_state
-
-
-def with_inner_state(opt_state, inner, step: int):
-    """`opt_state` at an optimizer-step boundary, its inner state replaced by `inner`."""
-    if not isinstance(opt_state, optax.MultiStepsState):
-        return inner
-    count = jax.device_put(jnp.asarray(step, jnp.int32), opt_state.gradient_step.sharding)
-    return opt_state._replace(inner_opt_state=inner, gradient_step=count)

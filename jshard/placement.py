@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jshard.mesh import mesh_shape
+from jshard.mesh import STANDARD_AXES, mesh_shape
 from jshard.precision import Precision
 from jshard.rules import ZERO_KINDS, Kind, Rules, ShardingError, axes_of, layout_of, raise_problems, resolve
 
@@ -43,6 +43,11 @@ def _is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
+def value_of(leaf):
+    """A leaf's array: a Variable's value, or the leaf itself (a bare array of the graph, `nnx.data`)."""
+    return leaf.get_value() if _is_variable(leaf) else leaf
+
+
 def path_str(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
@@ -56,7 +61,7 @@ def _flatten(tree):
 
 def paths_and_shapes(tree) -> list[tuple[str, tuple[int, ...]]]:
     """(path, shape) of every Variable (or bare array) of `tree`, in leaf order, as `place` names them."""
-    return [(path_str(path), tuple(np.shape(leaf.get_value() if _is_variable(leaf) else leaf)))
+    return [(path_str(path), tuple(np.shape(value_of(leaf))))
             for path, leaf in _flatten(tree)[0]]
 
 
@@ -67,18 +72,29 @@ _EXAMPLE_NAMES = {1: "('embed',)", 2: "('embed', 'mlp')", 3: "('embed', 'heads',
 
 def place(tree, sizes: dict[str, int], rules: Rules, kind: Kind = "param") -> list[Placement]:
     """Resolve every Variable (or bare array) of `tree` on a mesh of `sizes` (checked against the
-    rules by the caller), in leaf order. All problems raise as one error."""
+    rules by the caller), in leaf order: by its logical names, or by its author's PartitionSpec over
+    mesh axes (`Rules.mesh_spec`). All problems raise as one error."""
     table = rules.table(kind)
     sharding_axes = list(dict.fromkeys(a for _, axes in table for a in axes if sizes[a] > 1))
     zero_axes = [a for a in rules.zero_axes if sizes[a] > 1] if rules.zero >= ZERO_KINDS[kind] else []
-    placed, problems = [], []
-    for path, leaf in _flatten(tree)[0]:
+    placed, problems, leaves = [], [], _flatten(tree)[0]
+    metadata = [leaf.get_metadata().get("out_sharding") if _is_variable(leaf) else None for _, leaf in leaves]
+    mesh_specs = [_mesh_spec(leaf, names) for (_, leaf), names in zip(leaves, metadata)]
+    rules.check_model_axes({path_str(path): spec for (path, _), spec in zip(leaves, mesh_specs) if spec is not None},
+                           sizes)
+    for (path, leaf), names, mesh_spec in zip(leaves, metadata, mesh_specs):
         where = f"{kind} {path_str(path)!r}"
-        value = leaf.get_value() if _is_variable(leaf) else leaf
+        value = value_of(leaf)
         shape, dtype = tuple(np.shape(value)), value.dtype  # a NumPy dtype, or an RNG key's
-        names = leaf.get_metadata().get("out_sharding") if _is_variable(leaf) else None
         flags: list[str] = []
-        if names is None:
+        if mesh_spec is not None:  # the model's own layout, over mesh axes (JAX's annotations)
+            names = None
+            try:
+                spec = rules.mesh_spec(mesh_spec, shape, sizes, kind, where)
+            except ShardingError as e:
+                problems.append(str(e))
+                continue
+        elif names is None:
             # ZeRO needs no names: it splits an unnamed param by itself. Other axes (tensor,
             # experts, a pipeline's stages) split a param by what its dims mean: they need names.
             needs_names = [a for a in sharding_axes if a not in zero_axes or not isinstance(leaf, nnx.Param)]
@@ -109,6 +125,34 @@ def place(tree, sizes: dict[str, int], rules: Rules, kind: Kind = "param") -> li
         placed.append(Placement(path_str(path), names, shape, dtype, spec, nbytes, tuple(flags), fp8))
     raise_problems(problems)
     return placed
+
+
+def _mesh_spec(leaf, names) -> jax.P | None:
+    """A Variable's layout as its author gave it over mesh axes, where it has one: a PartitionSpec
+    in its `out_sharding` (Flax's `sharding`) metadata, or else its array's own NamedSharding on a
+    mesh of the author's (an initializer's `out_sharding=`) that names some axis. jshard's logical
+    names are a plain tuple (`jshard.named`); an array jshard placed is on a mesh of jshard's axes."""
+    if isinstance(names, (jax.P, NamedSharding)):  # (Flax's tutorials: with_partitioning(init, NamedSharding(...)))
+        return names if isinstance(names, jax.P) else names.spec
+    if names is not None or not _is_variable(leaf):
+        return None
+    sharding = getattr(leaf.get_value(), "sharding", None)
+    # (a spec that names no axis says nothing: every array made under an Explicit mesh has one)
+    if (isinstance(sharding, NamedSharding) and not set(sharding.mesh.axis_names) <= set(STANDARD_AXES)
+            and any(sharding.spec)):
+        return sharding.spec
+    return None
+
+
+def adopt_array_shardings(tree) -> None:
+    """Record each Variable's layout that only its array holds (an initializer's `out_sharding=` on the
+    author's mesh) as its `out_sharding` metadata, in place: what is derived from the Variable (an
+    optimizer's moments, made under no mesh of the author's) then carries it too."""
+    for _, leaf in _flatten(tree)[0]:
+        if _is_variable(leaf) and leaf.get_metadata().get("out_sharding") is None:
+            spec = _mesh_spec(leaf, None)
+            if spec is not None:
+                leaf.set_metadata(out_sharding=spec)
 
 
 def _full(layout, ndim: int):

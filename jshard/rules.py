@@ -92,10 +92,15 @@ class Rules:
     # row-parallel one as collective matmuls: ppermute steps beside partial matmuls
     # (`jshard.nn.collective_matmul`).
     collective_matmul: bool = False
+    # A model written with JAX's own sharding annotations names mesh axes, not logical names: a
+    # PartitionSpec in a param's metadata, or its array's NamedSharding. This table renames its
+    # author's axes onto jshard's, `(("tp", "tensor"),)`; jshard's own axis names need no entry.
+    model_axes: tuple = ()
 
     def __post_init__(self):
         object.__setattr__(self, "params", _normalise(self.params, "param"))
         object.__setattr__(self, "activations", _normalise(self.activations, "activation"))
+        object.__setattr__(self, "model_axes", _model_axes(self.model_axes))
         if self.zero not in (0, 1, 2, 3):
             raise ShardingError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if self.context_attention not in CONTEXT_ATTENTION:
@@ -109,6 +114,63 @@ class Rules:
             params=_normalise(params, "param") + self.params,
             activations=_normalise(activations, "activation") + self.activations,
         )
+
+    def with_mesh_axes(self, table: Mapping[str, str]) -> Rules:
+        """These rules for a model whose params carry PartitionSpecs over its author's mesh axes,
+        `table` renaming each onto a jshard axis: `preset("dp+fsdp+tp").with_mesh_axes({"tp": "tensor"})`.
+        The model's layout is then its own; the preset picks the ZeRO stage and the batch axes."""
+        return dataclasses.replace(self, model_axes=_model_axes(table))
+
+    def check_model_axes(self, specs: dict[str, jax.P], sizes: dict[str, int]) -> None:
+        """Every mesh axis the model's PartitionSpecs (`specs`: path -> spec) name is jshard's or renamed
+        onto one (`model_axes`): else one error for them all, before any param's own."""
+        rename = dict(self.model_axes)
+        unknown = {a: [] for spec in specs.values() for entry in spec for a in axes_of(entry)
+                   if rename.get(a, a) not in sizes}
+        for path, spec in specs.items():
+            for axis in {a for entry in spec for a in axes_of(entry)} & set(unknown):
+                unknown[axis].append(path)
+        if unknown:
+            axis, paths = next(iter(unknown.items()))
+            shown = ", ".join(repr(p) for p in paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+            raise ShardingError(
+                f"the model's PartitionSpecs name mesh axis {', '.join(map(repr, unknown))} (params {shown}), which "
+                f"jshard's mesh does not have ({', '.join(sizes)}). Fix: rename each onto one of jshard's, e.g. "
+                f"rules.with_mesh_axes({{{axis!r}: 'tensor'}}).")
+
+    def mesh_spec(self, spec, shape, sizes: dict[str, int], kind: Kind = "param", where="tensor") -> jax.P:
+        """A PartitionSpec over the model author's mesh axes (`model_axes`) as one over jshard's:
+        renamed, ZeRO axes dropped below the ZeRO stage (as `table` drops them), checked against the
+        mesh, axes of size 1 left out. `P()` (or any spec shorter than the rank) leaves the remaining dims whole."""
+        shape = tuple(shape)
+        if len(spec) > len(shape):
+            raise ShardingError(f"{where}: PartitionSpec {spec} has {len(spec)} entries for a tensor of rank "
+                                f"{len(shape)} (shape {shape}). Fix: give at most one entry per dim.")
+        rename, keep = dict(self.model_axes), set(self.zero_axes) if self.zero >= ZERO_KINDS[kind] else set()
+        entries, seen = [], set()
+        for dim, entry in enumerate(spec):
+            axes = []
+            for axis in axes_of(entry):
+                ours = rename.get(axis, axis)
+                if ours not in sizes:
+                    raise ShardingError(
+                        f"{where}: PartitionSpec {spec} names mesh axis {axis!r}, which is not one of jshard's "
+                        f"({', '.join(sizes)}). Fix: rename the model's axes onto jshard's, e.g. "
+                        f"rules.with_mesh_axes({{{axis!r}: 'tensor'}}).")
+                if ours in seen:
+                    raise ShardingError(f"{where}: PartitionSpec {spec} puts mesh axis {ours!r} on two dims. "
+                                        "Fix: rename the model's axes onto distinct jshard axes (rules.with_mesh_axes).")
+                seen.add(ours)
+                if ours in self.zero_axes and ours not in keep or sizes[ours] == 1:
+                    continue  # held whole over the ZeRO axes below their stage; an axis of 1 splits nothing
+                axes.append(ours)
+            n = math.prod(sizes[a] for a in axes)
+            if shape[dim] % n:
+                raise ShardingError(
+                    f"{where}: dim {dim} (size {shape[dim]}) of PartitionSpec {spec} does not divide by "
+                    f"{'×'.join(f'{a}={sizes[a]}' for a in axes)}. Fix: make the size a multiple of {n} or change the mesh.")
+            entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+        return jax.P(*entries)
 
     @property
     def zero_axes(self) -> tuple[str, ...]:
@@ -189,10 +251,20 @@ class Rules:
         context = f", {self.context_attention} attention over a split seq" if any(
             name == "seq" and axes and "context" in axes for name, axes in self.activations) else ""
         context += ", collective matmuls" if self.collective_matmul else ""
+        renamed = f"\n  model axes:  {', '.join(f'{a}->{b}' for a, b in self.model_axes)}" if self.model_axes else ""
         return (
             f"Rules {self.name!r} (ZeRO stage {self.zero}{context})\n"
-            f"  params:      {fmt(self.params)}\n  activations: {fmt(self.activations)}"
+            f"  params:      {fmt(self.params)}\n  activations: {fmt(self.activations)}{renamed}"
         )
+
+
+def _model_axes(table) -> tuple[tuple[str, str], ...]:
+    pairs = tuple(table.items() if isinstance(table, Mapping) else table)
+    bad = [pair for pair in pairs if not (isinstance(pair, Sequence) and len(pair) == 2
+                                          and all(isinstance(a, str) for a in pair))]
+    if bad:
+        raise ShardingError(f"mesh axes entry {bad[0]!r} is not a (model's mesh axis, jshard mesh axis) pair of names")
+    return tuple((a, b) for a, b in pairs)
 
 
 def _unknown_axes(table, sizes: dict[str, int], label: str) -> list[str]:
@@ -244,8 +316,13 @@ def resolve(table, names, shape, sizes, where):
                 )
                 continue
             n_shards = math.prod(sizes[a] for a in axes)
+            over = "×".join(f"{a}={sizes[a]}" for a in axes) + (f" = {n_shards}" if len(axes) > 1 else "")
+            if name == "layers" and shape[dim] is not None and shape[dim] % n_shards:
+                # A pipeline's uneven stages: its step pads the stack to split it (`make_plan`);
+                # outside the step JAX splits a dim only evenly, so the model holds it whole.
+                assigned[dim] = ()
+                continue
             if shape[dim] is not None and shape[dim] % n_shards:
-                over = "×".join(f"{a}={sizes[a]}" for a in axes) + (f" = {n_shards}" if len(axes) > 1 else "")
                 raise ShardingError(
                     f"{where}: dim {dim} ({name!r}, size {shape[dim]}) does not divide by {over}. Fix: make the size "
                     f"a multiple of {n_shards}, change the mesh, or map {name!r} elsewhere."

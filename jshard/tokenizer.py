@@ -14,6 +14,7 @@ one means bytes.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Iterable
 
@@ -32,9 +33,13 @@ class ByteTokenizer:
     """Token = byte (vocab 256). Decoding replaces a cut multi-byte character with U+FFFD."""
 
     kind, vocab_size = "bytes", 256
+    eos_id = None  # every byte is text: documents are joined by a blank line (`documents.SEPARATOR`)
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+
+    def encode_each(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(text.encode("utf-8"), np.uint8) for text in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
@@ -52,17 +57,17 @@ class BPETokenizer:
 
     kind = "bpe"
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, eos_id: int | None = None):
         self._tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
+        self.eos_id = eos_id  # an imported model's end of text, put after each document; None: none
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tokenizer.encode(text).ids, np.int32)
 
-    def encode_many(self, texts: list[str]) -> np.ndarray:
-        """Texts encoded in parallel (the Rust side's threads), one after the other."""
-        return np.concatenate([np.asarray(e.ids, np.int32) for e in self._tokenizer.encode_batch(texts)] or
-                              [np.zeros(0, np.int32)])
+    def encode_each(self, texts: list[str]) -> list[np.ndarray]:
+        """Each text's ids, encoded in parallel (the Rust side's threads)."""
+        return [np.asarray(e.ids, np.int32) for e in self._tokenizer.encode_batch(texts)]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tokenizer.decode([int(i) for i in ids])
@@ -108,7 +113,19 @@ def load(directory: str) -> ByteTokenizer | BPETokenizer:
     from tokenizers import Tokenizer
 
     try:
-        return BPETokenizer(Tokenizer.from_file(path))
+        return BPETokenizer(Tokenizer.from_file(path), _eos_id(directory))
     except Exception as e:  # tokenizers raises its own exception type for a bad file
         raise TokenizerError(f"{path} is not a tokenizer file ({str(e).splitlines()[0]}). Fix: delete it to "
                              "use bytes, or restore the one the run saved.") from e
+
+
+def _eos_id(directory: str) -> int | None:
+    """The end-of-text id a Hugging Face model directory's config.json names (the first of a
+    list), or None (jshard's own runs: a BPE trained without special tokens)."""
+    try:
+        with open(os.path.join(directory, "config.json")) as f:
+            eos = json.load(f).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    return eos if isinstance(eos, int) and not isinstance(eos, bool) else None

@@ -8,8 +8,9 @@
 One run: check every input (no device work until all are valid) -> print the set-up ->
 place the model and the AdamW state by the strategy's rules (`jshard.init`, `build_step`)
 -> restore a checkpoint onto them when resuming -> train: each step one global batch,
-split into `grad_accum` micro-steps (`optax.MultiSteps`), each of them split over the
-batch axes (and into pipeline micro-batches); every `eval_every` steps the loss on held-out
+split over the batch axes, each shard's rows cut into `grad_accum` micro-batches whose gradients
+the step adds up before its one reduction and update (`build_step(grad_accum=)`; and into
+pipeline micro-batches); every `eval_every` steps the loss on held-out
 rows, forward only (`step.loss`) -> save checkpoints (and the tokenizer beside them) ->
 print a summary, and draw the curves (`plot.py`).
 
@@ -52,6 +53,8 @@ from jshard.parallel import Plan, ShardedStep, TrainState, make_plan
 from jshard.parallel.step import step_from_plan
 from jshard.parallel.pipeline import STAGE_REMAT
 from jshard.placement import describe, format_bytes
+from jshard.plan import search as plan_search
+from jshard.plan.estimate import KINDS, hardware_of
 from jshard.precision import PRECISIONS, REDUCE_DTYPES, precision
 
 FAKE_DEVICES = 8  # CPU devices faked when no accelerator is present (--fake-devices), unless XLA_FLAGS gives a count
@@ -71,7 +74,8 @@ class TrainConfig:
 
     model: str = "small"
     init_from: str | None = None  # a Hugging Face model directory: its config, weights and tokenizer (jshard.hf)
-    data: str | None = None  # None: the shipped corpus; a text file, a folder of *.txt, or a .bin / .npy of ids
+    data: str | None = None  # None: the shipped corpus; text (a file, a folder of *.txt), ids (.bin, .npy), or documents (.jsonl, .parquet, a save_to_disk folder)
+    text_field: str = "text"  # the documents' field holding the text (JSONL key, Parquet / Arrow column)
     tokenizer: str | None = None  # of text: bytes, or bpe (trained on the data); None: the checkpoint's, or bytes
     eval_every: int | None = None  # None: no evaluation
     eval_batches: int | None = None  # held-out batches (of batch_size // grad_accum rows) per evaluation; None: all, up to 8
@@ -158,6 +162,8 @@ def _check_values(config: TrainConfig) -> None:
     for name, known in [*CHOICES.items(), *OPTIONAL_CHOICES.items()]:
         if getattr(config, name) not in known and (getattr(config, name) is not None or name in CHOICES):
             raise TrainError(f"unknown {flag(name)} {getattr(config, name)!r}; choose one of {', '.join(known)}")
+    if not (isinstance(config.text_field, str) and config.text_field):
+        raise TrainError(f"--text-field must name a field, got {config.text_field!r}. Fix: e.g. --text-field text.")
     if config.checkpoint_dir is None and (config.resume or config.checkpoint_every):
         raise TrainError("--resume and --checkpoint-every need --checkpoint-dir DIR")
     if isinstance(config.eval_split, bool) or not (isinstance(config.eval_split, (int, float))
@@ -202,6 +208,7 @@ class Setup:
     seed: int
     data: data.Data
     split: data.Split  # the training stream and the held-out windows
+    auto: str | None = None  # `--strategy auto`: what the search picked, and why
 
     # What the run reads of its plan.
     mesh = property(lambda self: self.plan.mesh)
@@ -222,8 +229,6 @@ def set_up(config: TrainConfig) -> Setup:
     use_gpu_xla_flags()  # on GPUs, unless XLA_FLAGS is set: before JAX starts its backends
     initialize()  # a multi-process run (jshard launch, srun, mpirun): join it; one process: nothing
     use_fake_cpu_devices_unless_accelerated(fake_device_count(config.fake_devices, FAKE_DEVICES))
-    rules = jshard.preset(config.strategy)
-    mesh = jshard.make_mesh(**mesh_sizes(config.mesh, rules, jax.device_count()))
     overrides = {f: getattr(config, f) for f in MODEL_FIELDS + ("attention",) if getattr(config, f) is not None}
     if _tokenizer_kind(config) == "bpe" and not config.init_from:  # the model's vocab is the BPE's size: the one it was trained with
         overrides.setdefault("vocab", _resumed_vocab(config) or tokenizers.BPE_VOCAB)
@@ -242,23 +247,32 @@ def set_up(config: TrainConfig) -> Setup:
     except ValueError as e:
         raise TrainError(f"--attention {model.attention}: {e}") from None
     seq_len = config.seq_len or min(SEQ_LEN, model.seq_len)
-    if seq_len > model.seq_len:
+    if seq_len > model.seq_len and not hasattr(model, "rope_theta"):  # a learned position table ends at seq_len
         raise TrainError(
             f"--seq-len {seq_len} is longer than model {config.model!r} takes ({model.seq_len}, its position "
             f"embeddings). Fix: --seq-len {model.seq_len} or less, or a larger --model."
         )
+    # Rotary positions are computed, not looked up: the model takes what the run asks (and memory holds).
+    model = dataclasses.replace(model, seq_len=max(seq_len, model.seq_len))
+    auto = None
+    if config.strategy == AUTO:
+        config, auto = _auto_layout(config, dataclasses.replace(model, seq_len=seq_len), policy)
+    rules = jshard.preset(config.strategy)
+    mesh = jshard.make_mesh(**mesh_sizes(config.mesh, rules, jax.device_count()))
     # The step's plan, on the model's shapes: every check of the strategy, mesh and batch, once.
     plan = make_plan(nnx.eval_shape(lambda: decoder(model, nnx.Rngs(0))), mesh, rules, loss_fn=gpt_loss,
                      precision=policy, microbatches=config.microbatches, default_microbatches=PIPELINE_MICROBATCHES,
-                     schedule=config.schedule, virtual=config.virtual, stage_remat=config.stage_remat)
-    plan.check_batch(config.batch_size, seq_len, config.grad_accum, rows_flag="--batch-size", seq_flag="--seq-len",
-                     steps_flag="grad-accum")
+                     schedule=config.schedule, virtual=config.virtual, stage_remat=config.stage_remat,
+                     grad_accum=config.grad_accum)
+    plan.check_batch(config.batch_size, seq_len, rows_flag="--batch-size", seq_flag="--seq-len", accum_flag="grad-accum")
     checkpoints, record = None, None
     if config.checkpoint_dir:
         checkpoints = Checkpoints(config.checkpoint_dir)
         try:
             # The tokenizer's kind too: ids of another tokenizer would mean nothing to this model.
-            kind = "ids" if config.data and config.data.endswith(data.TOKEN_FILES) else _tokenizer_kind(config)
+            kind = _tokenizer_kind(config)
+            if config.data and config.data.endswith(data.TOKEN_FILES) and not (config.init_from and kind == "bpe"):
+                kind = "ids"  # (an imported model's token file holds its tokenizer's ids: the run keeps that tokenizer)
             record = checkpoints.check({"model": _model_identity(model), "tokenizer": {"kind": kind}},
                                        bool(config.resume))
             if record and record["step"] >= config.steps:
@@ -277,7 +291,45 @@ def set_up(config: TrainConfig) -> Setup:
         if checkpoints:
             checkpoints.close()
         raise
-    return Setup(config, model, seq_len, plan, checkpoints, record, seed, tokens, split)
+    return Setup(config, model, seq_len, plan, checkpoints, record, seed, tokens, split, auto)
+
+
+# `--strategy auto`: the layout `jshard plan --search` ranks first for this run's devices.
+AUTO = "auto"
+
+
+def _auto_layout(config: TrainConfig, model: DecoderConfig, policy) -> tuple[TrainConfig, str]:
+    """`config` with the search's best layout for `model` on this run's devices (the planner's
+    profile of their kind: `plan.search`): strategy, mesh, accumulation, pipeline; and a line
+    saying what was picked. Its remat is the run's own (`--remat`)."""
+    fixed = [f for f in ("mesh", "schedule", "microbatches", "virtual") if getattr(config, f) is not None]
+    if fixed:
+        raise TrainError(f"--strategy auto chooses the layout, but --{fixed[0]} {getattr(config, fixed[0])} fixes part of "
+                         f"it. Fix: drop --{fixed[0]}, or name a strategy (e.g. --strategy dp+tp).")
+    if config.grad_accum != 1:
+        raise TrainError(f"--strategy auto chooses the accumulation, but --grad-accum {config.grad_accum} fixes it. "
+                         "Fix: drop --grad-accum, or name a strategy.")
+    hw = hardware_of(jax.devices()[0])
+    if hw is None:
+        raise TrainError(f"--strategy auto: the planner has no profile of a {jax.devices()[0].device_kind}. "
+                         f"Fix: name a strategy and --mesh (profiles: {', '.join(KINDS)}, CPU).")
+    name = hw.name
+    found = plan_search.search(model, jax.device_count(), hw, config.batch_size, policy, remats=(config.remat,))
+    fits = [c for c in found if c.estimate and c.estimate["fits"]]
+    if not fits:
+        least = min((c for c in found if c.estimate), key=lambda c: c.estimate["memory_bytes_per_device"]["total"],
+                    default=None)
+        raise TrainError(f"--strategy auto: no layout of {jax.device_count()} {name} devices fits this model and "
+                         f"{config.batch_size} rows a step" + (f" (the smallest, {least.label}, needs "
+                         f"{format_bytes(least.estimate['memory_bytes_per_device']['total'])})" if least else "")
+                         + ". Fix: fewer --batch-size rows, --remat full, or more devices.")
+    best = fits[0]
+    p = best.plan
+    mesh = ",".join(f"{a}={n}" for a, n in p.sizes.items() if n > 1) or "data=1"
+    config = dataclasses.replace(config, strategy=p.strategy, mesh=mesh, grad_accum=p.grad_accum, schedule=p.schedule,
+                                 microbatches=p.microbatches, virtual=p.virtual)
+    return config, (f"auto: {best.label}, the first of {len(fits)} layouts that fit ({len(found)} planned on the "
+                    f"{name} profile), predicted {best.estimate['predicted_step_s'] * 1e3:.1f} ms a step")
 
 
 def _context_line(p: Setup) -> str:
@@ -319,7 +371,7 @@ def _data(config: TrainConfig, model: DecoderConfig, record: dict | None) -> dat
     beside = config.checkpoint_dir if record else config.init_from  # a resumed run's, or the imported model's
     saved = tokenizers.load(beside) if beside and kind == "bpe" else None
     try:
-        tokens = data.load(config.data, kind, model.vocab, saved)
+        tokens = data.load(config.data, kind, model.vocab, saved, config.text_field)
     except (data.DataError, tokenizers.TokenizerError) as e:
         raise TrainError(str(e)) from None
     trained = record and record.get("tokenizer", tokenizers.ByteTokenizer().identity())
@@ -328,6 +380,11 @@ def _data(config: TrainConfig, model: DecoderConfig, record: dict | None) -> dat
             f"--resume: the checkpoint in {config.checkpoint_dir} was trained with tokenizer {trained}, this run "
             f"would use {tokens.tokenizer_identity}. Fix: resume with --tokenizer {trained['kind']} and the "
             f"{tokenizers.FILE} the run saved beside its checkpoints, or start afresh in another --checkpoint-dir."
+        )
+    if tokens.max_id >= model.vocab and config.init_from:
+        raise TrainError(
+            f"--data {config.data}: token id {tokens.max_id} is outside the vocab of {config.init_from} "
+            f"({model.vocab}: ids 0..{model.vocab - 1}). Fix: ids made by that model's tokenizer, or another model."
         )
     if tokens.max_id >= model.vocab:
         raise TrainError(
@@ -372,10 +429,10 @@ def _split(config: TrainConfig, tokens: data.Data, seq_len: int, seed: int, reco
 
 def _portable(step: ShardedStep, state: TrainState) -> dict:
     """What a checkpoint holds: the params at full precision (the fp32 master under `mixed`),
-    so it restores under any --precision, and the optimizer's state between steps (without
-    gradient accumulation's, empty there), so under any --grad-accum; in the model's layer
-    order (`ShardedStep.to_model_order`), so under any pipeline schedule."""
-    return {"params": step.full_params(state), "opt_state": optim.inner_state(state.opt_state)}
+    so it restores under any --precision, and the optimizer's state (gradient accumulation
+    keeps none: the step adds up its micro-batches itself), so under any --grad-accum; in the
+    model's layer order (`ShardedStep.to_model_order`), so under any pipeline schedule."""
+    return {"params": step.full_params(state), "opt_state": state.opt_state}
 
 
 def _abstract(tree):
@@ -411,12 +468,12 @@ def _setup_lines(p: Setup, abstract_model, abstract_opt) -> list[str]:
         f"{f' ({m.kv_heads} kv)' if hasattr(m, 'kv_heads') else ''}, mlp {m.mlp}, "
         f"{_fmt_count(count)} params, vocab {m.vocab}" + _experts_line(m),
         f"devices     {jax.device_count()} × {jax.devices()[0].device_kind}, mesh {mesh}" + _processes(p.mesh),
-        f"strategy    {p.rules.name} (ZeRO stage {p.rules.zero}){pipeline}",
+        f"strategy    {p.rules.name} (ZeRO stage {p.rules.zero}){pipeline}" + (f"; {p.auto}" if p.auto else ""),
         f"per device  {_fmt_count(per_device)} params ({format_bytes(per_device * held)} in {p.precision.param.name} "
         f"of {format_bytes(count * held)}), {master}optimizer state {format_bytes(opt.bytes_per_device)} of "
         f"{format_bytes(opt.total_bytes)}",
         f"batch       {c.batch_size} rows × {p.seq_len} tokens = {c.batch_size * p.seq_len} tokens per step "
-        f"over {'+'.join(p.batch_axes) or 'no axis'}" + (f", {c.grad_accum} micro-steps" if c.grad_accum > 1 else "")
+        f"over {'+'.join(p.batch_axes) or 'no axis'}" + (f", {c.grad_accum} micro-batches accumulated" if c.grad_accum > 1 else "")
         + _context_line(p),
         f"training    {c.steps} steps, AdamW lr {c.lr:g} (warm-up {_warmup(c)}, cosine to {c.lr / 10:g}), "
         f"clip 1.0, precision {p.precision.describe()}, remat {c.remat}",
@@ -478,15 +535,16 @@ def _start(p: Setup, tx, say) -> tuple[ShardedStep, TrainState, int, int]:
         say("  " + line)
     step = step_from_plan(p.plan, jshard.init(make_model, p.mesh, p.rules), tx, gpt_loss)
     if not p.record and p.config.init_from:  # each device's blocks read from the files, in the master's dtype
-        params = hf.load_params(p.config.init_from, p.model, _abstract(step.full_params(step.state)))
+        # in the model's layer order (an uneven pipeline's step holds padding rows the file has not)
+        params = hf.load_params(p.config.init_from, p.model, _abstract(step.full_params(step.to_model_order(step.state))))
         say(f"  weights     from {p.config.init_from} (Hugging Face {hf.read_config(p.config.init_from)['model_type']})")
         return step, step.from_model_order(step.with_params(step.state, params)), 0, 0
     if not p.record:
         return step, step.state, 0, 0
     start, position = p.record["step"], p.record["data_position"]
-    saved = p.checkpoints.restore(start, _abstract(_portable(step, step.state)))  # into this step's layout
-    state = TrainState(None, optim.with_inner_state(step.state.opt_state, saved["opt_state"], start),
-                       step.state.model_state)  # (jshard's models hold Params only)
+    # into this step's layout, the checkpoint in the model's layer order (`_portable`)
+    saved = p.checkpoints.restore(start, _abstract(_portable(step, step.to_model_order(step.state))))
+    state = TrainState(None, saved["opt_state"], step.state.model_state)  # (jshard's models hold Params only)
     state = step.from_model_order(step.with_params(state, saved["params"]))
     say(f"  resumed     step {start} from {p.checkpoints.directory} (saved under {p.record['strategy']} "
         f"on {p.record['mesh']}), data position {position} rows")
@@ -502,12 +560,13 @@ def _train(p: Setup, out) -> TrainResult:
     c = p.config
     say = functools.partial(print, file=out, flush=True)
     learning_rate = optim.schedule(c.lr, c.steps, _warmup(c))  # the update of optimizer step i (from 0) uses (i)
-    tx = optim.adamw(learning_rate, grad_accum=c.grad_accum)
+    tx = optim.adamw(learning_rate)
     step, state, start, position = _start(p, tx, say)
     stream = p.split.train
     if p.checkpoints and p.data.tokenizer and is_main_process():
         p.data.tokenizer.save(p.checkpoints.directory)  # beside the checkpoints: resume and generate read it
     batch_sharding = p.plan.batch_sharding
+    # Held-out batches of one micro-batch's rows: an evaluation keeps no activations for a backward.
     micro_rows, tokens = c.batch_size // c.grad_accum, c.batch_size * p.seq_len
     flops_per_step = flops_per_token(p.model, p.seq_len) * tokens
     peak = device_peak(jax.devices(), p.precision.compute, c.peak_tflops)
@@ -528,13 +587,11 @@ def _train(p: Setup, out) -> TrainResult:
             if traced and index == traced.start:
                 trace.enter_context(jax.profiler.trace(_profile_dir(c.profile), create_perfetto_trace=True))
             tick = time.perf_counter()
-            micro = []
-            for _ in range(c.grad_accum):
-                batch = stream.batch(position, micro_rows, batch_sharding)
-                state, loss = step(state, batch)
-                position += micro_rows
-                micro.append(float(loss))  # waits for the micro-step
-            loss, seconds = float(np.mean(micro)), time.perf_counter() - tick
+            batch = stream.batch(position, c.batch_size, batch_sharding)
+            state, loss = step(state, batch)  # (--grad-accum: the step runs the micro-batches itself)
+            position += c.batch_size
+            loss = float(loss)  # waits for the step
+            seconds = time.perf_counter() - tick
             # The update of non-finite gradients is not applied (`optim.skip_nonfinite`), so the state
             # stays finite; the run stops, or goes on for --skip-nonfinite N of them in a row.
             in_a_row = int(optim.skipped(state.opt_state))

@@ -274,3 +274,89 @@ MODELS = {
     "minigpt": (MiniGPT, minigpt_loss, token_batches),
     "unnamed minigpt": (functools.partial(MiniGPT, named=False), minigpt_loss, token_batches),
 }
+
+
+# -- a model in JAX's explicit-sharding style ---------------------------------------------------------
+# Written as JAX's sharding-in-types examples write a decoder: the author's own mesh axes ('fsdp',
+# 'tp'), a table of PartitionSpecs over them, params laid out by initializers' `out_sharding=` or by
+# Flax's sharding metadata, a norm scale `P()`, a constant held as `nnx.data`, and activations laid
+# out in the forward by `out_sharding=`, `reshard` and `with_sharding_constraint`. jshard runs it
+# with `rules.with_mesh_axes(AUTHOR_AXES)`.
+
+AUTHOR_AXES = {"tp": "tensor"}  # the author's 'fsdp' is jshard's already
+
+SHARDING = dict(
+    embedding=jax.P("tp", "fsdp"),  # (vocab, embed)
+    q=jax.P("fsdp", "tp", None),  # (embed, heads, head dim)
+    kv=jax.P(None, "fsdp", "tp", None),  # (k or v, embed, heads, head dim)
+    out=jax.P("tp", None, "fsdp"),  # (heads, head dim, embed)
+    up=jax.P("fsdp", "tp"),  # (embed, mlp)
+    down=jax.P("tp", "fsdp"),  # (mlp, embed)
+    scale=jax.P(),  # (embed,): replicated
+    rows=jax.P("fsdp"),  # an activation: its rows over fsdp, the rest whole
+)
+
+
+def author_mesh():
+    """The author's mesh, on one device: what the model is built and the reference run under."""
+    return jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Explicit,) * 2,
+                         devices=jax.devices()[:1])
+
+
+def _rotary(x, inv_freq):
+    angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+class ExplicitShardingLM(nnx.Module):
+    """A one-block rotary decoder with a tied head; `hidden`: the layout its MLP asks for (the
+    default restates the rows' layout; P('fsdp', None, 'tp') splits the hidden units)."""
+
+    def __init__(self, rngs: nnx.Rngs, vocab=64, embed=32, heads=4, head_dim=8, mlp=64, hidden=SHARDING["rows"]):
+        def normal(spec, *shape):  # an initializer laying its array out itself
+            return jax.random.normal(rngs.params(), shape, out_sharding=spec) / np.sqrt(shape[-2])
+
+        self.embedding = nnx.Param(normal(SHARDING["embedding"], vocab, embed))
+        self.q = nnx.Param(normal(SHARDING["q"], embed, heads, head_dim))
+        self.kv = nnx.Param(normal(SHARDING["kv"], 2, embed, heads, head_dim))
+        self.out = nnx.Param(jax.random.normal(rngs.params(), (heads, head_dim, embed)) / 8, out_sharding=SHARDING["out"])
+        self.up = nnx.Param(jax.random.normal(rngs.params(), (embed, mlp)) / 6, out_sharding=SHARDING["up"])
+        self.down = nnx.Param(jax.random.normal(rngs.params(), (mlp, embed)) / 8, out_sharding=SHARDING["down"])
+        self.scale = nnx.Param(jnp.ones((embed,)), out_sharding=SHARDING["scale"])
+        self.inv_freq = nnx.data(1.0 / 10000 ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+        self.hidden = hidden
+
+    def lay_out(self, x, spec):
+        return jax.sharding.reshard(x, spec)
+
+    def norm(self, x):
+        return x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-6) * self.scale[...]
+
+    def __call__(self, tokens):
+        rows = SHARDING["rows"]
+        x = self.embedding[...].at[tokens].get(out_sharding=rows)
+        h = self.norm(x)
+        q = _rotary(jnp.einsum("bsd,dhk->bshk", h, self.q[...], out_sharding=rows), self.inv_freq)
+        k, v = (jnp.einsum("bsd,dhk->bshk", h, w, out_sharding=rows) for w in self.kv[...])
+        scores = jnp.einsum("bqhk,bshk->bhqs", q, _rotary(k, self.inv_freq)) / np.sqrt(q.shape[-1])
+        causal = jnp.tril(jnp.ones((tokens.shape[1],) * 2, bool))
+        attention = jnp.einsum("bhqs,bshk->bqhk", jax.nn.softmax(jnp.where(causal, scores, -1e9)), v)
+        x = jax.sharding.reshard(x + jnp.einsum("bqhk,hkd->bqd", attention, self.out[...], out_sharding=rows), rows)
+        up = jnp.einsum("bsd,df->bsf", self.norm(x), self.up[...], out_sharding=self.hidden)
+        x = self.lay_out(x + jnp.einsum("bsf,fd->bsd", jax.nn.silu(up), self.down[...], out_sharding=rows), rows)
+        return jnp.einsum("bsd,vd->bsv", self.norm(x), self.embedding[...], out_sharding=rows)
+
+
+class ConstrainedLM(ExplicitShardingLM):
+    """The same, laying out its residual stream as a model for an Auto mesh does."""
+
+    def lay_out(self, x, spec):
+        return jax.lax.with_sharding_constraint(x, spec)
+
+
+def explicit_sharding_lm(rngs: nnx.Rngs, model=ExplicitShardingLM, **kwargs):
+    """The model built as its author builds it: under the author's mesh (initializers' `out_sharding=`)."""
+    with jax.set_mesh(author_mesh()):
+        return model(rngs, **kwargs)

@@ -12,6 +12,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jshard.placement import value_of
 from seed import SEED
 
 TOLERANCE = 1e-5  # fp32 against one device
@@ -45,7 +46,7 @@ def assert_trees_close(actual: nnx.State, expected: nnx.State, what: str, tolera
     flat_actual = nnx.to_flat_state(actual)
     assert {p for p, _ in flat_actual} == set(flat_expected), f"{what}: other Variables (seed {SEED})"
     for path, variable in flat_actual:
-        got, want = variable.get_value(), flat_expected[path].get_value()
+        got, want = value_of(variable), value_of(flat_expected[path])
         where = f"{what} {'/'.join(map(str, path))}"
         if jax.dtypes.issubdtype(want.dtype, jax.dtypes.prng_key):
             got, want = jax.random.key_data(got), jax.random.key_data(want)

@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import jshard
-from jshard import data, tokenizer
+from jshard import data, documents, tokenizer
 from jshard.cli import main
 from jshard.models import GPT, GPT_SIZES, gpt_loss
 from jshard.parallel import build_step
@@ -206,3 +206,115 @@ def test_a_checkpoint_of_another_tokenizer_is_refused(capsys, tmp_path):
     trained = tokenizer.load(str(tmp_path)).identity()
     tokenizer.train_bpe(["some other text"], 320).save(str(tmp_path))
     refused(capsys, resume, f"was trained with tokenizer {trained}")
+
+
+# -- documents: JSONL, Parquet, a datasets.save_to_disk folder --------------------------------
+
+
+DOCS = ["It is a truth universally acknowledged,", "that a single man in possession of a good fortune", "",
+        "must be in want of a wife. é"]  # an empty document too: it still ends with the separator
+
+
+def write_jsonl(path, docs, field="text"):
+    path.write_text("".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs)))
+
+
+def write_parquet(path, docs, field="text"):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": list(range(len(docs))), field: docs}), path, row_group_size=2)
+
+
+def write_save_to_disk(path, docs, field="text"):
+    """The folder `datasets.Dataset.save_to_disk` writes: Arrow IPC streams named by state.json."""
+    import pyarrow as pa
+
+    path.mkdir()
+    names = []
+    for i, part in enumerate((docs[:2], docs[2:])):
+        names.append(f"data-{i:05d}-of-00002.arrow")
+        with pa.OSFile(str(path / names[-1]), "wb") as sink, \
+                pa.ipc.new_stream(sink, pa.schema([(field, pa.string())])) as writer:
+            writer.write_table(pa.table({field: part}))
+    (path / "state.json").write_text(json.dumps({"_data_files": [{"filename": n} for n in names]}))
+    (path / "dataset_info.json").write_text("{}")
+
+
+FORMATS = {"jsonl": ("d.jsonl", write_jsonl), "parquet": ("d.parquet", write_parquet),
+           "save_to_disk": ("saved", write_save_to_disk)}
+
+
+@pytest.fixture
+def token_cache(tmp_path, monkeypatch):
+    """Tokenised documents kept under the test's folder, not ~/.cache."""
+    monkeypatch.setattr(documents, "cache_dir", lambda: str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.mark.parametrize("form", FORMATS)
+def test_documents_read_as_the_same_text_in_a_txt_file(tmp_path, token_cache, form):
+    name, write = FORMATS[form]
+    write(tmp_path / name, DOCS, "body")
+    (tmp_path / "same.txt").write_text("".join(d + documents.SEPARATOR for d in DOCS))
+    loaded = data.load(str(tmp_path / name), text_field="body")
+    assert isinstance(loaded.tokens, np.memmap) and f"{len(DOCS)} documents" in loaded.source
+    np.testing.assert_array_equal(loaded.tokens, data.load(str(tmp_path / "same.txt")).tokens)
+    again = data.load(str(tmp_path / name), text_field="body")  # the cached token file, read again
+    assert again.tokens.filename == loaded.tokens.filename and len(list(token_cache.iterdir())) == 2
+
+
+def test_documents_end_with_the_tokenizers_eos(tmp_path, token_cache):
+    write_jsonl(tmp_path / "d.jsonl", DOCS)
+    bpe = tokenizer.train_bpe(DOCS, 300)
+    bpe.eos_id = 299  # as a Hugging Face model's config.json names one
+    loaded = data.load(str(tmp_path / "d.jsonl"), tokenizer=bpe)
+    expected = np.concatenate([np.append(bpe.encode(d), 299) for d in DOCS])
+    np.testing.assert_array_equal(loaded.tokens, expected)
+    assert "EOS id 299 after each document" in loaded.source
+
+
+def test_a_large_jsonl_is_read_in_bounded_memory(tmp_path, token_cache, monkeypatch):
+    """A read holds one chunk of text and its ids, not the file: tracemalloc's peak (numpy's
+    arrays and Python's strings) stays far under the file's size."""
+    import tracemalloc
+
+    monkeypatch.setattr(documents, "CHUNK_CHARS", 1 << 16)
+    line = json.dumps({"text": "x" * 900}) + "\n"
+    (tmp_path / "big.jsonl").write_text(line * 8000)  # 7.3 MB
+    size = (tmp_path / "big.jsonl").stat().st_size
+    tracemalloc.start()  # (the id scan after it reads in chunks of its own: data.SCAN_CHUNK)
+    tokens, _, count = documents.tokenize(documents.open_documents(str(tmp_path / "big.jsonl")),
+                                          tokenizer.ByteTokenizer())
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert count == 8000 and len(tokens) == 8000 * 902 and peak < size / 20, (peak, size)
+
+
+BAD_DOCUMENTS = [
+    ("d.jsonl", b'{"text": "one"}\n{"text": two}\n', "d.jsonl:2: not JSON"),
+    ("d.jsonl", b'{"text": "one"}\n\n{"body": "x", "id": 3}\n', "d.jsonl:3: no field 'text' (its fields: 'body', 'id'). "
+                                                                 "Fix: --text-field body."),
+    ("d.jsonl", b'{"text": 7}\n', "d.jsonl:1: field 'text' is 7, not a string"),
+    ("d.jsonl", b'{"text": "\xff"}\n', "d.jsonl:1: not UTF-8 (byte 10 of the line)"),
+    ("d.jsonl", b'["text"]\n', "d.jsonl:1: a JSON list, not an object"),
+    ("d.jsonl", b"", "d.jsonl: empty, no documents in it"),
+    ("d.parquet", None, "d.parquet: row 3 has no 'text' (null)"),
+    ("d.parquet", b"PAR1 not really", "d.parquet: not a Parquet file"),
+]
+
+
+@pytest.mark.parametrize("name, content, message", BAD_DOCUMENTS, ids=[m.split(": ", 1)[1][:24] for *_, m in BAD_DOCUMENTS])
+def test_bad_documents_are_one_line_naming_the_row(capsys, tmp_path, token_cache, name, content, message):
+    if content is None:
+        write_parquet(tmp_path / name, ["a", "b", None])
+    else:
+        (tmp_path / name).write_bytes(content)
+    err = refused(capsys, CLI + ["--data", str(tmp_path / name)], f"--data {tmp_path / name}{message[len(name):]}")
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_run_trains_on_a_save_to_disk_folder(capsys, tmp_path, token_cache):
+    write_save_to_disk(tmp_path / "saved", [data.corpus_tokens().tobytes().decode()[:9000]] * 2, "content")
+    assert main(CLI + ["--steps", "1", "--data", str(tmp_path / "saved"), "--text-field", "content"]) == 0
+    assert "2 documents (arrow) -> 18,004 tokens (bytes, a blank line after each document" in capsys.readouterr().out

@@ -226,3 +226,17 @@ def test_a_tokenizer_other_than_the_checkpoints_is_refused(capsys, gpt, llama, t
     (bpe_run / tokenizers.FILE).unlink()
     refused(capsys, ["--checkpoint-dir", str(bpe_run)], f"has no {tokenizers.FILE}, which means bytes",
             f"Fix: put the run's {tokenizers.FILE} back in {bpe_run}.")
+
+
+def test_one_prompt_on_eight_devices_takes_a_mesh_its_samples_fill(capsys, gpt, tmp_path):
+    """With no --mesh, dp over 8 devices cannot split 1 sample: the mesh is the most devices whose
+    batch shards the samples fill (here one), not a refusal."""
+    out = tmp_path / "out.json"
+    assert main(["generate", "--checkpoint-dir", str(gpt), "--prompt", PROMPT, "--max-tokens", "4", "--temperature",
+                 "0", "--json", str(out)]) == 0
+    assert f"dp on one device (1 of {jax.device_count()} × cpu)" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["devices"] == 1 and len(report["tokens"]) == 1
+    s = set_up(GenerateConfig(str(gpt), PROMPT, num_samples=6, strategy="dp+tp"))  # 6 samples: data=2 of tensor=2
+    sizes = dict(zip(s.mesh.axis_names, s.mesh.axis_sizes))
+    assert (sizes["data"], sizes["tensor"], s.mesh.devices.size) == (2, 2, 4)

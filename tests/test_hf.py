@@ -5,6 +5,7 @@ with `save_pretrained` beside the logits, loss and greedy tokens it gave (`tests
 `tests/hf/make_fixtures.py`): jshard computes none of them. Where JSHARD_HF_PYTHON names a
 Python with transformers (CI builds one), exports are also loaded back by transformers."""
 
+import dataclasses
 import glob
 import json
 import os
@@ -263,3 +264,32 @@ def test_hf_weights_whose_loss_is_not_finite_stop_the_first_step(tmp_path, value
     save_file(tensors, os.path.join(directory, hf.SINGLE))
     with pytest.raises(TrainError, match=r"step 1: the loss is (nan|inf) at the first step, " + said.format(directory=directory)):
         train(TrainConfig(init_from=directory, strategy="dp", steps=2, batch_size=8))
+
+
+def test_hf_init_from_trains_on_a_token_file_of_its_ids_and_generates_from_the_run(tmp_path, capsys):
+    """`--init-from DIR --data ids.npy`: the ids as given (its tokenizer's), the first loss
+    transformers' on the first batch; the run keeps the model's tokenizer beside its checkpoint,
+    so `generate` reads it back, on a mesh its one sample fills."""
+    directory = str(tmp_path / "llama")
+    shutil.copytree(fixture("llama"), directory)
+    ids = np.random.default_rng(11).integers(0, 320, 4000)
+    np.save(tmp_path / "ids.npy", ids.astype(np.int32))
+    config = TrainConfig(init_from=directory, data=str(tmp_path / "ids.npy"), strategy="dp", mesh="data=8", steps=1,
+                         batch_size=8, seq_len=23, checkpoint_dir=str(tmp_path / "ck"))
+    setup = set_up(config)
+    first_batch = setup.split.train.rows(range(config.batch_size))
+    setup.checkpoints.close()
+    assert setup.data.tokenizer_identity["kind"] == "bpe" and setup.data.max_id == ids.max()
+    result = train(config)
+    expected = transformers_loss(directory, first_batch, tmp_path)
+    if expected is None:
+        model, _ = imported(directory)
+        expected = float(gpt_loss(model, jnp.asarray(first_batch)))
+    assert abs(result.losses[0] - expected) <= 1e-4 * expected, (result.losses[0], expected)
+    assert os.path.exists(tmp_path / "ck" / hf.TOKENIZER)
+    capsys.readouterr()
+    run_generation(GenerateConfig(str(tmp_path / "ck"), "ab", max_tokens=3))
+    assert "dp on one device (1 of 8 × cpu)" in capsys.readouterr().out
+    np.save(tmp_path / "ids.npy", np.append(ids, 320).astype(np.int32))  # one id past the model's vocab
+    with pytest.raises(TrainError, match=r"token id 320 is outside the vocab of .*llama \(320: ids 0..319\)\. Fix: "):
+        set_up(dataclasses.replace(config, checkpoint_dir=None))

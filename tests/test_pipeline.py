@@ -17,8 +17,8 @@ from jshard.parallel import pipeline
 from jshard.parallel.pipeline import compile_program
 from jshard.parallel.schedules import SCHEDULES, ScheduleError, make_schedule
 import decoders
-from parity import (OPTIMIZER, TOLERANCE, assert_gradients_close, assert_trees_close, one_device_gradients, train,
-                    train_on_one_device)
+from parity import (OPTIMIZER, TOLERANCE, assert_gradients_close, assert_trains_like_one_device, assert_trees_close,
+                    one_device_gradients, train, train_on_one_device)
 from seed import SEED
 
 MLP_CONFIG = MLPConfig(dim=32, layers=8)
@@ -74,6 +74,56 @@ def test_schedule_decoder_with_other_strategies(model, schedule, preset, sizes, 
     make = functools.partial(decoders.make, model, SEED, layers=4)
     steps = 1 if schedule == "1f1b" else 0  # the update itself is schedule-independent: one is enough
     assert_matches_one_device(make, gpt_loss, batch, preset, sizes, microbatches, schedule, steps)
+
+
+# Uneven stages: layers that stages × virtual does not divide, on every schedule (interleaved
+# where its chunks have a layer each): 6 layers on 4 stages run (1, 2, 2, 1), 7 on 2 (4, 3).
+UNEVEN = [(6, 4, s, None) for s in ("gpipe", "1f1b", "zb-h1")] + [
+    (7, 2, s, None) for s in ("gpipe", "1f1b", "zb-h1")] + [(7, 2, "interleaved", 2)]
+
+
+@functools.cache
+def uneven_step(layers, stages, schedule, virtual):
+    """DeepMLP(32, `layers`) under dp+pp at m = p, and its state's abstract values (for `lower`:
+    the parity test's call donates `.state`), so the FLOPs test shares its compilation."""
+    model = DeepMLP(MLPConfig(dim=MLP_CONFIG.dim, layers=layers), rngs=nnx.Rngs(SEED))
+    step = build_step(model, OPTIMIZER, mlp_loss, jshard.make_mesh(data=8 // stages, stage=stages),
+                      jshard.preset("dp+pp"), stages, schedule, virtual)
+    return step, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), step.state)
+
+
+def uneven_batch(stages):
+    return np.random.default_rng(SEED).standard_normal((8 * stages, MLP_CONFIG.dim), dtype=np.float32)
+
+
+@pytest.mark.parametrize("layers, stages, schedule, virtual", UNEVEN, ids=[f"{n}-on-{p}-{s}" for n, p, s, _ in UNEVEN])
+def test_uneven_stages_train_like_one_device(layers, stages, schedule, virtual):
+    """Losses and params after 2 AdamW steps equal one device's; the step holds the stack padded
+    to equal chunks, and the padding stays zero (params and optimizer state: no gradient reaches
+    it); what it hands out has exactly the model's layers, and its conversions are exact."""
+    step, _ = uneven_step(layers, stages, schedule, virtual)
+    make = lambda: DeepMLP(MLPConfig(dim=MLP_CONFIG.dim, layers=layers), rngs=nnx.Rngs(SEED))  # noqa: E731
+    assert sum(p.elements for p in step.plan.params) == sum(x.size for x in jax.tree.leaves(nnx.state(make())))
+    state = assert_trains_like_one_device(step, train_on_one_device(make(), OPTIMIZER, mlp_loss, [uneven_batch(stages)] * 2),
+                                          f"{layers} layers on {stages} stages, {schedule}")
+    slots = pipeline.held_slots(step.plan.stage_layers, stages, step.schedule.virtual)
+    held = [x for x in jax.tree.leaves((state.params, state.opt_state)) if np.ndim(x) and x.shape[0] == len(slots)]
+    assert held and all(not np.asarray(x)[slots < 0].any() for x in held)
+    portable = step.to_model_order(state)  # what a checkpoint holds
+    assert all(x.shape[0] == layers for x in jax.tree.leaves(portable.params))
+    for have, want in zip(jax.tree.leaves(step.from_model_order(portable)), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(have, want)
+        assert have.sharding == want.sharding
+
+
+def test_uneven_stages_skip_their_padding():
+    """A padding row costs no FLOPs: per stage, the compiled step's matmuls follow its layers
+    (4 and 3 on 2 stages, each holding 4 rows), counted from the program's conditionals."""
+    step, state = uneven_step(7, 2, "1f1b", None)
+    text = step.lower(state, step.shard_batch(uneven_batch(2))).compile().as_text()
+    flops = pipeline.matmul_flops(step.schedule, text, step.stage_remat, step.plan.stage_layers)
+    assert step.plan.stage_layers == (4, 3) and step.plan.layer_slots == 4
+    assert flops[0] / flops[1] == pytest.approx(4 / 3, rel=1e-9)
 
 
 @functools.cache
@@ -217,11 +267,10 @@ def make_mlp():
         ("dp+pp", dict(data=2, stage=4), mlp_loss, None, "needs microbatches=M >= 1"),
         ("dp+pp", dict(data=2, stage=4), lambda m, b: mlp_loss(m, b), 4, "StagedLoss"),
         ("dp", dict(data=8), mlp_loss, 4, "no pipeline to feed"),
-        ("pp", dict(stage=8), mlp_loss, 4, r"dim 0 \('layers', size 8\)|does not divide"),
     ],
 )
 def test_bad_pipeline_input(preset, sizes, loss_fn, microbatches, fragment):
-    model = DeepMLP(MLPConfig(dim=32, layers=6 if preset == "pp" else 8), rngs=nnx.Rngs(0))
+    model = DeepMLP(MLPConfig(dim=32, layers=8), rngs=nnx.Rngs(0))
     with pytest.raises(jshard.ShardingError, match=fragment):
         build_step(model, OPTIMIZER, loss_fn, jshard.make_mesh(**sizes), jshard.preset(preset), microbatches)
 
@@ -247,7 +296,9 @@ def test_batch_not_divisible_by_microbatches():
     [
         (8, dict(data=2, stage=4), 2, "zb-h1", None, r"m >= p.*got m=2 with p=4"),
         (8, dict(data=2, stage=4), 2, "interleaved", None, r"m >= p"),
-        (8, dict(data=2, stage=4), 4, "interleaved", 3, r"8 layers do not split evenly over stages=4 x virtual=3"),
+        (8, dict(data=2, stage=4), 4, "interleaved", 3, r"8 layers on stages=4 x virtual=3 = 12 model chunks: a "
+                                                           r"chunk needs at least one layer. Fix: stages x virtual at most 8"),
+        (6, dict(stage=8), 8, "1f1b", None, r"6 layers on stages=8 x virtual=1 = 8 model chunks"),
         (8, dict(data=2, stage=4), 4, "1f1b", 2, "virtual=2 applies to the interleaved schedule only"),
         (8, dict(data=2, stage=4), 4, "pipedream", None, "unknown schedule 'pipedream'"),
     ],

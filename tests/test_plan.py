@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from jshard import moe, plan
+from jshard.plan import physics
 from jshard.cli import main
 from jshard.models import GPT_SIZES, SIZES
 from jshard.parallel.schedules import make_schedule
@@ -148,7 +149,10 @@ def test_mixtral_expert_params_per_device_fall_as_one_over_ep(ep):
         return
     [row] = all_to_all
     assert row["bytes"] == MIXTRAL.layers * 4 * 8 * slots * MIXTRAL.embed * 2 and row["axes"] == "expert"
-    assert row["link"] == "intra" and row["seconds"] == pytest.approx(row["bytes"] * (ep - 1) / ep / 450e9)
+    # each of its calls (4 a layer: `estimate.calls`) pays the link's latency once per step of its n - 1
+    latency = 4 * MIXTRAL.layers * (ep - 1) * physics.LINK_LATENCY["intra"]
+    assert row["link"] == "intra" and row["calls"] == 4 * MIXTRAL.layers
+    assert row["seconds"] == pytest.approx(row["bytes"] * (ep - 1) / ep / 450e9 + latency)
     assert est["predicted_step_s"] >= est["compute_s"] + row["seconds"]
 
 

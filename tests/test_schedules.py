@@ -15,8 +15,8 @@ from jshard.parallel.schedules import (
     OneFOneB,
     ScheduleError,
     ZeroBubbleH1,
-    check_layers,
     make_schedule,
+    stage_layers,
 )
 from jshard.cli.show import render
 
@@ -52,7 +52,8 @@ def test_table_is_valid_and_its_bubble_is_the_formula(schedule):
     assert (schedule.busy_slots, schedule.idle_slots) == (busy, idle)
     assert schedule.ticks * schedule.stages == busy + idle
     assert schedule.bubble_fraction == pytest.approx(schedule.formula_bubble_fraction, rel=1e-12)
-    check_layers(LAYERS, schedule.stages, schedule.virtual)
+    chunks = schedule.stages * schedule.virtual
+    assert stage_layers(LAYERS, schedule.stages, schedule.virtual) == (LAYERS // chunks,) * chunks
 
 
 def test_formulas_hold_across_a_sweep_of_sizes():
@@ -213,10 +214,10 @@ def test_an_order_that_contradicts_the_dependencies_deadlocks_loudly():
         (lambda: make_schedule("1f1b", 4, 8, 2), ["virtual=2 applies to the interleaved schedule only",
                                                   "Fix: drop virtual, or use interleaved"]),
         (lambda: make_schedule("pipedream", 4, 8), ["unknown schedule 'pipedream'", "gpipe, 1f1b, interleaved, zb-h1"]),
-        (lambda: check_layers(12, 4, 2), ["12 layers do not split evenly over stages=4 x virtual=2 = 8",
-                                          "a multiple of 8 layers (8 or 16)"]),
-        (lambda: check_layers(3, 4), ["a multiple of 4 layers (4)"]),
-        (lambda: check_layers(0, 4), ["layers must be a positive int, got 0"]),
+        (lambda: stage_layers(6, 4, 2), ["6 layers on stages=4 x virtual=2 = 8 model chunks: a chunk needs at least "
+                                         "one layer", "Fix: stages x virtual at most 6"]),
+        (lambda: stage_layers(3, 4), ["3 layers on stages=4 x virtual=1 = 4 model chunks"]),
+        (lambda: stage_layers(0, 4), ["layers must be a positive int, got 0"]),
     ],
 )
 def test_bad_input_says_what_where_and_the_fix(make, fragments):
@@ -225,8 +226,19 @@ def test_bad_input_says_what_where_and_the_fix(make, fragments):
     assert all(fragment in str(e.value) for fragment in fragments), str(e.value)
 
 
-def test_check_layers_returns_layers_per_chunk():
-    assert check_layers(16, 4, 2) == 2 and check_layers(12, 4) == 3
+@pytest.mark.parametrize("layers, stages, virtual, expected", [
+    (16, 4, 2, (2,) * 8), (12, 4, 1, (3,) * 4),
+    # The remainder goes to the middle chunks, the last middle one first; the first chunk (the
+    # embedding) gets a fewer, the last (head and loss, dearer) never gets one more.
+    (6, 4, 1, (1, 2, 2, 1)), (7, 2, 1, (4, 3)), (24, 16, 1, (1,) * 7 + (2,) * 8 + (1,)),
+    (80, 6, 1, (13, 13, 13, 14, 14, 13)), (7, 2, 2, (2, 2, 2, 1)), (6, 2, 2, (1, 2, 2, 1)), (5, 5, 1, (1,) * 5),
+])
+def test_stage_layers_balances_the_chunks(layers, stages, virtual, expected):
+    counts = stage_layers(layers, stages, virtual)
+    assert counts == expected and sum(counts) == layers and max(counts) - min(counts) <= 1
+
+
+def test_make_schedule_defaults():
     assert make_schedule("1f1b", 4, 8, 1) == OneFOneB(4, 8)
     assert make_schedule("interleaved", 4, 8).virtual == 2
 

@@ -284,3 +284,49 @@ def test_train_refuses_bad_strategies_before_placing(capsys):
     assert main(["train", "--strategy", "dp", "--mesh", "data=2,stage=4"]) == 2
     captured = capsys.readouterr()
     assert "mesh axis 'stage' has size 4, but no rule" in captured.err and "per device" not in captured.out
+
+
+# -- gradient accumulation inside the step ---------------------------------------------------
+
+# (preset, sizes, grad_accum, collectives): one case per family; each micro-batch is one row per
+# batch shard. ZeRO-1 beside DP and TP on one mesh; a pipeline (2 micro-batches of its own per
+# accumulated one); the compiler-placed step.
+ACCUMULATED = [("dp", dict(data=8), 2, "explicit"), ("dp+zero1+tp", dict(data=2, fsdp=2, tensor=2), 4, "explicit"),
+               ("zero2", dict(fsdp=8), 2, "explicit"), ("zero3", dict(fsdp=8), 2, "explicit"),
+               ("dp+pp", dict(data=4, stage=2), 2, "explicit"), ("dp+fsdp+tp", dict(data=2, fsdp=2, tensor=2), 4, "compiler")]
+ACCUMULATED_TOLERANCE = 1e-6  # fp32: a sum over micro-batches in another order than one device's
+
+
+@functools.cache
+def whole_batches() -> OneDeviceRun:
+    """2 AdamW steps on one device, each on a whole batch of 16 rows: what accumulating its micro-batches must give."""
+    rng = np.random.default_rng(SEED)
+    return train_on_one_device(decoders.make("gpt", SEED), OPTIMIZER, gpt_loss,
+                               [rng.integers(0, 64, (16, 17)) for _ in range(2)])
+
+
+@pytest.mark.parametrize("preset, sizes, grad_accum, collectives",
+                         [pytest.param(*c, id=f"{c[0]}-{c[3]}-x{c[2]}", marks=[pytest.mark.fast] * (c[0] == "dp"))
+                          for c in ACCUMULATED])
+def test_accumulated_micro_batches_train_like_the_whole_batch_on_one_device(preset, sizes, grad_accum, collectives):
+    step = build_step(decoders.make("gpt", SEED), OPTIMIZER, gpt_loss, jshard.make_mesh(**sizes), jshard.preset(preset),
+                      microbatches=2 if "stage" in sizes else None, collectives=collectives, grad_accum=grad_accum)
+    assert_trains_like_one_device(step, whole_batches(), f"{preset} grad_accum={grad_accum}", ACCUMULATED_TOLERANCE)
+
+
+@pytest.mark.parametrize("preset, sizes, expected", [
+    ("dp", dict(data=8), {"all-reduce": 1}),  # once per step, on the sum
+    ("zero1", dict(fsdp=8), {"reduce-scatter": 1, "all-gather": 1}),  # once per step, on the sum
+    ("zero2", dict(fsdp=8), {"reduce-scatter": 4, "all-gather": 1}),  # per micro-batch, onto the sharded sum
+    ("zero3", dict(fsdp=8), {"reduce-scatter": 4, "all-gather": 8}),  # per micro-batch, onto the sharded sum
+])
+def test_accumulation_reduces_what_its_strategy_says_when(preset, sizes, expected):
+    """grad_accum=4, in Ψ (param bytes): DP and ZeRO-1 reduce once per step, as without
+    accumulation; ZeRO-2 and ZeRO-3 reduce-scatter per micro-batch (ZeRO-3 gathers forward and
+    backward per micro-batch too); the update's all-gather once."""
+    batch = np.ones((32, MLP_CONFIG.dim), np.float32)  # 4 rows per batch shard: micro-batches of 1
+    step = build_step(make_mlp(), OPTIMIZER, mlp_loss, jshard.make_mesh(**sizes), jshard.preset(preset), grad_accum=4)
+    psi = param_bytes(make_mlp)
+    assert collective_bytes(step, batch, min_bytes=8) == {kind: n * psi for kind, n in expected.items()}
+    if preset == "dp":  # the bytes of the step without accumulation (counted once in the traffic tests)
+        assert traffic(make_mlp, mlp_loss, MLP_BATCH, preset, sizes) == {"all-reduce": psi}

@@ -160,7 +160,8 @@ def test_moe_trains_under_dp_ep_as_under_dp_and_reports_its_experts(tmp_path):
 
 
 def test_gradient_accumulation_and_remat_leave_the_losses_as_they_were(dp):
-    # Two micro-steps of 8 rows each (optax.MultiSteps) are one step of 16; remat recomputes, it does not change.
+    # Two accumulated micro-batches of 8 rows each (inside the step) are one step of 16; remat recomputes, it
+    # does not change.
     losses = run(strategy="dp", mesh="data=8", grad_accum=2, remat="full").losses
     np.testing.assert_allclose(losses, dp[0].losses, rtol=1e-4)
 
@@ -321,7 +322,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint_and_resume_is_exact(sav
 
 
 def test_restore_onto_another_mesh_and_strategy_gives_the_same_loss(saved, tmp_path):
-    # Saved under zero3 on fsdp=8 without accumulation; restored under dp+tp, in two micro-steps.
+    # Saved under zero3 on fsdp=8 without accumulation; restored under dp+tp, accumulating two micro-batches.
     resumed = run(strategy="dp+tp", mesh="data=2,tensor=4", grad_accum=2,
                   checkpoint_dir=str(copy_step(saved, 3, tmp_path)), resume=True)
     assert resumed.first_step == 3
@@ -338,11 +339,15 @@ def test_resuming_with_another_schedule_says_so(saved, tmp_path, capsys):
             and "schedule    steps 5 -> 8: from step 6 the learning rate follows this run's warm-up and cosine" in out), out
 
 
-def test_interleaved_checkpoint_restores_under_another_schedule(tmp_path):
-    """The interleaved step holds its layers permuted; checkpoints hold them in model order."""
-    small = dict(model="small", steps=3, seq_len=32)
-    saved = run(**small, strategy="pp+fsdp", mesh="stage=2,fsdp=4", schedule="interleaved",
-                checkpoint_dir=str(tmp_path), checkpoint_every=2)
+@pytest.mark.parametrize("model, pipeline", [
+    (dict(model="small"), dict(strategy="pp+fsdp", mesh="stage=2,fsdp=4", schedule="interleaved")),
+    (dict(model="tiny", layers=3), dict(strategy="dp+pp", mesh="data=4,stage=2")),  # uneven: 2 + 1 layers, padded
+], ids=["interleaved", "uneven"])
+def test_pipelined_checkpoint_restores_under_another_schedule(model, pipeline, tmp_path):
+    """An interleaved step holds its layers permuted, an uneven one padded; checkpoints hold
+    the model's layers in its order."""
+    small = dict(**model, steps=3, seq_len=32)
+    saved = run(**small, **pipeline, checkpoint_dir=str(tmp_path), checkpoint_every=2)
     shutil.rmtree(tmp_path / "3")
     resumed = run(**small, strategy="dp", mesh="data=8", checkpoint_dir=str(tmp_path), resume=True)
     assert resumed.first_step == 2
@@ -553,3 +558,10 @@ def test_a_config_value_of_the_wrong_type_gets_one_line(capsys, tmp_path, config
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     refused(capsys, ["train", "--config", str(path)], message)
+
+
+def test_a_rotary_model_takes_a_seq_len_past_its_named_one(capsys):
+    """llama-tiny is named with seq_len 64, but rotary positions are computed, not a table: 128
+    trains (the GPT's learned table keeps its limit: test_bad_flags_are_refused_before_device_work)."""
+    result = train(TrainConfig(model="llama-tiny", seq_len=128, steps=1, batch_size=8, strategy="dp", mesh="data=8"))
+    assert np.isfinite(result.losses[0]) and "batch       8 rows × 128 tokens" in capsys.readouterr().out

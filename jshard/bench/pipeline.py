@@ -74,7 +74,7 @@ def run_schedules(config: DecoderConfig, mesh: str | None, schedules, microbatch
         program, schedule = compile_program(step.schedule, stage_remat), step.schedule
         compiled = step.lower(step.state, tokens).compile()
         temp = compiled.memory_analysis().temp_size_in_bytes
-        flops = float(np.mean(matmul_flops(schedule, compiled.as_text(), stage_remat))) / flat_flops
+        flops = float(np.mean(matmul_flops(schedule, compiled.as_text(), stage_remat, step.plan.stage_layers))) / flat_flops
         loss, _ = step.value_and_grad(step.state, tokens)
         row = dict(schedule=schedule.name, stage_remat=stage_remat, ticks=schedule.ticks,
                    bubble=schedule.bubble_fraction, slots=program.act_slots + program.grad_slots,

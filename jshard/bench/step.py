@@ -139,9 +139,10 @@ def copy_gbps(devices, nbytes: int) -> float:
 
 
 def measure(sizes: dict[str, int], strategy: str, name: str, config: DecoderConfig, seq: int, batch: int,
-            precision: Precision, repeats: int = 10, profile: str | None = None) -> dict:
+            precision: Precision, repeats: int = 10, profile: str | None = None, grad_accum: int = 1) -> dict:
     """Every figure of one run of model `config` (called `name`) on mesh `sizes` under `strategy`:
-    the JSON keys, plus what the report prints."""
+    the JSON keys, plus what the report prints. `grad_accum`: jshard's step accumulates that many
+    micro-batches of the batch; the plain step takes it whole."""
     wanted = math.prod(sizes.values())
     devices = jax.devices() if -1 in sizes.values() else jax.devices()[:wanted]
     platform, kind = devices[0].platform, devices[0].device_kind
@@ -163,7 +164,7 @@ def measure(sizes: dict[str, int], strategy: str, name: str, config: DecoderConf
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     plain = plain_from(model, precision.compute)  # before build_step takes the model's arrays
 
-    step = build_step(model, tx, gpt_loss, mesh, jshard.preset(strategy), precision=precision)
+    step = build_step(model, tx, gpt_loss, mesh, jshard.preset(strategy), precision=precision, grad_accum=grad_accum)
     plain_fn, plain_state, rows = plain_step(plain, tx, devices)
     del model, plain  # the steps hold their own state now
     step_tokens, plain_tokens = step.shard_batch(tokens), jax.device_put(tokens, rows)
@@ -186,6 +187,7 @@ def measure(sizes: dict[str, int], strategy: str, name: str, config: DecoderConf
         plain_tokens_per_s=batch * seq / plain_s, plain_tflops=flops * step_s / plain_s / 1e12,
         plain_mfu_measured_peak=flops * step_s / plain_s / measured_peak, n_devices=len(devices),
         mesh=format_mesh(mesh_shape(mesh)) or "one device", strategy=strategy, repeats=repeats, profile=profile,
+        grad_accum=grad_accum,
     )
 
 
@@ -202,7 +204,9 @@ def report(r: dict, flags: str) -> str:
         f"  model       {c.family} {r['model']}: {c.layers} layers, embed {c.embed}, {c.heads} heads, "
         f"mlp {c.mlp}, "
         f"vocab {c.vocab}, {r['model_params'] / 1e6:.3f} M params",
-        f"  step        batch {r['batch']} x seq {r['seq']}, precision {r['precision'].describe()}, AdamW, {r['strategy']} on "
+        f"  step        batch {r['batch']} x seq {r['seq']}"
+        + (f" in {r['grad_accum']} accumulated micro-batches (plain: whole)" if r["grad_accum"] > 1 else "")
+        + f", precision {r['precision'].describe()}, AdamW, {r['strategy']} on "
         f"{r['mesh']}; warm-up, then median of {r['repeats']}, alternating with plain",
         f"  ceilings    matmul {matmul_n}² {r['precision'].compute.name}: {r['matmul_tflops']:.3f} TFLOP/s per device; "
         f"copy ({copy_what}): {r['copy_gbps']:.1f} GB/s"

@@ -5,7 +5,9 @@ accelerator is present), one GPT training step (AdamW) gives one row:
 
     comm_bytes         collectives compiled into the explicit step (HLO), K bytes per device, in
                        the program's dtypes (XLA:CPU widens bf16 collectives to f32: `jshard.hlo`)
-    textbook_bytes     what the planner's formulas say the strategy moves (`jshard.plan.traffic`)
+    textbook_bytes     what the planner's formulas say the strategy moves (`jshard.plan.traffic`; under
+                       --grad-accum N what runs per micro-batch N times: ZeRO-2/3's gradient
+                       reduce-scatters, ZeRO-3's gathers, activations' collectives)
     memory_bytes_per_device  compiled.memory_analysis(): arguments + outputs - donated + temporaries
     textbook_memory_bytes    the planner's training state: params, grads and Adam's two moments in
                        their layouts, plus two gathered layers under ZeRO-3 (no activations)
@@ -47,8 +49,9 @@ COLUMNS = ("strategy", "mesh", "comm_bytes", "textbook_bytes", "comm_ratio", "me
 
 def textbook_bytes(step: ShardedStep, config: DecoderConfig, batch_shape) -> int:
     """Bytes per device per step that the planner's formulas give for this step (`jshard.plan.traffic`)."""
-    local_rows = batch_shape[0] // step.data_shards
-    comm = plan.traffic(config, step.plan, local_rows, batch_shape[1] - 1)
+    accum = step.plan.grad_accum  # what runs per micro-batch moves `accum` times (`plan.traffic`)
+    local_rows = batch_shape[0] // step.data_shards // accum
+    comm = plan.traffic(config, step.plan, local_rows, batch_shape[1] - 1, accum=accum)
     return sum(comm.values())
 
 
@@ -75,14 +78,14 @@ def parity(step, tokens, reference) -> float:
 
 
 def bench_strategy(preset: str, sizes: dict[str, int], config: DecoderConfig, batch, reference, repeats: int,
-                   precision: Precision | None = None) -> dict:
+                   precision: Precision | None = None, grad_accum: int = 1) -> dict:
     mesh, rules = jshard.make_mesh(**sizes), jshard.preset(preset)
     tx = optax.adamw(1e-3)
 
     def make_model():
         return decoder(config, nnx.Rngs(0))
 
-    step = build_step(make_model(), tx, gpt_loss, mesh, rules, precision=precision)
+    step = build_step(make_model(), tx, gpt_loss, mesh, rules, precision=precision, grad_accum=grad_accum)
     tokens = step.shard_batch(batch)
     lowered = step.lower(step.state, tokens)
     memory = lowered.compile().memory_analysis()
@@ -100,7 +103,7 @@ def bench_strategy(preset: str, sizes: dict[str, int], config: DecoderConfig, ba
     if not (step.precision and step.precision.master):  # the compiler-placed step holds params as the model does
         # (collective matmuls are the explicit step's: XLA places the same layouts' collectives itself)
         xla = build_step(make_model(), tx, gpt_loss, mesh, dataclasses.replace(rules, collective_matmul=False),
-                         collectives="compiler", precision=precision)
+                         collectives="compiler", precision=precision, grad_accum=grad_accum)
         row.update(xla_comm_bytes=comm_bytes(xla.lower(xla.state, tokens)), xla_parity_rel_err=parity(xla, tokens, reference),
                    gspmd_step_s=median_step_seconds(xla, tokens, repeats))
     # Last: a timed step donates the step's initial state.
@@ -129,14 +132,16 @@ HEADER = (f"{'strategy':<21}{'mesh':<24}{'comm B':>11}{'textbook':>11}{'ratio':>
 
 
 def run_strategies(config: DecoderConfig, policy: Precision, batch_size: int, repeats: int,
-                   text: str | None = None) -> list[dict]:
-    """Every row of `jshard bench strategies` for the --strategies `text` (`strategies`), printed as it comes."""
+                   text: str | None = None, grad_accum: int = 1) -> list[dict]:
+    """Every row of `jshard bench strategies` for the --strategies `text` (`strategies`), printed as it comes;
+    each step accumulating `grad_accum` micro-batches of the batch (parity: against the whole batch's gradients)."""
     batch = np.random.default_rng(0).integers(0, config.vocab, (batch_size, config.seq_len + 1))
     # The reference: one device, fp32 throughout.
     reference = nnx.grad(gpt_loss)(decoder(dataclasses.replace(config, dtype=jnp.float32), nnx.Rngs(0)), batch)
     device = jax.devices()[0]
     print(f"# jshard bench strategies: {jax.device_count()} × {device.device_kind} ({device.platform}), {config.family} "
-          f"layers={config.layers} embed={config.embed} heads={config.heads} seq={config.seq_len} batch={batch_size}, "
+          f"layers={config.layers} embed={config.embed} heads={config.heads} seq={config.seq_len} batch={batch_size}"
+          f"{f' in {grad_accum} accumulated micro-batches' if grad_accum > 1 else ''}, "
           f"AdamW, {policy.describe()}, median of {repeats}")
     if device.platform == "cpu":
         print("# fake CPU devices: times are threads of one process; bytes and memory are exact")
@@ -147,7 +152,7 @@ def run_strategies(config: DecoderConfig, policy: Precision, batch_size: int, re
     print(HEADER)
     rows = []
     for preset, sizes in pairs:
-        rows.append(bench_strategy(preset, sizes, config, batch, reference, repeats, policy))
+        rows.append(bench_strategy(preset, sizes, config, batch, reference, repeats, policy, grad_accum))
         print(format_row(rows[-1]), flush=True)
     return rows
 

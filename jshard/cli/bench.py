@@ -1,4 +1,4 @@
-"""`jshard bench collectives | strategies | pipeline | step | gpu`: each benchmark's flags, and the call
+"""`jshard bench collectives | strategies | pipeline | step | gpu | kernels | fit | search`: each benchmark's flags, and the call
 of its `jshard.bench` module with what they say."""
 
 from __future__ import annotations
@@ -12,12 +12,14 @@ import re
 import jax
 
 import jshard
-from jshard.bench import collectives, gpu, pipeline, step, strategies
+from jshard.bench import collectives, fit, gpu, kernels, pipeline, step, strategies
+from jshard.bench import search as bench_search
 from jshard.cli import flags
 from jshard.config import FlagError, model_config, write_json
 from jshard.mesh import (GPU_XLA_FLAGS, fake_device_count, mesh_sizes, use_fake_cpu_devices_unless_accelerated,
                          use_gpu_xla_flags)
 from jshard.metrics import PROFILE_STEPS
+from jshard.plan.estimate import HARDWARE, hardware_of
 from jshard.parallel.schedules import SCHEDULES
 
 
@@ -29,6 +31,9 @@ def add_parser(commands) -> None:
     add_pipeline(benches)
     add_step(benches)
     add_gpu(benches)
+    add_kernels(benches)
+    add_fit(benches)
+    add_search(benches)
 
 
 # -- bench collectives ----------------------------------------------------------------------
@@ -99,6 +104,7 @@ def add_strategies(benches) -> None:
                              "every strategy without a pipeline)")
     flags.add_bench(parser, "small with seq-len 64", batch_size=16)
     flags.add_precision(parser, "fp32")
+    flags.add_grad_accum(parser)
     parser.set_defaults(run=run_strategies)
 
 
@@ -106,7 +112,7 @@ def run_strategies(args) -> int:
     use_fake_cpu_devices_unless_accelerated(fake_device_count(args.fake_devices, flags.FAKE_DEVICES))
     policy = flags.precision_of(args)
     config = flags.built_model(args, "small", {"seq_len": 64})
-    rows = strategies.run_strategies(config, policy, args.batch_size, args.repeats, args.strategies)
+    rows = strategies.run_strategies(config, policy, args.batch_size, args.repeats, args.strategies, args.grad_accum)
     write_json(args.json, [{key: row[key] for key in strategies.COLUMNS} for row in rows])
     return 0
 
@@ -142,6 +148,7 @@ def add_step(benches) -> None:
     add = parser.add_argument
     flags.add_model(parser, None, "tiny on CPU, gpt-1b on GPU", seq_len_help="tokens per row (default: the model's seq_len)")
     add("--batch-size", type=flags.positive_int, help="rows per step (default: 16 on CPU, 8 on GPU)")
+    flags.add_grad_accum(parser)  # (the plain step takes the batch whole)
     flags.add_precision(parser, None, "fp32 on CPU, bf16 on GPU")
     flags.add_strategy(parser, "dp")
     flags.add_mesh(parser, shown="the strategy's mesh on one device, so the ratio is pure overhead")
@@ -176,7 +183,7 @@ def run_step(args) -> int:
         use_fake_cpu_devices_unless_accelerated(math.prod(sizes.values()))
     xla_flags = xla_flags or (f"XLA_FLAGS={os.environ['XLA_FLAGS']!r}" if os.environ.get("XLA_FLAGS") else "none")
     result = step.measure(sizes, args.strategy, *_platform_defaults(args, jax.devices()[0].platform), args.repeats,
-                          args.profile)
+                          args.profile, args.grad_accum)
     print(step.report(result, xla_flags))
     write_json(args.json, {key: result[key] for key in step.JSON_KEYS})
     return 0
@@ -223,3 +230,118 @@ def run_gpu(args) -> int:
                         "Fix: run it on a GPU machine, or add --dry for the same path with tiny models here.")
     result = gpu.run(args.out, dry=args.dry, cases=args.cases, repeats=args.repeats, profile=profile)
     return 1 if any("error" in r for r in result["cases"]) else 0
+
+
+# -- bench kernels --------------------------------------------------------------------------
+
+
+def add_kernels(benches) -> None:
+    parser = benches.add_parser(
+        "kernels", help="what this device's kernels cost by shape: GEMMs in bf16 and FP8, a launch, a loop, HBM",
+        description=inspect.cleandoc(kernels.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--deadline", type=flags.positive_int, default=300, metavar="S",
+        help="stop starting GEMM shapes after S seconds; the result names those not reached (default: 300)")
+    add("--dry", action="store_true", help="the same path on this host's JAX with tiny shapes (a CPU: CI)")
+    flags.add_json(parser)
+    parser.set_defaults(run=run_kernels)
+
+
+def run_kernels(args) -> int:
+    use_gpu_xla_flags()  # the flags a jshard step on this GPU compiles with
+    if not args.dry and jax.devices()[0].platform != "gpu":
+        raise FlagError(f"JAX runs on {jax.devices()[0].platform}, not a GPU. "
+                        "Fix: run it on a GPU machine, or add --dry for the same path with tiny shapes here.")
+    result = kernels.run(dry=args.dry, deadline_s=args.deadline,
+                         on_row=lambda partial: write_json(args.json, partial | dict(seconds=None)))
+    print(kernels.report(result))
+    write_json(args.json, result)
+    return 0
+
+
+# -- bench fit ------------------------------------------------------------------------------
+
+
+def add_fit(benches) -> None:
+    parser = benches.add_parser("fit", help="the planner's fitted GPU constants from measured steps, each step left out",
+                                description=inspect.cleandoc(fit.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", metavar="RUNS.json", help="measured steps: {\"runs\": [{\"plan_command\", \"result\": {\"step_s\"}}]}, "
+                                                          "e.g. docs/results/bench-step-h100-jax0.11.2-2026-11-27.json; or a "
+                                                          "`bench search --json` result: the CPU profile's op_s and tick_s")
+    parser.set_defaults(run=run_fit)
+
+
+def measured_plans(path: str) -> tuple[list[str], list, "np.ndarray"]:
+    """(names, `PlanInput`s, measured step seconds) of a results file's runs, each plan from its
+    `plan_command` as `jshard plan` reads it."""
+    import json
+    import shlex
+
+    import numpy as np
+
+    from jshard.cli import plan as plan_command
+
+    try:
+        with open(path) as f:
+            runs = json.load(f)["runs"]
+    except (OSError, ValueError, KeyError) as e:
+        raise FlagError(f"{path}: not a results file with runs ({type(e).__name__}: {e}). Fix: give a bench step "
+                        "results file, e.g. docs/results/bench-step-h100-jax0.11.2-2026-11-27.json") from None
+    parser = argparse.ArgumentParser(prog="jshard")
+    plan_command.add_parser(parser.add_subparsers())
+    plans = [plan_command.plan_input(parser.parse_args(shlex.split(r["plan_command"])[1:])) for r in runs]
+    names = [r["command"].removeprefix("jshard bench step ") for r in runs]
+    return names, plans, np.array([r["result"]["step_s"] for r in runs])
+
+
+def run_fit(args) -> int:
+    import json
+
+    import numpy as np
+
+    from jshard.precision import precision
+
+    try:
+        with open(args.runs) as f:
+            result = json.load(f)
+    except (OSError, ValueError) as e:
+        raise FlagError(f"{args.runs}: not a results file ({type(e).__name__}: {e}). Fix: give a bench step or bench "
+                        "search results file, e.g. docs/results/bench-step-h100-jax0.11.2-2026-11-27.json") from None
+    if isinstance(result, dict) and "rows" in result:  # a `bench search` result: the CPU profile's host constants
+        plans = bench_search.plans_of(result, HARDWARE[result["profile"]], precision(result["precision"]))
+        fitted = fit.fit_host(plans, np.array([r["measured_s"] for r in result["rows"]]))
+        print(f"# fitted over {len(plans)} layouts of {args.runs}: "
+              + ", ".join(f"{k} = {v:.3g} s" for k, v in fitted.items()))
+        return 0
+    print(fit.report(*measured_plans(args.runs)))
+    return 0
+
+
+# -- bench search ---------------------------------------------------------------------------
+
+
+def add_search(benches) -> None:
+    parser = benches.add_parser("search", help="the planner's ranking of layouts against the same layouts measured",
+                                description=inspect.cleandoc(bench_search.__doc__),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    flags.add_model(parser, "small", seq_len_help="tokens per row, and the model's longest (default: the model's)")
+    add("--batch-size", type=flags.positive_int, default=32, help="rows a step (default: 32)")
+    flags.add_precision(parser, "fp32")
+    add("--count", type=flags.positive_int, default=12, help="layouts measured, spread over the ranking (default: 12)")
+    add("--repeats", type=flags.positive_int, default=5, help="timed steps of each; the median is reported (default: 5)")
+    flags.add_json(parser)
+    flags.add_fake_devices(parser)
+    parser.set_defaults(run=run_search)
+
+
+def run_search(args) -> int:
+    use_gpu_xla_flags()
+    use_fake_cpu_devices_unless_accelerated(fake_device_count(args.fake_devices, flags.FAKE_DEVICES))
+    hw = hardware_of(jax.devices()[0])
+    if hw is None:
+        raise FlagError(f"the planner has no profile of a {jax.devices()[0].device_kind}: nothing to rank against")
+    config = flags.built_model(args, "small")
+    result = bench_search.run(config, hw, args.batch_size, flags.precision_of(args), args.count, args.repeats)
+    write_json(args.json, result)
+    return 0

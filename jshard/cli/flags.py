@@ -10,6 +10,7 @@
                          --grad-reduce fp32|bf16 its gradient reduction dtype
     --remat POLICY       activation checkpointing of each block (`models.stack.REMAT_POLICIES`)
     --schedule, --microbatches, --virtual    the pipeline, when the strategy has pp
+    --grad-accum N       micro-batches a step accumulates gradients over (`build_step(grad_accum=)`)
     --fake-devices N     CPU devices to fake when no accelerator is present
     --json FILE          also write the command's result to FILE
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 
 from jshard.config import MODEL_FIELDS, FlagError, model_config
+from jshard.layout import KEYS, Layout, LayoutError
 from jshard.models import SIZES
 from jshard.models.stack import REMAT_POLICIES
 from jshard.nn import ATTENTION
@@ -89,9 +91,12 @@ def built_model(args, name: str, defaults: dict | None = None, **fields):
     return model_config(args.model or name, sizes, **fields)
 
 
-def add_strategy(parser, default: str | None, shown: str | None = None) -> None:
+def add_strategy(parser, default: str | None, shown: str | None = None, auto: bool = False) -> None:
+    """--strategy; `auto`: the command also takes `auto`, the search's first layout (`plan.search`)."""
     parser.add_argument("--strategy", default=default,
-                        help=_shown("rules preset, e.g. dp, zero3+tp, dp+fsdp+tp+sp, pp+fsdp", default, shown))
+                        help=_shown("rules preset, e.g. dp, zero3+tp, dp+fsdp+tp+sp, pp+fsdp"
+                                    + ("; or auto: the layout `jshard plan --search` ranks first" if auto else ""),
+                                    default, shown))
 
 
 def add_mesh(parser, default: str | None = None, shown: str | None = None) -> None:
@@ -108,6 +113,14 @@ def add_batch(parser) -> None:
     rows.add_argument("--batch-size", type=positive_int,
                       help="rows per step over every data shard and micro-batch, as jshard train's")
     rows.add_argument("--micro-batch-size", type=positive_int, help="rows per micro-batch per data shard (default: 1)")
+
+
+def add_grad_accum(parser) -> None:
+    """--grad-accum N: the step's batch cut into N micro-batches per batch shard, their gradients
+    added up inside the step before one reduction and update (`build_step(grad_accum=)`)."""
+    parser.add_argument("--grad-accum", type=positive_int, default=1, metavar="N",
+                        help="micro-batches per step, their gradients accumulated inside the step before one "
+                             "reduction and update (default: 1)")
 
 
 def add_precision(parser, default: str | None, shown: str | None = None) -> None:
@@ -159,3 +172,47 @@ def add_fake_devices(parser, shown: int = FAKE_DEVICES) -> None:
 
 def add_json(parser, what: str = "the result") -> None:
     parser.add_argument("--json", metavar="FILE", help=f"also write {what} to FILE as JSON")
+
+
+# What `--layout` sets: the flags' dests, by the `Layout` field each takes (the mesh as --mesh's text).
+LAYOUT_DESTS = {"strategy": "strategy", "mesh_text": "mesh", "remat": "remat", "micro_batch_size": "micro_batch_size",
+                "grad_accum": "grad_accum", "schedule": "schedule", "microbatches": "microbatches", "virtual": "virtual",
+                "stage_remat": "stage_remat", "precision": "precision", "reduce": "grad_reduce"}
+
+
+def add_layout(parser) -> None:
+    """--layout LINE: a layout as `jshard plan --search` prints it (`jshard.layout`), in place of
+    the flags it sets, which may not be given beside it."""
+    parser.add_argument("--layout", metavar="LINE", type=_layout,
+                        help="a layout line as `jshard plan --search` prints it, e.g. 'dp+tp data=2,tensor=4 remat=full "
+                             "mb=2 accum=4': sets --strategy, --mesh, --remat and the rest it names")
+    parser.set_defaults(_flag_defaults={dest: parser.get_default(dest) for dest in LAYOUT_DESTS.values()})
+
+
+def _layout(text: str) -> Layout:
+    try:
+        return Layout.parse(text)
+    except LayoutError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def with_layout(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with --layout's fields set (those the command has); one line if a flag it sets was
+    given too."""
+    layout = getattr(args, "layout", None)
+    if layout is None:
+        return args
+    defaults = args._flag_defaults
+    taken = {dest: getattr(layout, field) for field, dest in LAYOUT_DESTS.items() if hasattr(args, dest)}
+    given = [dest for dest in taken if getattr(args, dest) != defaults.get(dest)]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise FlagError(f"--layout sets {flag} itself; {flag} {getattr(args, given[0])} was given too. "
+                        f"Fix: drop {flag}, or change it in the layout line.")
+    dropped = [f"{key}={getattr(layout, field)}" for field, (key, _) in KEYS.items()
+               if LAYOUT_DESTS[field] not in taken and getattr(layout, field) != getattr(Layout(layout.strategy), field)]
+    if dropped:
+        raise FlagError(f"--layout {layout}: {', '.join(dropped)} is not this command's to set. "
+                        f"Fix: drop it from the line (e.g. mb: jshard train takes --batch-size rows a step).")
+    return argparse.Namespace(**vars(args) | {dest: value for dest, value in taken.items()
+                                              if value is not None or defaults.get(dest) is None})

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 from jshard import aot
@@ -12,11 +13,12 @@ from jshard.config import FlagError, write_json
 from jshard.mesh import STANDARD_AXES, fake_device_count, mesh_sizes, use_fake_cpu_devices, use_gpu_xla_flags
 from jshard.plan import memory_png
 from jshard.plan.estimate import GiB, HARDWARE, Hardware, PlanInput, estimate, report
+from jshard.plan.search import bottleneck, search, table
 from jshard.plan.validate import (MEMORY_TOLERANCE, format_validation, validate_one, validation_cases, validation_models,
                                   within_tolerance)
 from jshard.plot import check_output_path
 from jshard.rules import ShardingError, preset
-from jshard.train import SEQ_LEN, TrainConfig
+from jshard.train import AUTO, SEQ_LEN, TrainConfig
 
 HARDWARE_FLAGS = (  # flag, Hardware field, unit
     ("--peak-tflops", "peak_flops", 1e12), ("--hbm-gib", "hbm_bytes", GiB), ("--hbm-bw-gbs", "hbm_bw", 1e9),
@@ -34,11 +36,12 @@ def add_parser(commands) -> None:
     parser = commands.add_parser("plan", help="memory, communication and overlap estimates; --validate checks them against XLA")
     add = parser.add_argument
     flags.add_model(parser, None, "small", seq_len_help="tokens per row, and the model's longest (default: the model's)")
-    flags.add_strategy(parser, DEFAULTS["strategy"])
+    flags.add_strategy(parser, DEFAULTS["strategy"], auto=True)
     flags.add_mesh(parser, shown="the strategy's axes over --devices: each inner one 2, the outermost the rest")
     add("--devices", type=flags.positive_int, default=8, help="devices to plan for when --mesh is not given (default: 8)")
     flags.add_pipeline(parser)
     flags.add_batch(parser)
+    flags.add_grad_accum(parser)
     flags.add_precision(parser, DEFAULTS["precision"])
     flags.add_remat(parser)
     add("--hardware", choices=HARDWARE, default="h100", help="device profile (default: h100)")
@@ -53,6 +56,11 @@ def add_parser(commands) -> None:
     add("--target", choices=aot.TARGETS, help="with --validate: compile every step for these GPUs with XLA:GPU, on "
         "this machine (no GPU needed; `jshard compile`), instead of for the CPU; the models 4 times as wide and "
         "long, twice as deep (plan.validate.GPU_VALIDATION_SCALE, GPU_VALIDATION_DEPTH)")
+    add("--search", action="store_true",
+        help="rank every layout of the model over --devices (strategies, meshes, remat, micro-batches, schedules, "
+             "accumulation) by predicted step time for --batch-size rows a step (default: 4 a device); no --mesh")
+    add("--top", type=flags.positive_int, default=10, help="with --search: the layouts shown (default: 10)")
+    flags.add_layout(parser)
     flags.add_fake_devices(parser)
     parser.set_defaults(run=run)
 
@@ -69,10 +77,74 @@ def plan_input(args, hw: Hardware | None = None, devices: int | None = None) -> 
     if -1 in sizes.values():
         raise ShardingError(f"--mesh {args.mesh}: give every size; the planner has no devices to fill '-1' from")
     return PlanInput(config, sizes, args.strategy, args.schedule, args.microbatches, args.virtual,
-                     args.micro_batch_size or 1, hw, policy, args.stage_remat, args.batch_size)
+                     args.micro_batch_size or 1, hw, policy, args.stage_remat, args.batch_size, args.grad_accum)
+
+
+def auto_layout(args, hw: Hardware, devices: int) -> tuple[argparse.Namespace, str]:
+    """`--strategy auto`: the flags with the search's best layout that fits (`plan.search`, the
+    run's `--remat` kept), and a line saying what was picked."""
+    given = [f for f, v in (("--mesh", args.mesh), ("--schedule", args.schedule), ("--microbatches", args.microbatches),
+                            ("--virtual", args.virtual), ("--micro-batch-size", args.micro_batch_size)) if v]
+    if given or args.grad_accum != 1:
+        flag = given[0] if given else "--grad-accum"
+        raise FlagError(f"--strategy auto chooses the layout, but {flag} fixes part of it. "
+                        f"Fix: drop {flag}, or name a strategy (e.g. --strategy dp+tp).")
+    base = plan_input(argparse.Namespace(**vars(args) | dict(strategy="dp", mesh=None)), hw, devices)
+    rows = args.batch_size or 4 * devices
+    found = search(base.config, devices, hw, rows, base.precision, remats=(base.config.remat,))
+    fits = [c for c in found if c.estimate and c.estimate["fits"]]
+    if not fits:
+        raise FlagError(f"--strategy auto: no layout of {devices} {hw.name} devices fits this model and {rows} rows a "
+                        f"step at --remat {base.config.remat}. Fix: --remat full, fewer --batch-size rows or more devices.")
+    p = fits[0].plan
+    mesh = ",".join(f"{a}={n}" for a, n in p.sizes.items() if n > 1) or "data=1"
+    chosen = argparse.Namespace(**vars(args) | dict(
+        strategy=p.strategy, mesh=mesh, schedule=p.schedule, microbatches=p.microbatches, virtual=p.virtual,
+        micro_batch_size=p.micro_batch_size, grad_accum=p.grad_accum, batch_size=None))
+    return chosen, (f"  auto        {fits[0].label}: the first of {len(fits)} layouts that fit ({len(found)} planned; "
+                    f"jshard plan --search ranks them all)")
+
+
+def run_search(args) -> int:
+    """`--search`: the ranked table (`plan.search`), or one line saying why nothing is left."""
+    given = [f for f, v in (("--mesh", args.mesh), ("--schedule", args.schedule), ("--micro-batch-size",
+             args.micro_batch_size), ("--validate", args.validate)) if v]
+    if given:
+        raise FlagError(f"--search chooses the layout itself; {given[0]} fixes part of it. "
+                        f"Fix: drop {given[0]}, or drop --search to plan that one layout.")
+    base = plan_input(argparse.Namespace(**vars(args) | dict(strategy="dp", mesh=None)), devices=args.devices)
+    hw = base.hardware
+    if args.devices > hw.gpus_per_node and args.devices % hw.gpus_per_node:
+        raise FlagError(f"--devices {args.devices} is not a whole number of {hw.gpus_per_node}-GPU nodes. "
+                        f"Fix: --devices a multiple of {hw.gpus_per_node}, or --gpus-per-node to match.")
+    rows = args.batch_size or 4 * args.devices
+    found = search(base.config, args.devices, hw, rows, base.precision)
+    estimated = [c for c in found if c.estimate]
+    if not estimated:
+        raise FlagError(f"--search: no layout of {args.devices} devices is left for this model and {rows} rows a step "
+                        "(each refused: stages or tensor not dividing the layers or heads, rows not dividing over the "
+                        "data shards). Fix: another --batch-size or --devices.")
+    if not estimated[0].estimate["fits"]:
+        least = min(estimated, key=lambda c: c.estimate["memory_bytes_per_device"]["total"])
+        raise FlagError(f"--search: no layout fits in {hw.hbm_bytes / GiB:.0f} GiB a device; the smallest, "
+                        f"{least.label}, needs {least.estimate['memory_bytes_per_device']['total'] / GiB:.1f} GiB. "
+                        "Fix: more --devices, a shorter --seq-len or a smaller --batch-size.")
+    fits = sum(1 for c in estimated if c.estimate["fits"])
+    print(f"jshard plan --search: {base.config.family} {base.config.layers} layers, embed {base.config.embed}, seq "
+          f"{base.config.seq_len}, {rows} rows a step on {args.devices} x {hw.name} ({hw.gpus_per_node} a node): "
+          f"{len(found)} layouts, {len(found) - len(estimated)} refused, {fits} fit")
+    print(table(found, args.top))
+    write_json(args.json, [dict(layout=c.label, **{k: c.estimate[k] for k in (
+        "strategy", "mesh", "micro_batch_size", "microbatches", "schedule", "predicted_step_s", "predicted_mfu",
+        "fits", "compute_terms")}, memory_bytes=c.estimate["memory_bytes_per_device"]["total"],
+        bottleneck=bottleneck(c.estimate)) for c in estimated])
+    return 0
 
 
 def run(args) -> int:
+    args = flags.with_layout(args)
+    if args.search:
+        return run_search(args)
     if args.png:  # refuse before any work
         if args.validate:
             raise FlagError("--png draws a plan's memory; --validate has no plan to draw: give one or the other")
@@ -97,8 +169,14 @@ def run(args) -> int:
         ok = all(map(within_tolerance, results))
         print(f"{'all' if ok else 'NOT all'} within {MEMORY_TOLERANCE:.0%} of compiled memory with exact collective bytes")
         return 0 if ok else 1
+    picked = None
+    if args.strategy == AUTO:
+        args, picked = auto_layout(args, plan_input(argparse.Namespace(**vars(args) | dict(
+            strategy="dp", mesh=None, schedule=None, microbatches=None, virtual=None))).hardware, args.devices)
     est = estimate(plan_input(args))
     lines = report(est).splitlines()
+    if picked:
+        lines.insert(4, picked)
     if line := defaults_line(args, est):
         lines.insert(4, line)  # after the set-up's strategy line
     print("\n".join(lines))

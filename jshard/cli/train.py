@@ -29,8 +29,12 @@ def add_parser(commands) -> None:
         parser.add_argument(flag, default=None, help=f"{help} (default: {shown})" if shown is not None else help, **kw)
 
     add("--config", "JSON file of TrainConfig fields; flags given override it", metavar="FILE")
-    add("--data", "a text file, a folder of *.txt files, or token ids in a .bin (uint16, nanoGPT's) or .npy, read "
-                  "through a memory map (default: the shipped corpus)", metavar="PATH")
+    add("--data", "a text file, a folder of *.txt files, token ids in a .bin (uint16, nanoGPT's) or .npy, or "
+                  "documents: .jsonl, .parquet or a datasets.save_to_disk folder (streamed through the tokenizer into "
+                  "a cached token file); token files are read through a memory map (default: the shipped corpus)",
+        metavar="PATH")
+    add("--text-field", "the documents' field that holds the text (a JSONL key, a Parquet or Arrow column)",
+        metavar="NAME")
     add("--tokenizer", f"of text: {' or '.join(tokenizers.KINDS)} (a byte-level BPE trained on the data, of --vocab "
                        f"tokens, default {tokenizers.BPE_VOCAB}; saved beside the checkpoints)",
         choices=tokenizers.KINDS)
@@ -39,15 +43,17 @@ def add_parser(commands) -> None:
                        "--model and the size flags", metavar="DIR")
     flags.add_model(parser, None, defaults.model, seq_len_help="tokens per row (default: 64, or the model's longest "
                                                                "if shorter)")
-    flags.add_strategy(parser, None, defaults.strategy)
+    flags.add_strategy(parser, None, defaults.strategy, auto=True)
     flags.add_mesh(parser)
+    flags.add_layout(parser)
     flags.add_pipeline(parser, shown=f"{PIPELINE_MICROBATCHES} when pipelining")
     add("--steps", "optimizer steps in all (a resumed run continues to this)", type=int)
     add("--batch-size", "rows per optimizer step (global batch)", type=int)
     add("--lr", "peak learning rate", type=float)
     add("--warmup", "linear warm-up steps before the cosine decay (default: steps // 10)", type=int)
     flags.add_precision(parser, None, defaults.precision)
-    add("--grad-accum", "micro-steps per optimizer step (gradient accumulation)", type=int)
+    add("--grad-accum", "micro-batches per optimizer step, their gradients accumulated inside the step before one "
+                        "reduction and update", type=int)
     flags.add_remat(parser, None, defaults.remat)
     add("--checkpoint-dir", "directory of orbax checkpoints", metavar="DIR")
     add("--checkpoint-every", "save every N steps (default: at the end only)", type=int, metavar="N")
@@ -72,7 +78,9 @@ def add_parser(commands) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """TrainConfig defaults <- the --config file <- flags given on the command line."""
+    """TrainConfig defaults <- the --config file <- flags given on the command line (--layout's
+    fields as flags)."""
+    args = flags.with_layout(args)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {}
     if args.config:

@@ -117,6 +117,8 @@ LLAMA_SIZES = {
                                 rope_theta=500000.0),
     "llama-3.1-70b": LlamaConfig(vocab=128256, seq_len=8192, embed=8192, heads=64, kv_heads=8, mlp=28672, layers=80,
                                  rope_theta=500000.0),
+    "llama-3.1-405b": LlamaConfig(vocab=128256, seq_len=8192, embed=16384, heads=128, kv_heads=8, mlp=53248,
+                                  layers=126, rope_theta=500000.0),
     # Mixtures of experts: every block's MLP is `experts` SwiGLUs, each token routed to 2.
     "moe-tiny": LlamaConfig(seq_len=64, embed=64, heads=4, kv_heads=2, mlp=128, layers=2, experts=8),
     "mixtral-8x7b": LlamaConfig(vocab=32000, seq_len=32768, embed=4096, heads=32, kv_heads=8, mlp=14336, layers=32,

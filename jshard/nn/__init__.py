@@ -22,6 +22,8 @@ under `jax.jit` with the compiler placing collectives (`jshard.constrain`).
 
 One module per idea, lower first (none imports a higher one, nor anything above `jshard.nn`):
 
+- `model_shardings.py`: a model's own sharding requests in JAX's API (`out_sharding=`,
+  `reshard`, `with_sharding_constraint` over its author's mesh axes), met inside a step;
 - `step.py`: the step context (`StepContext`, `step_context`, `in_step`), what a step's
   trace carries for the layers besides the rules;
 - `layouts.py`: layout algebra (`Layout`, `layout`, `relayout_local`, `relayout`); layouts

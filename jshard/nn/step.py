@@ -30,6 +30,7 @@ from collections.abc import Iterator
 import jax.numpy as jnp
 import numpy as np
 
+from jshard.nn import model_shardings
 from jshard.rules import Rules, active_rules, manual_axes, use_rules
 
 
@@ -72,6 +73,7 @@ def step_context(rules: Rules, whole_reads: dict[str, tuple[str, ...]] | None = 
     `compute` (the step's precision policy's; None: float32); kernels are chosen for `platform`
     (its devices', which for a deviceless GPU compile are not this host's); `fp8`: the
     projections (`nn.Linear` kernels marked so) compute in FP8."""
+    model_shardings.install()  # the model's own out_sharding= / reshard requests, met in the step
     token = _current.set(StepContext(whole_reads, [], compute=compute and np.dtype(compute), platform=platform,
                                      fp8=fp8))
     try:

@@ -21,6 +21,9 @@ key data, so checkpoints hold them).
 
 It does not pipeline (the stage axis is the explicit step's), and its collectives are
 XLA's: not derived, not checked against the textbook, no ZeRO-2 per-layer reduce-scatter.
+Under `grad_accum` it scans the explicit step's micro-batches; XLA reduces each one's gradient
+inside the loop (a loop's carry holds no unreduced partial sums), where the explicit step
+reduces the sum once.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.lax import with_sharding_constraint
@@ -38,8 +42,9 @@ from jax.sharding import NamedSharding
 from jshard import nn
 from jshard.parallel.model_state import ModelState
 from jshard.parallel.plan import Plan
-from jshard.parallel.state import PlannedStep, TrainState, lower, split_loss, unmarked
-from jshard.placement import Report
+from jshard.parallel.state import (PlannedStep, TrainState, accumulate, lower, over_micro_batches, split_loss,
+                                   unmarked)
+from jshard.placement import Report, adopt_array_shardings
 
 
 def _abstract(mesh):
@@ -59,6 +64,7 @@ class CompiledStep(PlannedStep):
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation,
                  loss_fn: Callable[[nnx.Module, Any], jax.Array], plan: Plan, abstract: bool = False):
         self.plan, self.tx, self.loss_fn = plan, tx, loss_fn
+        adopt_array_shardings(model)  # (the optimizer's state is laid out as its params)
         self.graphdef, params, others = nnx.split(model, nnx.Param, ...)
         plan.check_params(params)
         self.others = ModelState(others)
@@ -128,17 +134,34 @@ class CompiledStep(PlannedStep):
 
     def _loss_and_grads(self, params, stored, batch):
         """The mean loss over the global batch, its gradient in the `opt` layout, and the
-        model's other Variables as the forward wrote them (as a train state holds them)."""
+        model's other Variables as the forward wrote them (as a train state holds them). With
+        `grad_accum` = k > 1, a `lax.scan` over k micro-batches (the explicit step's: each batch
+        shard's rows cut in k), their gradients added up in the reduction dtype."""
         params, batch = self._placed(params, batch)
 
-        def loss_of(params):  # the model's Variables made here, at the level the forward writes them
-            model = nnx.merge(self.graphdef, params, self.others.loaded(stored))
-            loss, metrics = split_loss(self.loss_fn(model, batch), self.plan.has_aux)
-            return loss, (nnx.state(model, nnx.Not(nnx.Param)), metrics)
+        def micro_step(stored, batch):
+            batch = jax.tree.map(lambda x: with_sharding_constraint(x, self.plan.batch_sharding), batch)
 
-        (loss, (written, metrics)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+            def loss_of(params):  # the model's Variables made here, at the level the forward writes them
+                model = nnx.merge(self.graphdef, params, self.others.loaded(stored))
+                loss, metrics = split_loss(self.loss_fn(model, batch), self.plan.has_aux)
+                return loss, (nnx.state(model, nnx.Not(nnx.Param)), metrics)
+
+            (loss, (written, metrics)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+            written = jax.tree.unflatten(jax.tree.structure(stored), jax.tree.leaves(self.others.stored(written)))
+            return (loss, metrics), with_sharding_constraint(grads, self._grad_shardings), written
+
+        steps = self.plan.grad_accum
+        if steps == 1:
+            (loss, metrics), grads, stored = micro_step(stored, batch)
+        else:
+            reduce = self.precision.reduce if self.precision else None
+            zeros = jax.tree.map(lambda p, s: with_sharding_constraint(jnp.zeros(p.shape, reduce or p.dtype), s),
+                                 params, self._grad_shardings)
+            values, grads, stored = accumulate(micro_step, zeros, stored, batch, steps, self.plan.data_shards)
+            (loss, metrics), grads = over_micro_batches(values), jax.tree.map(lambda g: g / steps, grads)
         value = (loss, unmarked(metrics)) if self.plan.has_aux else loss
-        return value, with_sharding_constraint(grads, self._grad_shardings), self.others.stored(written)
+        return value, grads, stored
 
     @contextlib.contextmanager
     def _traced(self):

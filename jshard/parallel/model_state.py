@@ -14,6 +14,8 @@ model wrote to them, so they survive steps and checkpoints like the params do:
   their key data (`uint32`), which any checkpoint stores.
 - **anything else** the model writes must come out alike on every device; a value computed
   from one device's share of the batch would not be, and the step refuses it when traced.
+- **arrays that are not Variables** (`nnx.data(jnp.array(...))`, an array attribute in the
+  graph): carried the same way, as non-trainable state.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from flax import nnx
 from jax import lax
 
 from jshard import vma
+from jshard.placement import value_of
 from jshard.rules import ShardingError
 
 
@@ -34,6 +37,10 @@ def _is_key(value) -> bool:
     return jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
 
 
+def _replace(leaf, value):
+    return leaf.replace(value) if isinstance(leaf, nnx.Variable) else value
+
+
 class ModelState:
     """How one model's non-Param Variables travel through a step (built from their State)."""
 
@@ -41,7 +48,7 @@ class ModelState:
         flat = nnx.to_flat_state(state)
         self.paths = [_path(path) for path, _ in flat]
         # The PRNG implementation of each key leaf (None for other leaves), to rebuild keys from data.
-        self.key_impls = [jax.random.key_impl(v.get_value()) if _is_key(v.get_value()) else None for _, v in flat]
+        self.key_impls = [jax.random.key_impl(value_of(v)) if _is_key(value_of(v)) else None for _, v in flat]
         self.specs = self._map(lambda x, impl: jax.P(), state)  # whole on every device
 
     def __bool__(self) -> bool:
@@ -49,7 +56,7 @@ class ModelState:
 
     def _map(self, fn, state: nnx.State) -> nnx.State:
         """`fn(value, key impl or None)` on each Variable's value."""
-        return nnx.from_flat_state([(path, v.replace(fn(v.get_value(), impl)))
+        return nnx.from_flat_state([(path, _replace(v, fn(value_of(v), impl)))
                                     for (path, v), impl in zip(nnx.to_flat_state(state), self.key_impls)])
 
     def stored(self, state: nnx.State) -> nnx.State:
@@ -74,10 +81,10 @@ class ModelState:
     def written(self, stored: nnx.State, new: nnx.State) -> nnx.State:
         """What the model wrote, as the train state holds it: keys unchanged (only counts
         advance), every other value checked to be alike on every device."""
-        old = [v.get_value() for _, v in nnx.to_flat_state(stored)]
+        old = [value_of(v) for _, v in nnx.to_flat_state(stored)]
         leaves = []
         for (path, v), impl, before in zip(nnx.to_flat_state(new), self.key_impls, old):
-            spread = vma.varying_axes(v.get_value())
+            spread = vma.varying_axes(value_of(v))
             if spread and not impl:
                 raise ShardingError(
                     f"model Variable {_path(path)!r} ({type(v).__name__}) came out of the step different on "
@@ -86,7 +93,7 @@ class ModelState:
                     "nnx.BatchNorm's statistics itself. Fix: average the value over the batch in the model "
                     "(jax.lax.pmean over the axes a BatchNorm's axis_name gets), or keep it out of the model."
                 )
-            leaves.append((path, v.replace(before if impl else v.get_value())))
+            leaves.append((path, _replace(v, before if impl else value_of(v))))
         return nnx.from_flat_state(leaves)
 
 

@@ -31,6 +31,12 @@ segment) holds a value from the tick it is written to the tick it is last read; 
 assigned in Python from the table, so a buffer holds as many micro-batches as the schedule
 keeps in flight: m for GPipe, p for 1F1B on the first stage.
 
+Layers that the chunks do not divide (`schedules.stage_layers`: 6 on 4 stages run 1, 2, 2, 1)
+are held padded: `layer_slots` rows per chunk, its layers first, zeros after (`held_slots`).
+A padding row is skipped: a `lax.cond` per row makes it the identity, with zero residuals, input
+gradient passed through and zero weight gradient, so it costs no FLOPs and its params and
+optimizer state stay zero.
+
 Collectives inside an action (FSDP gathers, TP reductions) only ever group devices of one
 stage, which all take the same branch. Params used on every stage are made stage-varying
 before the scan so that no branch needs a collective over the stage axis; their gradients
@@ -59,6 +65,7 @@ ROLES = ("first", "middle", "last")  # where in the pipeline a chunk is: positio
 KINDS = ("F", "BW", "B", "W")  # what a device does in a tick (or nothing)
 SEGMENTS = ("first", "layers", "last")  # embeddings at position 0, the chunk's layers, head and loss at the end
 STAGE_REMAT = ("none", "full")  # keep each segment's residuals / keep the stage input and recompute
+PADDING_SCOPE = "layer_or_padding"  # the cond that skips a padding row of the layer stack
 
 
 def segments(role: str) -> tuple[str, ...]:
@@ -219,6 +226,15 @@ class Stages:
     virtual: int
     act_axes: frozenset = frozenset()
     loss_axes: frozenset = frozenset()
+    layer_mask: np.ndarray | None = None  # [position, row]: which rows of each chunk hold a layer; None: all
+    stage_axis: str | None = None  # (to find this device's position, with a `layer_mask`)
+
+    def _layers_here(self, chunk):
+        """Which rows of this device's `chunk` hold a layer (the rest is padding); None: all of them."""
+        if self.layer_mask is None:
+            return None
+        stages = self.layer_mask.shape[0] // self.virtual
+        return jnp.asarray(self.layer_mask)[chunk * stages + lax.axis_index(self.stage_axis)]
 
     def _first(self, model, mb):
         return vma.vary(self.loss.first(model, mb), self.act_axes)
@@ -258,20 +274,24 @@ class Stages:
             x = run("first", lambda leaves, _: self._first(merged(leaves), mb), ())
         layers = self._chunk_of(model, chunk)
         apply = layer_call(layers)
+        here = self._layers_here(chunk)
 
-        def layer(x, module):
+        def layer(x, module, *real):
             layer_graphdef, layer_state = nnx.split(module)
             layer_leaves, layer_tree = jax.tree.flatten(layer_state)
 
             def fn(layer_leaves, inputs):
                 return apply(nnx.merge(layer_graphdef, layer_tree.unflatten(layer_leaves)), inputs[0])
 
-            if not keep:
-                return fn(layer_leaves, (x,)), None
-            y, kept, backwards["layers"] = backward.keep(fn, layer_leaves, (x,))
-            return y, kept
+            def run(x):
+                if not keep:
+                    return fn(layer_leaves, (x,)), None
+                y, kept, backwards["layers"] = backward.keep(fn, layer_leaves, (x,))
+                return y, kept
 
-        x, saved["layers"] = scan_stack(layers, x, layer)
+            return _unless_padding(real, run, lambda zeros, x: (x, zeros[1]), x)
+
+        x, saved["layers"] = scan_stack(layers, x, layer, *_rows(here))
         if not keep:
             saved = {}
         if role == "last":
@@ -292,10 +312,13 @@ class Stages:
             (g,), crossover["last"] = backwards["last"].b(known, saved["last"], g)
 
         def layer(g, xs):
-            (g,), crossover = backwards["layers"].b(*xs, g)
+            leaves, kept, *real = xs
+            (g,), crossover = _unless_padding(real, lambda g: backwards["layers"].b(leaves, kept, g),
+                                              lambda zeros, g: ((g,), zeros[1]), g)
             return g, crossover
 
-        g, crossover["layers"] = lax.scan(layer, g, (chunk_leaves, saved["layers"]), reverse=True)
+        here = self._layers_here(chunk)
+        g, crossover["layers"] = lax.scan(layer, g, (chunk_leaves, saved["layers"], *_rows(here)), reverse=True)
         if role == "first":
             _, crossover["first"] = backwards["first"].b(known, saved["first"], g)
             g = None
@@ -312,9 +335,12 @@ class Stages:
                 model_grads = [a if b is None else b if a is None else a + b for a, b in zip(model_grads, grads)]
 
         def layer(_, xs):
-            return None, backwards["layers"].w(*xs)
+            leaves, kept, handed, *real = xs
+            return None, _unless_padding(real, lambda: backwards["layers"].w(leaves, kept, handed),
+                                         lambda zeros: zeros)
 
-        _, chunk_grads = lax.scan(layer, None, (chunk_leaves, saved["layers"], crossover["layers"]))
+        here = self._layers_here(chunk)
+        _, chunk_grads = lax.scan(layer, None, (chunk_leaves, saved["layers"], crossover["layers"], *_rows(here)))
 
         # Back from the leaves the segments computed with to `diff` (slicing and wrapping only).
         def zero_if_none(grads, leaves):
@@ -322,6 +348,23 @@ class Stages:
 
         _, pull = jax.vjp(lambda d: self._leaves(d, chunk), diff)
         return pull((zero_if_none(model_grads, model_leaves), zero_if_none(chunk_grads, chunk_leaves)))[0]
+
+
+def _rows(here) -> tuple:
+    """What a scan over a chunk's rows takes beside them: which hold a layer, if any is padding."""
+    return () if here is None else (here,)
+
+
+def _unless_padding(real: tuple, run: Callable, skip: Callable, *operands):
+    """`run(*operands)` on a row of the layer stack that holds a layer; on a padding row
+    (`real`, one boolean or none: every row a layer) `skip(zeros, *operands)`, with `zeros` like
+    run's outputs: the identity, passed through in one `lax.cond`, so a padding row costs no FLOPs."""
+    if not real:
+        return run(*operands)
+    # (the shapes found before the cond: `run` records its `Backward` as it traces, last in the cond)
+    zeros = jax.tree.map(lambda a: _zeros(a, vma.aval_axes(a)), jax.eval_shape(run, *operands))
+    with jax.named_scope(PADDING_SCOPE):  # (named, for `matmul_flops` to find it in the program)
+        return lax.cond(real[0], run, lambda *operands: skip(zeros, *operands), *operands)
 
 
 def typed(stages: Stages, diff, mb, stage_axis: str) -> tuple[Stages, jax.ShapeDtypeStruct, jax.ShapeDtypeStruct, dict]:
@@ -436,28 +479,34 @@ def actions(stages: Stages, backwards: dict, loss_abstract, microbatches: int, k
 
 
 def value_and_grad(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, batch, stage_axis: str,
-                   one_value: Callable[[jax.Array], jax.Array], accumulate=None, stage_remat: str = "none"):
+                   one_value: Callable[[jax.Array], jax.Array], accumulate=None, stage_remat: str = "none",
+                   stage_layers: tuple[int, ...] | None = None):
     """The mean loss over this device's `batch` and its gradient with respect to `diff`.
 
     `model_of(diff)` builds the model from the differentiable params; `one_value` turns a
     micro-batch's loss into one value per batch shard (a pmean over the axes it is spread on).
     The micro-batches' gradients add up in `accumulate` where it is wider than a param's
     dtype (fp32 over bf16 params), else in the param's. `stage_remat` (`STAGE_REMAT`): keep
-    each segment's residuals from F to its backward, or recompute them there.
+    each segment's residuals from F to its backward, or recompute them there. `stage_layers`:
+    the layers of each model chunk (`Plan.stage_layers`), where they differ held padded
+    (`held_slots`); None: the stacked rows split evenly, every row a layer.
     """
     with nn.scaled_losses(1 / schedule.microbatches):  # as each micro-batch's loss is seeded
-        return _execute(schedule, loss, model_of, diff, batch, stage_axis, one_value, accumulate, stage_remat)
+        return _execute(schedule, loss, model_of, diff, batch, stage_axis, one_value, accumulate, stage_remat,
+                        stage_layers=stage_layers)
 
 
 def forward_loss(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, batch, stage_axis: str,
-                 one_value: Callable[[jax.Array], jax.Array]) -> jax.Array:
+                 one_value: Callable[[jax.Array], jax.Array], stage_layers: tuple[int, ...] | None = None) -> jax.Array:
     """The mean loss over this device's `batch`, forward only (evaluation): the schedule's F
     ticks, up to its last, with nothing kept for a backward."""
-    return _execute(schedule, loss, model_of, diff, batch, stage_axis, one_value, grad=False)[0]
+    return _execute(schedule, loss, model_of, diff, batch, stage_axis, one_value, grad=False,
+                    stage_layers=stage_layers)[0]
 
 
 def _execute(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, batch, stage_axis: str,
-             one_value: Callable, accumulate=None, stage_remat: str = "none", grad: bool = True):
+             one_value: Callable, accumulate=None, stage_remat: str = "none", grad: bool = True,
+             stage_layers: tuple[int, ...] | None = None):
     """`value_and_grad`; without `grad`, (loss, None) from the F ticks alone."""
     p, v, m = schedule.stages, schedule.virtual, schedule.microbatches
     program = compile_program(schedule, stage_remat if grad else "full")  # (full: no residual slots)
@@ -482,7 +531,8 @@ def _execute(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, bat
 
     # A micro-batch typed as the ticks take it: picked by a stage-varying index.
     first_mb = jax.tree.map(lambda a: vma.vary(a, (stage_axis,)), take(micro, 0))
-    stages, loss_abstract, x, backwards = typed(Stages(loss, model_of, one_value, v), diff, first_mb, stage_axis)
+    stages = Stages(loss, model_of, one_value, v, layer_mask=layer_mask(stage_layers), stage_axis=stage_axis)
+    stages, loss_abstract, x, backwards = typed(stages, diff, first_mb, stage_axis)
     # Residuals and crossover of the layers' segments are stacked over the chunk's layers.
     chunk_layers = nnx.eval_shape(lambda d: jax.tree.leaves(nnx.state(stages._chunk_of(model_of(d), 0))), diff)[0].shape[0]
     buffers = dict(
@@ -570,6 +620,41 @@ def _zeros(abstract, axes):
     return vma.vary(jnp.zeros(abstract.shape, abstract.dtype), axes)
 
 
+def layer_mask(stage_layers: tuple[int, ...] | None) -> np.ndarray | None:
+    """[position, row]: which of each model chunk's `layer_slots` rows hold a layer (its first
+    ones); None where every row does."""
+    if not stage_layers or len(set(stage_layers)) == 1:
+        return None
+    return np.arange(max(stage_layers)) < np.array(stage_layers)[:, None]
+
+
+def held_slots(stage_layers: tuple[int, ...], stages: int, virtual: int) -> np.ndarray | None:
+    """Per row of the stacked layers as a pipeline holds them, the model's layer it holds (-1:
+    padding): chunk after chunk in pipeline order, each its layers then zeros up to
+    `layer_slots` rows (`layer_mask`), then interleaved (`interleave`). None where that is the
+    model's own order (layers the chunks divide, not interleaved)."""
+    mask = layer_mask(stage_layers)
+    if mask is None:
+        mask = np.ones((len(stage_layers), stage_layers[0]), bool)
+    rows = np.full(mask.shape, -1)
+    rows[mask] = np.arange(sum(stage_layers))  # (row-major: chunk by chunk, in order)
+    rows = interleave(rows.reshape(-1), stages, virtual)
+    return None if np.array_equal(rows, np.arange(rows.size)) else rows
+
+
+def to_held(x: jax.Array, slots: np.ndarray) -> jax.Array:
+    """A stack of layers (dim 0) in the model's order, as a pipeline holds it (`held_slots`):
+    reordered, zeros in the padding rows."""
+    real = (slots >= 0).reshape(-1, *(1,) * (x.ndim - 1))
+    return jnp.where(real, jnp.take(x, np.maximum(slots, 0), axis=0), 0)
+
+
+def from_held(x: jax.Array, slots: np.ndarray) -> jax.Array:
+    """The inverse of `to_held`: the model's layers, in its order, the padding dropped."""
+    real = np.nonzero(slots >= 0)[0]
+    return jnp.take(x, real[np.argsort(slots[real])], axis=0)
+
+
 def interleave(x: jax.Array, stages: int, virtual: int, inverse: bool = False) -> jax.Array:
     """Stacked layers from model order to the order the interleaved pipeline stores them in
     (`inverse`: back). Model chunk k = c·p + d must sit on device d as its chunk c; a stage
@@ -586,18 +671,25 @@ def _scopes(line: str) -> list[str]:
     return m["name"].split("/") if (m := _OP_NAME.search(line)) else []
 
 
-def matmul_flops(schedule: Schedule, hlo_text: str, stage_remat: str = "none") -> list[float]:
+def matmul_flops(schedule: Schedule, hlo_text: str, stage_remat: str = "none",
+                 stage_layers: tuple[int, ...] | None = None) -> list[float]:
     """Per stage, the matmul FLOPs a device of that stage runs in one step of the compiled
     program `hlo_text` (`hlo.matmul_flops`; XLA's `cost_analysis()` counts a loop body once
     and a conditional's costliest branch): each kind's cond weighted by how often that stage
-    runs it per tick, the switch over roles inside it by how often each role comes up."""
-    program = compile_program(schedule, stage_remat)
+    runs it per tick, the switch over roles inside it by how often each role comes up, and
+    under uneven stages (`stage_layers`) the cond of each row of the stack by how many of the
+    stage's rows hold a layer."""
+    program, mask = compile_program(schedule, stage_remat), layer_mask(stage_layers)
     per_stage = []
     for stage in range(schedule.stages):
         kinds, roles = program.kind[:, stage], program.role[:, stage]
+        # (every action of a kind runs each of the stage's chunks equally often)
+        layers = mask[stage::schedule.stages].mean() if mask is not None else 1.0
 
-        def runs(line, branches, kinds=kinds, roles=roles):
+        def runs(line, branches, kinds=kinds, roles=roles, layers=layers):
             scopes = _scopes(line)
+            if PADDING_SCOPE in scopes:
+                return np.array([1 - layers, layers])  # (skip, run)
             kind = next((n[len("pipeline_"):] for n in reversed(scopes) if n.startswith("pipeline_")), None)
             if kind not in KINDS:
                 return None

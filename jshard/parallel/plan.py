@@ -11,9 +11,11 @@ device, and every check of those inputs in one place (each error raised once, be
                   stage (pp), expert (ep), ZeRO and tensor (tp) axes: the mesh axes of size > 1
                   the rules put each on
     pipeline      the schedule's tick table (which the executor compiles to its program while it
-                  traces), micro-batches, `stage_remat`
+                  traces), micro-batches, `stage_remat`, the layers of each model chunk
+                  (`stage_layers`: uneven where the chunks do not divide the layers)
 
-and `check_batch` (rows and sequence length against the batch, micro-batch and context splits).
+and `check_batch` (rows and sequence length against the batch, accumulation (`grad_accum`),
+micro-batch and context splits).
 The explicit step (`step.py`), the compiler-placed step (`compiled.py`), `jshard train` and
 `generate`, `describe`, the planner (`jshard.plan`, on an AbstractMesh) and the benches read
 it; none derives an axis again.
@@ -36,8 +38,8 @@ from jshard.mesh import COLLECTIVES_IN_FLIGHT_OPTION, TRITON_GEMM_OPTION, ZERO3_
 from jshard.models.stack import StagedLoss, has_stack
 from jshard.parallel import pipeline
 from jshard.parallel.model_state import check_no_pipeline
-from jshard.parallel.schedules import Schedule, check_layers, make_schedule
-from jshard.placement import ParamLayout, Placement, Report, paths_and_shapes, place, specs_of
+from jshard.parallel.schedules import Schedule, make_schedule, stage_layers
+from jshard.placement import ParamLayout, Placement, Report, adopt_array_shardings, paths_and_shapes, place, specs_of
 from jshard.precision import Precision, precision as precision_policy
 from jshard.rules import Kind, Rules, ShardingError
 
@@ -64,6 +66,17 @@ class Plan:
     tensor_axes: tuple[str, ...]  # the MLP width's (size > 1): tensor parallelism's
     sequence_axes: tuple[str, ...]  # the residual stream's seq (size > 1): sequence and context parallelism's
     has_aux: bool = False  # the loss returns (loss, metrics): a pytree of scalars, averaged as the loss is
+    grad_accum: int = 1  # micro-batches a step accumulates gradients over before its data-parallel reduction
+    # A pipeline's layers per model chunk, in pipeline order (`schedules.stage_layers`; chunk k =
+    # c·p + d is device d's chunk c, so with v = 1 the layers of each stage); None: no pipeline.
+    stage_layers: tuple[int, ...] | None = None
+
+    @property
+    def layer_slots(self) -> int | None:
+        """The stacked layers' rows a pipeline holds per model chunk: its largest chunk's layers.
+        A chunk with fewer holds zeros in the rest, which the step skips (`pipeline.held_slots`), so
+        each device holds virtual × `layer_slots` layers' params and optimizer state."""
+        return max(self.stage_layers) if self.stage_layers else None
 
     # -- derived from the fields, read by the steps and the planner --------------------------
 
@@ -144,8 +157,9 @@ class Plan:
 
     @property
     def batch_shards(self) -> int:
-        """What one global batch splits into: its data shards, times a pipeline's micro-batches."""
-        return self.data_shards * (self.microbatches or 1)
+        """What one global batch splits into: its data shards, times its accumulated micro-batches
+        (`grad_accum`), times a pipeline's micro-batches (each accumulated one runs the schedule)."""
+        return self.data_shards * self.grad_accum * (self.microbatches or 1)
 
     @functools.cached_property
     def context_shards(self) -> int:
@@ -192,14 +206,14 @@ class Plan:
 
     # -- the batch ---------------------------------------------------------------------------
 
-    def check_batch(self, rows: int | None = None, seq_len: int | None = None, steps: int = 1, *,
+    def check_batch(self, rows: int | None = None, seq_len: int | None = None, *,
                     rows_flag: str = "batch size", seq_flag: str = "sequence length",
-                    steps_flag: str | None = None) -> None:
-        """Whether a global batch of `rows` rows, taken in `steps` accumulated micro-steps, splits over
-        the batch axes and a pipeline's micro-batches, and a sequence of `seq_len` tokens into
+                    accum_flag: str | None = None) -> None:
+        """Whether a global batch of `rows` rows splits over the batch axes, `grad_accum`'s
+        micro-batches and a pipeline's, and a sequence of `seq_len` tokens into
         context parallelism's chunks (two per device, load-balanced) and, on each device,
         sequence parallelism's (one per tensor shard). The flags name the inputs
-        in the error (a command's flags: '--batch-size'; `steps_flag` shows the steps even at 1)."""
+        in the error (a command's flags: '--batch-size'; `accum_flag` names grad_accum, shown even at 1)."""
         n = self.context_shards
         if seq_len is not None and n > 1 and seq_len % (2 * n):
             raise ShardingError(
@@ -214,12 +228,12 @@ class Plan:
                 f"{seq_flag} {seq_len}: sequence parallelism splits each sequence's tokens "
                 f"{'on a device ' if n > 1 else ''}over {'×'.join(sp_axes)} = {sp}. Fix: a {seq_flag} that is a "
                 f"multiple of {multiple}.")
-        per_step = self.batch_shards * steps
+        per_step = self.batch_shards
         if rows is not None and rows % per_step:
             over = " × ".join([f"{self.data_shards} batch shards ({'×'.join(self.batch_axes) or 'none'})"]
                               + ([f"{self.microbatches} pipeline micro-batches"] if self.microbatches else [])
-                              + ([f"{steps_flag} {steps}"] if steps_flag else
-                                 [f"{steps} accumulated steps"] if steps > 1 else []))
+                              + ([f"{accum_flag} {self.grad_accum}"] if accum_flag else
+                                 [f"grad_accum={self.grad_accum}"] if self.grad_accum > 1 else []))
             raise ShardingError(f"{rows_flag} {rows} does not split over {over} = {per_step}. "
                                 f"Fix: make {rows_flag} a multiple of {per_step}.")
 
@@ -227,19 +241,24 @@ class Plan:
 def make_plan(model, mesh: Mesh | AbstractMesh, rules: Rules, *, loss_fn=None, precision: Precision | str | None = None,
               microbatches: int | None = None, schedule: str | None = None, virtual: int | None = None,
               stage_remat: str | None = None, collectives: str = "explicit",
-              default_microbatches: int | None = None, has_aux: bool = False) -> Plan:
+              default_microbatches: int | None = None, has_aux: bool = False, grad_accum: int = 1) -> Plan:
     """Resolve and check a step of `model` (an NNX module, abstract or not) under `rules` on
     `mesh` (or an AbstractMesh): the one place `build_step`'s inputs are checked.
 
     `loss_fn` None: not known here (the planner, `describe`); a pipeline needs a StagedLoss.
     `default_microbatches`: a pipeline's micro-batches where `microbatches` is not given (a
     command's default); without it a pipeline needs `microbatches`. `has_aux`: `loss_fn`
-    returns (loss, metrics), as for `jax.value_and_grad(..., has_aux=True)`.
+    returns (loss, metrics), as for `jax.value_and_grad(..., has_aux=True)`. `grad_accum`: micro-batches
+    a step's batch is cut into, their gradients added up before the data-parallel reduction.
     """
     if collectives not in COLLECTIVES:
         raise ShardingError(
             f"build_step: collectives={collectives!r}; choose 'explicit' (jit of shard_map, every "
             "collective derived from the rules) or 'compiler' (plain jit, XLA's partitioner places them).")
+    if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
+        raise ShardingError(
+            f"build_step: grad_accum={grad_accum!r}, but it counts the micro-batches a step accumulates gradients "
+            "over. Fix: an integer >= 1 (1: no accumulation).")
     policy = precision_policy(precision)
     rules.check_mesh(mesh)
     sizes = mesh_shape(mesh)
@@ -254,14 +273,19 @@ def make_plan(model, mesh: Mesh | AbstractMesh, rules: Rules, *, loss_fn=None, p
     given = ", ".join(f"{k}={v!r}" for k, v in given.items() if v is not None)
     if collectives == "compiler":
         _check_compiler_step(rules, stages, sizes, given, policy)
+    adopt_array_shardings(model)  # (the optimizer's state is laid out as its params)
     _, params, others = nnx.split(model, nnx.Param, ...)
     check_no_pipeline(others, stages)
     plan_schedule = _schedule(rules, mesh, stages, given, loss_fn, microbatches, schedule, virtual, stage_remat)
-    rows = tuple(ParamLayout.of(placed, opt, policy) for placed, opt in
-                 zip(place(params, sizes, rules, "param"), place(params, sizes, rules, "opt")))
+    layers = _stage_layers(params, plan_schedule, rules, stages) if plan_schedule else None
+    held = _held(params, layers)  # placed as the step holds them, described in the model's shapes
+    rows = tuple(ParamLayout.of(dataclasses.replace(placed, shape=shape), dataclasses.replace(opt, shape=shape), policy)
+                 for placed, opt, (_, shape) in zip(place(held, sizes, rules, "param"), place(held, sizes, rules, "opt"),
+                                                    paths_and_shapes(params)))
     plan = Plan(rules, mesh, collectives, rows, policy, plan_schedule, microbatches, stage_remat or "none",
                 has_stack(model), rules.axes("batch", mesh), rules.context_axes(mesh), stages[0] if stages else None,
-                split("experts"), split("mlp", "activation"), split("seq", "activation"), bool(has_aux))
+                split("experts"), split("mlp", "activation"), split("seq", "activation"), bool(has_aux),
+                grad_accum, stage_layers=layers)
     if has_aux and plan.schedule:
         raise ShardingError(
             f"build_step(has_aux=True): rules {rules.name!r} pipeline the layers, and a pipeline's loss is a "
@@ -273,18 +297,42 @@ def make_plan(model, mesh: Mesh | AbstractMesh, rules: Rules, *, loss_fn=None, p
             f"build_step: precision 'fp8' with rules {rules.name!r}: the collective matmuls' rings (sp-overlap) compute "
             "in bf16 and have no FP8 form. Fix: drop sp-overlap (tp+sp gathers and reduce-scatters as whole "
             "collectives) or use precision 'mixed'.")
-    if plan.schedule:
-        stacked = [p.shape[0] for p in rows if p.param and plan.stage_axis in p.param[0]]
-        if not stacked:
-            raise ShardingError(
-                f"build_step: rules {rules.name!r} pipeline the layers over {plan.stage_axis}, but no param of the "
-                "model has a 'layers' dim to split: its blocks are separate modules (a list, nnx.Sequential). "
-                "Fix: stack them on a 'layers' dim with jshard.models.stack_layers(make_block, n, rngs) and run "
-                "them with jshard.models.scan_layers, or use a preset without pp.")
-        check_layers(stacked[0], plan.schedule.stages, plan.schedule.virtual)
     if rules.zero == 2 and collectives == "explicit":
         _check_one_zero_dim(rows)
     return plan
+
+
+def _is_stacked(leaf) -> bool:
+    """Whether a param is a stack of layers: its first logical name is 'layers'."""
+    return isinstance(leaf, nnx.Variable) and (leaf.get_metadata().get("out_sharding") or (None,))[:1] == ("layers",)
+
+
+def _stage_layers(params, schedule: Schedule, rules: Rules, stages) -> tuple[int, ...]:
+    """The layers of each of the pipeline's model chunks (`schedules.stage_layers`)."""
+    stacked = [np.shape(leaf.get_value())[0] for leaf in jax.tree.leaves(params, is_leaf=_is_stacked) if _is_stacked(leaf)]
+    if not stacked:
+        raise ShardingError(
+            f"build_step: rules {rules.name!r} pipeline the layers over {stages[0]}, but no param of the "
+            "model has a 'layers' dim to split: its blocks are separate modules (a list, nnx.Sequential). "
+            "Fix: stack them on a 'layers' dim with jshard.models.stack_layers(make_block, n, rngs) and run "
+            "them with jshard.models.scan_layers, or use a preset without pp.")
+    return stage_layers(stacked[0], schedule.stages, schedule.virtual)
+
+
+def _held(params, layers: tuple[int, ...] | None):
+    """`params` in the shapes a pipeline holds them: each stack padded to `layer_slots` rows per
+    model chunk where its chunks' layers differ (abstract values, to place)."""
+    if not layers or len(set(layers)) == 1:
+        return params
+    rows = len(layers) * max(layers)
+
+    def padded(leaf):
+        if not _is_stacked(leaf):
+            return leaf
+        value = leaf.get_value()
+        return leaf.replace(jax.ShapeDtypeStruct((rows, *np.shape(value)[1:]), value.dtype))
+
+    return jax.tree.map(padded, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def _check_compiler_step(rules: Rules, stages, sizes, given: str, policy: Precision | None) -> None:

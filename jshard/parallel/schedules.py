@@ -433,15 +433,26 @@ def make_schedule(name: str, stages: int, microbatches: int, virtual: int | None
     return schedule(stages, microbatches)
 
 
-def check_layers(layers: int, stages: int, virtual: int = 1) -> int:
-    """Layers per model chunk when `layers` split evenly into stages*virtual chunks; raises otherwise."""
+def stage_layers(layers: int, stages: int, virtual: int = 1) -> tuple[int, ...]:
+    """The layers of each model chunk, in pipeline order (position k = c·stages + d is device d's
+    chunk c): `layers` split over stages·virtual chunks, as evenly as they go.
+
+    Where the chunks do not divide the layers, the remainder goes to the middle chunks, the last
+    middle one first, then to the first chunk, never to the last (a remainder is below the chunks'
+    count): the first chunk also runs the embedding and the last the head and the loss (a
+    vocab-wide matmul: the dearer of the two), so they get fewer layers (Megatron and torchtitan
+    count them as a layer each for the same reason), and under 1F1B the earlier stages hold more
+    micro-batches in flight, so the extra layers' activations go to the later ones. 6 on 4:
+    (1, 2, 2, 1); 7 on 2: (4, 3), not (3, 4), the head being dearer than the embedding; 80 on 6:
+    (13, 13, 13, 14, 14, 13). Every chunk needs a layer: fewer layers than chunks is refused."""
     _check_positive("pipeline layer split", layers=layers, stages=stages, virtual=virtual)
     chunks = stages * virtual
-    if layers % chunks:
-        fewer, more = layers // chunks * chunks, (layers // chunks + 1) * chunks
-        suggestion = f"{fewer} or {more}" if fewer else f"{more}"
+    if layers < chunks:
         raise ScheduleError(
-            f"{layers} layers do not split evenly over stages={stages} x virtual={virtual} = {chunks} model "
-            f"chunks. Fix: use a multiple of {chunks} layers ({suggestion}), or stages x virtual dividing {layers}."
-        )
-    return layers // chunks
+            f"{layers} layers on stages={stages} x virtual={virtual} = {chunks} model chunks: a chunk needs at least "
+            f"one layer. Fix: stages x virtual at most {layers}, or a model with at least {chunks} layers.")
+    counts = [layers // chunks] * chunks
+    middle = list(range(chunks - 2, 0, -1))
+    for k in (middle + [0, chunks - 1])[:layers % chunks]:
+        counts[k] += 1
+    return tuple(counts)

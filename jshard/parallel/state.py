@@ -113,6 +113,33 @@ def over_batch_shards(value, axes):
                         value, is_leaf=_is_summed)
 
 
+def accumulate(micro_step, zeros, carry, batch, steps: int, shards: int = 1):
+    """Gradient accumulation: `micro_step(carry, micro_batch) -> (value, grads, carry)` on each of
+    `steps` micro-batches of `batch` in one `lax.scan`, the grads added into `zeros` (in their
+    dtype: the accumulation's). Micro-batch k is rows k·m .. (k+1)·m - 1 of each of `shards`
+    contiguous blocks of the rows (m = rows / shards / steps): a batch shard's own rows, so no
+    row moves between devices. Returns the values stacked over the micro-batches
+    (`over_micro_batches` reduces them), the grads' sum and the last carry."""
+
+    def split(x):
+        m = x.shape[0] // (shards * steps)
+        return x.reshape(shards, steps, m, *x.shape[1:]).swapaxes(0, 1).reshape(steps, shards * m, *x.shape[1:])
+
+    def body(sums_and_carry, micro):
+        sums, carry = sums_and_carry
+        value, grads, carry = micro_step(carry, micro)
+        return (jax.tree.map(lambda s, g: s + g.astype(s.dtype), sums, grads), carry), value
+
+    (grads, carry), values = jax.lax.scan(body, (zeros, carry), jax.tree.map(split, batch))
+    return values, grads, carry
+
+
+def over_micro_batches(values):
+    """A loss (and metrics) stacked over equal micro-batches (`accumulate`): the mean of each, the
+    sum of each `Summed` one."""
+    return jax.tree.map(lambda x: Summed(x.value.sum(0)) if _is_summed(x) else x.mean(0), values, is_leaf=_is_summed)
+
+
 def unmarked(value):
     """`value` with each `Summed` metric replaced by its number (the compiler-placed step's loss
     sees the global batch, so its sums are already whole)."""

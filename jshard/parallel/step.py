@@ -24,11 +24,15 @@ model's other Variables (batch statistics, RNG streams) travel whole in
 
 Per step, with Ψ the param bytes: DP all-reduces Ψ; ZeRO-1/2 reduce-scatter Ψ and
 all-gather Ψ; ZeRO-3 all-gathers Ψ twice (forward, and again in backward: gathered
-weights are not saved) and reduce-scatters Ψ.
+weights are not saved) and reduce-scatters Ψ. Accumulating k micro-batches (`grad_accum`):
+DP and ZeRO-1 the same; ZeRO-2 reduce-scatters k·Ψ; ZeRO-3 gathers 2k·Ψ and reduce-scatters k·Ψ.
 
 Rules that split `layers` over a stage axis make step 2 a pipeline over micro-batches:
 `pipeline.py` runs a schedule's tick table (`schedules.py`: GPipe, 1F1B, interleaved,
 ZB-H1) and returns the loss and gradients itself; nothing else changes.
+
+With `grad_accum` = k (gradient accumulation), step 2 runs on k micro-batches in a `lax.scan`,
+their gradients added up before step 3: steps 3 and 4 run once per step (`build_step`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax import lax
@@ -51,8 +56,9 @@ from jshard.parallel import pipeline
 from jshard.parallel.compiled import CompiledStep
 from jshard.parallel.model_state import ModelState, sync_batch_norms
 from jshard.parallel.plan import Plan, make_plan
-from jshard.parallel.state import PlannedStep, TrainState, lower, over_batch_shards, split_loss
-from jshard.placement import Report
+from jshard.parallel.state import (PlannedStep, TrainState, accumulate, lower, over_batch_shards, over_micro_batches,
+                                   split_loss)
+from jshard.placement import Report, adopt_array_shardings
 from jshard.precision import Precision
 from jshard.rules import Rules, ShardingError, layout_of
 
@@ -87,6 +93,7 @@ class ShardedStep(PlannedStep):
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation,
                  loss_fn: Callable[[nnx.Module, Any], jax.Array], plan: Plan, abstract: bool = False):
         self.plan, self.tx, self.loss_fn = plan, tx, loss_fn
+        adopt_array_shardings(model)  # (the optimizer's state is laid out as its params)
         self.graphdef, params, others = nnx.split(model, nnx.Param, ...)
         plan.check_params(params)
         self.others = ModelState(others)
@@ -94,7 +101,8 @@ class ShardedStep(PlannedStep):
         self._param_paths = [p.path for p in plan.params]
         param_specs = plan.specs(params, "param")
         self.grad_specs = grad_specs = plan.specs(params, "opt")  # gradients leave in the opt layout
-        opt_specs = plan.opt_state_specs(jax.eval_shape(tx.init, params))
+        # (of the params as held: a pipeline's uneven stages pad its stacks, which then split evenly)
+        opt_specs = plan.opt_state_specs(jax.eval_shape(lambda p: tx.init(self._reorder(p, param_specs)), params))
         self.state_specs = TrainState(param_specs, opt_specs, self.others.specs,
                                       grad_specs if self._master_dtype else None)
         self._shardings = jax.tree.map(lambda s: NamedSharding(plan.mesh, s), self.state_specs)
@@ -142,21 +150,22 @@ class ShardedStep(PlannedStep):
     def _state_of(self, params: nnx.State, others: nnx.State) -> TrainState:
         """`init_state`'s values with no placement: its shapes and dtypes, for an abstract state."""
         cast = lambda tree, dtype: tree if dtype is None else jax.tree.map(lambda p: p.astype(dtype), tree)
+        params = self._reorder(params, self.state_specs.params)
         held, master = cast(params, self._param_dtype), cast(params, self._master_dtype) if self._master_dtype else None
         return TrainState(held, self.tx.init(held if master is None else master), self.others.stored(others), master)
 
-    @staticmethod
-    def _held(params, dtype, shardings):
-        """`params` placed by `shardings`, then cast shard by shard to `dtype` (None: as they are)."""
-        params = jax.device_put(params, shardings)
+    def _held(self, params, dtype, spec_tree):
+        """`params` placed by `spec_tree` (`_placed`), then cast shard by shard to `dtype` (None: as they are)."""
+        params = self._placed(params, spec_tree)
         return params if dtype is None else jax.tree.map(lambda p: p.astype(dtype), params)
 
     def with_params(self, state: TrainState, params: nnx.State) -> TrainState:
-        """`state` with `params` (in this step's layer order, any dtype and placement): the
-        held params in the precision's param dtype and, under a master, the master too.
-        How a checkpoint's full-precision params come back under any precision."""
-        master = self._held(params, self._master_dtype, self._shardings.master) if self._master_dtype else None
-        return dataclasses.replace(state, params=self._held(params, self._param_dtype, self._shardings.params),
+        """`state` with `params` (in this step's layer order, or the model's for `from_model_order`
+        to convert; any dtype and placement): the held params in the precision's param dtype and,
+        under a master, the master too. How a checkpoint's full-precision params come back under
+        any precision."""
+        master = self._held(params, self._master_dtype, self.state_specs.master) if self._master_dtype else None
+        return dataclasses.replace(state, params=self._held(params, self._param_dtype, self.state_specs.params),
                                    master=master)
 
     def full_params(self, state: TrainState) -> nnx.State:
@@ -169,13 +178,14 @@ class ShardedStep(PlannedStep):
         return nnx.merge(self.graphdef, params, self.others.loaded(state.model_state))
 
     def to_model_order(self, state: TrainState) -> TrainState:
-        """`state` with the stacked layers in the model's order: what a checkpoint holds, so
-        that it restores under any schedule. The identity unless the schedule is interleaved."""
+        """`state` with the stacked layers in the model's order, and only the model's layers: what
+        a checkpoint holds, so that it restores under any schedule. The identity unless the
+        schedule is interleaved or its stages' layers differ (`pipeline.held_slots`)."""
         return self._state_order(state, inverse=True)
 
     def from_model_order(self, state: TrainState) -> TrainState:
         """The inverse of `to_model_order`: a state in the model's order, as this step holds it."""
-        if not self._interleaved:
+        if self._held_slots is None:
             return state
         return jax.device_put(self._state_order(state), self._shardings)
 
@@ -185,21 +195,46 @@ class ShardedStep(PlannedStep):
                           state.model_state,
                           self._pipeline_order(state.master, self.state_specs.master, inverse))
 
-    @property
-    def _interleaved(self) -> bool:
-        return bool(self.schedule) and self.schedule.virtual > 1
+    @functools.cached_property
+    def _held_slots(self):
+        """Per row of the stacked layers as this step holds them, the model's layer (-1: padding);
+        None: held in the model's order (`pipeline.held_slots`)."""
+        if not self.schedule:
+            return None
+        return pipeline.held_slots(self.plan.stage_layers, self.schedule.stages, self.schedule.virtual)
+
+    def _stacked(self, layout: nn.Layout) -> bool:
+        return bool(layout) and self.plan.stage_axis in layout[0]
+
+    def _reorder(self, tree, spec_tree, inverse: bool = False):
+        """The stacked layers of `tree` from the model's order to the step's (`inverse`: back)."""
+        slots = self._held_slots
+        if slots is None:
+            return tree
+        reorder = pipeline.from_held if inverse else pipeline.to_held
+        return self._per_leaf(lambda x, layout: reorder(x, slots) if self._stacked(layout) else x,
+                              tree, _layouts(spec_tree))
+
+    def _placed(self, tree, spec_tree):
+        """`tree` on the mesh by `spec_tree`; a stack in the model's order whose layers the stage axis
+        does not divide (uneven stages) whole over that axis: JAX splits a dim only evenly."""
+        slots, stage_axis = self._held_slots, self.plan.stage_axis
+
+        def sharding(x, spec):
+            layout = layout_of(spec)
+            uneven = self._stacked(layout) and x.shape[0] % self.mesh.shape[stage_axis]
+            if slots is not None and uneven and x.shape[0] != len(slots):
+                spec = jax.P(tuple(a for a in layout[0] if a != stage_axis) or None, *spec[1:])
+            return NamedSharding(self.mesh, spec)
+
+        return None if tree is None else jax.device_put(tree, self._per_leaf(sharding, tree, jax.tree.leaves(spec_tree)))
 
     def _pipeline_order(self, tree, spec_tree, inverse: bool = False):
-        """An interleaved pipeline holds the stacked layers in its own order (`pipeline.interleave`);
-        the step's state is in that order, what it hands out in the model's."""
-        if not self._interleaved:
-            return tree
-        p, v = self.schedule.stages, self.schedule.virtual
-
-        def reorder(x, layout):
-            return pipeline.interleave(x, p, v, inverse) if layout and self.plan.stage_axis in layout[0] else x
-
-        return self._per_leaf(reorder, tree, _layouts(spec_tree))
+        """A pipeline holds the stacked layers in its own order where it interleaves its chunks or
+        its stages' layers differ (padded: `pipeline.held_slots`); the step's state is in that
+        order, what it hands out (`inverse`) in the model's, placed as the model's."""
+        tree = self._reorder(tree, spec_tree, inverse)
+        return self._placed(tree, spec_tree) if inverse and self._held_slots is not None else tree
 
     def __call__(self, state: TrainState, batch) -> tuple[TrainState, jax.Array]:
         return self._step(state, batch)
@@ -324,17 +359,49 @@ class ShardedStep(PlannedStep):
     def _loss_and_grads(self, params, others, batch, master=None):
         """Steps 1-3: the mean loss over the global batch, its gradient in the `opt` layout
         (in the precision's reduction dtype), and the model's other Variables as the forward
-        wrote them."""
+        wrote them. With `grad_accum` = k > 1, step 2 runs on k micro-batches of this device's
+        rows in a `lax.scan`, their local gradients added up in the reduction dtype, and step 3
+        once, on the sum."""
         diff, grad_layouts = self._differentiable(params, master)
         mine = self.others.for_batch_shard(others, self.batch_axes)
-        model_of, one_value = self._model_builder(params, mine), self._one_value
+        micro_step, steps = self._micro_step(params, diff, others), self.plan.grad_accum
+        with self._splitting_sequences():
+            if steps == 1:
+                (loss, metrics), grads, mine = micro_step(mine, batch)
+            else:
+                for leaf in jax.tree.leaves(batch):  # a batch placed without `shard_batch` is checked here
+                    self.plan.check_batch(leaf.shape[0] * self.data_shards)
+                zeros = [vma.vary(jnp.zeros(d.shape, self._reduce_dtype or d.dtype), vma.varying_axes(d))
+                         for d in jax.tree.leaves(diff)]
+                values, grads, mine = accumulate(micro_step, jax.tree.unflatten(jax.tree.structure(diff), zeros),
+                                                 mine, batch, steps)
+                loss, metrics = over_micro_batches(values)
+        written = self.others.written(others, mine)
 
-        if self.schedule:  # the pipeline runs its own backward, micro-batch by micro-batch
-            with self._splitting_sequences():
+        def reduce(g, have, want):
+            pending = [a for a in self.plan.grad_axes if a not in _axes_in(have)]
+            if self._reduce_dtype is not None:
+                g = g.astype(self._reduce_dtype)
+            return nn.relayout_local(g, have, want, pending) / (self.data_shards * steps)
+
+        grads = self._per_leaf(reduce, grads, grad_layouts, self.opt_layouts)
+        value = (loss, metrics) if self.plan.has_aux else loss
+        return over_batch_shards(value, self.batch_axes), grads, written
+
+    def _micro_step(self, params, diff, others):
+        """Step 2 as `(mine, batch) -> ((loss, metrics), grads, mine)`: on this device's rows of
+        one (micro-)batch, the loss, the gradient of `diff` before any reduction over the batch
+        axes (ZeRO-2/3's reduce-scatters over the ZeRO axes happen inside it, layer by layer),
+        and the model's other Variables `mine` as the forward wrote them."""
+
+        def micro_step(mine, batch):
+            model_of = self._model_builder(params, mine)
+            if self.schedule:  # the pipeline runs its own backward, micro-batch by micro-batch
                 loss, grads = pipeline.value_and_grad(self.schedule, self.loss_fn, model_of, diff, batch,
-                                                      self.plan.stage_axis, one_value, self._reduce_dtype, self.stage_remat)
-            written = others
-        else:
+                                                      self.plan.stage_axis, self._one_value, self._reduce_dtype,
+                                                      self.stage_remat, self.plan.stage_layers)
+                return (loss, None), grads, mine
+
             def loss_of(diff, mine):
                 model = model_of(diff, mine)
                 loss, metrics = self._value(self.loss_fn(model, batch))
@@ -347,19 +414,14 @@ class ShardedStep(PlannedStep):
             # some versions and not on others, so keeping them makes the count one on all.
             if nn.gathers_weights() and not self.plan.has_stack:
                 loss_of = jax.checkpoint(loss_of, policy=nn.remat_policy)
-            with self._splitting_sequences():
-                (loss, (new, metrics)), grads = jax.value_and_grad(loss_of, has_aux=True)(diff, mine)
-            written = self.others.written(others, new)
+            (loss, (new, metrics)), grads = jax.value_and_grad(loss_of, has_aux=True)(diff, mine)
+            # Refused here if a Variable was written differently on each device (not as a scan's carry
+            # type mismatch); else `mine`'s tree and types, as accumulation's scan carries it.
+            self.others.written(others, new)
+            new = [vma.vary(n, vma.varying_axes(m)) for n, m in zip(jax.tree.leaves(new), jax.tree.leaves(mine))]
+            return (loss, metrics), grads, jax.tree.unflatten(jax.tree.structure(mine), new)
 
-        def reduce(g, have, want):
-            pending = [a for a in self.plan.grad_axes if a not in _axes_in(have)]
-            if self._reduce_dtype is not None:
-                g = g.astype(self._reduce_dtype)
-            return nn.relayout_local(g, have, want, pending) / self.data_shards
-
-        grads = self._per_leaf(reduce, grads, grad_layouts, self.opt_layouts)
-        value = (loss, metrics) if self.plan.has_aux else loss
-        return over_batch_shards(value, self.batch_axes), grads, written
+        return micro_step
 
     def _body(self, state: TrainState, batch):
         with nn.step_context(self.rules, self.whole_reads, self.plan.compute, self.plan.platform, self.plan.fp8):
@@ -384,7 +446,7 @@ class ShardedStep(PlannedStep):
             with self._splitting_sequences():
                 if self.schedule:
                     value = pipeline.forward_loss(self.schedule, self.loss_fn, model_of, diff, batch,
-                                                  self.plan.stage_axis, self._one_value)
+                                                  self.plan.stage_axis, self._one_value, self.plan.stage_layers)
                 else:
                     loss, metrics = self._value(self.loss_fn(model_of(diff), batch))
                     value = (loss, metrics) if self.plan.has_aux else loss
@@ -437,7 +499,7 @@ def _constant_keys(jaxpr) -> bool:
 def build_step(model, tx, loss_fn, mesh: Mesh | AbstractMesh, rules: Rules, microbatches: int | None = None,
                schedule: str | None = None, virtual: int | None = None, collectives: str = "explicit",
                precision: Precision | str | None = None, stage_remat: str | None = None, abstract: bool = False,
-               has_aux: bool = False):
+               has_aux: bool = False, grad_accum: int = 1):
     """A sharded train step for `model` under `rules` on `mesh`; `.state` holds its start.
 
     `collectives` picks who places the collectives:
@@ -463,6 +525,29 @@ def build_step(model, tx, loss_fn, mesh: Mesh | AbstractMesh, rules: Rules, micr
     the step returns `state, (loss, metrics)` (and `loss` / `value_and_grad` the pair), each
     metric averaged over the batch shards as the loss is. Not under a pipeline.
 
+    `grad_accum` = k: gradient accumulation inside the step. It takes a batch of k times the rows
+    (k divides each batch shard's rows) and cuts each device's rows into k micro-batches, which
+    a `lax.scan` runs one after the other (activations of one micro-batch alive at a time); their
+    gradients add up in the precision's reduction dtype (fp32 under 'mixed'; else the params'),
+    then one reduction and one optimizer update per step; the loss (and each metric) is the mean
+    over the micro-batches, a `summed` metric their sum. What is reduced when:
+
+    - the data-parallel reduction (the all-reduce of DP, ZeRO-1's reduce-scatter, the sum over
+      the batch and context axes a param is not split over) runs once per step, on the sum;
+    - what runs inside backward runs per micro-batch: ZeRO-2's and ZeRO-3's (FSDP's)
+      reduce-scatters of each layer's gradient onto its optimizer shard, so the accumulator
+      is as sharded as the optimizer state (as DeepSpeed does), ZeRO-3's weight gathers, and
+      tensor, sequence, context and expert parallelism's activation collectives;
+    - under a pipeline each micro-batch runs the whole schedule (its `microbatches` and its
+      bubble): a step takes k × microbatches micro-batches per batch shard. Fewer bubbles for the
+      same batch: raise `microbatches` instead (1f1b's memory does not grow with it).
+
+    The explicit step's micro-batch i is rows i·m .. (i+1)·m - 1 of each batch shard (m = its
+    rows / k); the compiler-placed step scans the same micro-batches, where XLA places the
+    reductions (inside the loop: a loop's carry holds no unreduced partial sums). A model whose
+    forward depends on which rows share a batch (BatchNorm's statistics, a mixture of experts'
+    capacity) computes per micro-batch, as k separate steps' forwards would.
+
     `abstract`: no array is made or placed; `.state` holds `jax.ShapeDtypeStruct`s, and
     `.lower(step.state, batch)` gives the program on any mesh: an `AbstractMesh`, or devices
     this machine does not have (`jax.experimental.topologies`). `model` may then come from
@@ -474,7 +559,7 @@ def build_step(model, tx, loss_fn, mesh: Mesh | AbstractMesh, rules: Rules, micr
     """
     plan = make_plan(model, mesh, rules, loss_fn=loss_fn, precision=precision, microbatches=microbatches,
                      schedule=schedule, virtual=virtual, stage_remat=stage_remat, collectives=collectives,
-                     has_aux=has_aux)
+                     has_aux=has_aux, grad_accum=grad_accum)
     return step_from_plan(plan, model, tx, loss_fn, abstract)
 
 

@@ -22,6 +22,7 @@ The formulas are ../shared/SPEC.md's; `validate.py` checks them against XLA.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax.numpy as jnp
@@ -33,6 +34,7 @@ from jshard.models import DecoderConfig, decoder
 from jshard.parallel.pipeline import STAGE_REMAT, compile_program, work as pipeline_work
 from jshard.parallel.plan import Plan, make_plan
 from jshard.placement import format_bytes
+from jshard.plan import physics
 from jshard.plan.counts import attention_widths, column_outputs, fp8_cast_widths, input_projections, mlp_widths
 from jshard.moe import capacity
 from jshard.nn import attention_implementation, compute_dtype, query_tile
@@ -41,6 +43,15 @@ from jshard.rules import Rules, ShardingError, preset
 
 GiB = 2**30
 
+
+# A GPU step's memory-bound work between its GEMMs (`compute_terms`), as bytes of HBM traffic
+# at the profile's bandwidth: what a step measured on one H100 takes beyond its GEMMs and
+# attention (`physics`, the measured sweep), AdamW's pass and the launches, fitted over the
+# runs of docs/results/bench-step-h100-jax0.11.2-2026-11-27.json, each checked with it left out
+# (`jshard bench fit`, docs/planning.md):
+ELEMENTWISE_LAYER_BYTES = 47  # per token, layer and element of embed + mlp: norms, activations,
+#                                residuals, the layer scan's stacking of what backward keeps
+ELEMENTWISE_LOGIT_BYTES = 22  # per token and vocabulary entry: the loss over the logits, in fp32
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
@@ -61,6 +72,13 @@ class Hardware:
     # Dense FP8 FLOP/s per device (the `fp8` policy's projections); None: no FP8 tensor cores.
     # A CPU has none either, but computes FP8 products in bf16 (`nn.fp8`): its bf16 peak.
     fp8_peak_flops: float | None = None
+    # A GPU step's memory-bound work between its GEMMs, as bytes of HBM traffic (below).
+    elementwise_layer_bytes: float = ELEMENTWISE_LAYER_BYTES
+    elementwise_logit_bytes: float = ELEMENTWISE_LOGIT_BYTES
+    # Fake CPU devices (`platform` "cpu") share one host: what each op and each collective call
+    # costs the host beyond its FLOPs and bytes (`host_step_seconds`).
+    op_s: float = 0.0
+    tick_s: float = 0.0
 
 
 # Datasheets (SXM parts; NVLink 4 = 450 GB/s each way, 400 Gb/s InfiniBand NIC per GPU).
@@ -69,24 +87,29 @@ HARDWARE = {
     "h100": Hardware("h100", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, 8, fp8_peak_flops=1979e12),
     "h200": Hardware("h200", 989e12, 141e9, 4.8e12, 450e9, 50e9, 8, fp8_peak_flops=1979e12),
     "a100": Hardware("a100", 312e12, 80 * GiB, 2.04e12, 300e9, 25e9, 8),
+    # op_s, tick_s: fitted (`bench.fit.fit_host`) to `jshard bench search` of the small GPT on 8 fake
+    # devices of this 2-core host (jax 0.12.0.1), checked on the small Llama (docs/planning.md).
     "cpu": Hardware("cpu", 0.206e12, 16 * GiB, 20e9, 10e9, 10e9, 8, matmul_efficiency=1.0, platform="cpu",
+                    op_s=2.06e-5, tick_s=6.0e-4,
                     fp8_peak_flops=0.206e12),
 }
+# A device's kind, as JAX names it, to its profile (the parts the profiles describe).
+KINDS = {"H100": "h100", "H200": "h200", "A100": "a100"}
 
-# A GPU step's memory-bound work between its matmuls (`elementwise_seconds`), as bytes of HBM
-# traffic at the profile's bandwidth. Fitted on one H100 (`make gpu-check`, docs/benchmarks.md)
-# to two 1B models' steps less their matmuls (at `matmul_efficiency`) and AdamW's pass, and
-# checked on three steps they were not fitted on:
-ELEMENTWISE_LAYER_BYTES = 121  # per token, layer and element of embed + mlp: norms, activations,
-#                                residuals, the layer scan's stacking of what backward keeps
-ELEMENTWISE_LOGIT_BYTES = 44  # per token and vocabulary entry: the loss over the logits, in fp32
+
+def hardware_of(device) -> Hardware | None:
+    """The profile of a JAX device: `cpu` for a CPU (fake devices: the host's), a GPU's by its
+    kind; None where there is none."""
+    if device.platform == "cpu":
+        return HARDWARE["cpu"]
+    return next((HARDWARE[name] for kind, name in KINDS.items() if kind in device.device_kind), None)
+
 # XLA's attention (not cuDNN's fused kernel) computes the seq × seq scores in HBM: masking,
-# softmax and their gradients in fp32. Bytes per score element (one query, key, head and
-# layer), measured the same way: a step with XLA's attention less the same step predicted with
-# cuDNN's, over its scores: 121 (Llama-3.2-1B), 118 (GPT-1B) with JAX's kernel; `nn.xla_attention`,
-# whose softmax keeps its output alone, saves 25.7 and 32.5 of them (the same steps on one H100,
-# 121.3 -> 104.8 and 81.1 -> 69.3 ms, docs/benchmarks.md).
-XLA_SCORE_BYTES = 91
+# softmax and their gradients in fp32. Bytes per score element (one query, key, head and layer):
+# a step with XLA's attention less the rest of its prediction (its QK^T and PV as batched GEMMs
+# on the sweep), over its scores: 38 (Llama-3.2-1B), 20 (GPT-1B), measured on one H100 with
+# `nn.xla_attention` (docs/results/gpu-check-h100-jax0.11.2-2026-11-26-softmax.json), their mean.
+XLA_SCORE_BYTES = 29
 # FP8 (`nn.fp8`): each cast reads its bf16 operand twice (its max, then the cast) and writes one
 # byte: activations and gradients per token (`counts.fp8_cast_widths`), the weights forward and
 # again in backward. Counted from the bytes, not fitted (docs/planning.md).
@@ -177,8 +200,25 @@ def step_plan(config: DecoderConfig, sizes: dict[str, int], rules: Rules, precis
     """The decoder's step plan, the step's own (`parallel.plan.make_plan`, with its checks), from
     abstract shapes on an abstract mesh: no memory is allocated, no device is needed. `pipeline`:
     microbatches, schedule, virtual, stage_remat as `build_step` takes them."""
-    model = nnx.eval_shape(lambda: decoder(config, nnx.Rngs(0)))
-    return make_plan(model, abstract_mesh(**sizes), rules, precision=precision, **pipeline)
+    return make_plan(_abstract_decoder(config), abstract_mesh(**sizes), rules, precision=precision, **pipeline)
+
+
+@functools.cache
+def _abstract_decoder(config: DecoderConfig):
+    return nnx.eval_shape(lambda: decoder(config, nnx.Rngs(0)))
+
+
+# A schedule's executor program is a pure function of the (frozen) schedule: kept for a search.
+_program = functools.cache(compile_program)
+
+
+@functools.cache
+def _cached_plan(config: DecoderConfig, sizes: tuple, strategy: str, precision, microbatches, schedule, virtual,
+                 stage_remat, grad_accum) -> Plan:
+    """`step_plan` of a preset, kept: a search estimates one plan under many batch and remat
+    choices, which the plan does not depend on (the params and their layouts do not change)."""
+    return step_plan(config, dict(sizes), preset(strategy), precision, microbatches=microbatches, schedule=schedule,
+                     virtual=virtual, stage_remat=stage_remat, grad_accum=grad_accum)
 
 
 def shards(layout, sizes: dict[str, int], skip=frozenset()) -> int:
@@ -460,17 +500,39 @@ def expert_traffic(config: DecoderConfig, params, rows: int, seq: int, layers_ru
     return out
 
 
+def stage_layers_run(config: DecoderConfig, plan: Plan) -> int:
+    """The layers the busiest stage runs: all of them unpipelined, else the most any device's
+    chunks hold (`Plan.stage_layers`, uneven where the stages do not divide the layers; chunk
+    k = c·p + d is device d's); it sets a pipelined step's pace."""
+    if not plan.stage_layers:
+        return config.layers
+    stages = plan.mesh_sizes[plan.stage_axis]
+    return max(sum(plan.stage_layers[d::stages]) for d in range(stages))
+
+
+def per_pass(plan: Plan, kind: str, axes: str) -> bool:
+    """Whether a param collective runs once per forward-backward pass rather than once per step
+    under gradient accumulation: ZeRO-3's gathers and reduce-scatters (the weights are gathered
+    for each pass; each pass's gradients scattered onto their shards), ZeRO-2's reduce-scatters
+    (its gradients are held on their shards). Plain all-reduces and ZeRO-1's reduce-scatter
+    reduce the accumulated gradient once; the updated params are gathered once."""
+    zero = plan.rules.zero
+    return bool(set(axes.split("+")) <= set(plan.zero_axes)) and (zero == 3 or (zero == 2 and kind == "reduce-scatter"))
+
+
 def computed(config: DecoderConfig, plan: Plan) -> DecoderConfig:
     """`config` with the dtype its layers compute in under `plan`'s step (`nn.compute_dtype`):
     its own, else the step's precision's. The formulas below read `config.dtype` as that."""
     return dataclasses.replace(config, dtype=compute_dtype(config.dtype, plan.compute))
 
 
-def traffic(config: DecoderConfig, plan: Plan, rows: int, seq: int, platform: str = "cpu") -> dict:
+def traffic(config: DecoderConfig, plan: Plan, rows: int, seq: int, platform: str = "cpu", accum: int = 1) -> dict:
     """{(kind, axes): bytes} per device per step, but the pipeline's sends: params (gradients
     summed over the batch and context axes), TP / SP over `rows` local sequences of this
     device's seq / context tokens through this stage's layers, context parallelism's
-    attention, and the loss's all-reduces; as the compiler for `platform` combines them."""
+    attention, and the loss's all-reduces; as the compiler for `platform` combines them.
+    `accum` passes accumulate before the update: what moves per pass moves `accum` times
+    (`per_pass`), the gradient reductions after the last pass once."""
     config = computed(config, plan)
     params, sizes, stage_axis, context = plan.params, plan.mesh_sizes, plan.stage_axis, plan.context_axes
     batch_axes = plan.batch_axes
@@ -481,7 +543,9 @@ def traffic(config: DecoderConfig, plan: Plan, rows: int, seq: int, platform: st
     folded = folded_norms(plan) if platform == "gpu" else frozenset()
     comm = param_traffic(plan, remat=config.remat != "none", tied_head=config.tied_head and platform == "cpu",
                          combined=platform == "gpu", folded=folded, scale_reductions=2 if platform == "gpu" else 1)
-    layers_run = config.layers // (sizes[stage_axis] if stage_axis else 1)
+    comm = {key: nbytes * (accum if per_pass(plan, *key) else 1) for key, nbytes in comm.items()}
+    rows *= accum
+    layers_run = stage_layers_run(config, plan)
     sp, tensor = plan.sequence_parallel, plan.tensor_axes
     local_seq = seq // shards((context,), sizes)
     ring = shards((tensor,), sizes) if plan.rules.collective_matmul and sp else 0
@@ -503,7 +567,7 @@ def traffic(config: DecoderConfig, plan: Plan, rows: int, seq: int, platform: st
 def sends(schedule) -> tuple[int, int]:
     """Sends forward / backward of the schedule, each of one tick's outputs, in that tick or late
     in the next: the executor's own count (`compile_program`), which skips ticks with none."""
-    program = compile_program(schedule)
+    program = _program(schedule)
     return (int(program.sends_forward.sum() + program.late_forward.sum()),
             int(program.sends_backward.sum() + program.late_backward.sum()))
 
@@ -524,6 +588,7 @@ class PlanInput:
     precision: Precision | str | None = None  # `jshard.precision`; None: the model's params as they are
     stage_remat: str | None = None  # a pipeline stage keeps its residuals (None, "none") or recomputes ("full")
     batch_size: int | None = None  # rows per step over every data shard and micro-batch (`jshard train`'s); replaces micro_batch_size
+    grad_accum: int = 1  # forward-backward passes a step accumulates before its optimizer update
 
 
 def _link(axes: str, sizes: dict[str, int], hw: Hardware) -> tuple[float, str]:
@@ -532,12 +597,6 @@ def _link(axes: str, sizes: dict[str, int], hw: Hardware) -> tuple[float, str]:
     first = min(AXES.index(a) for a in axes.split("+"))
     span = math.prod(sizes[a] for a in AXES[first:])
     return (hw.intra_bw, "intra") if span <= hw.gpus_per_node else (hw.inter_bw, "inter")
-
-
-def _wire_factor(kind: str, n: int) -> float:
-    """Bytes each device puts on the wire per byte of K (ring algorithms; docs/collectives.md;
-    an all-to-all keeps 1/n of its buffer and sends the rest)."""
-    return {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0, "all-to-all": (n - 1) / n}.get(kind, (n - 1) / n)
 
 
 def is_moe(config: DecoderConfig) -> bool:
@@ -647,9 +706,10 @@ def estimate(plan: PlanInput) -> dict:
     """Everything `jshard plan` prints, as one JSON-able dict (see the module docstring)."""
     config, hw = plan.config, plan.hardware
     sizes = {a: 1 for a in AXES} | dict(plan.sizes)  # standard axes not given: size 1
-    step = step_plan(config, sizes, preset(plan.strategy), plan.precision, microbatches=plan.microbatches,
-                     schedule=plan.schedule, virtual=plan.virtual, stage_remat=plan.stage_remat)
-    step.check_batch(plan.batch_size, config.seq_len, rows_flag="--batch-size", seq_flag="--seq-len")
+    step = _cached_plan(dataclasses.replace(config, remat="none"), tuple(sizes.items()), plan.strategy, plan.precision,
+                        plan.microbatches, plan.schedule, plan.virtual, plan.stage_remat, plan.grad_accum)
+    step.check_batch(plan.batch_size, config.seq_len, rows_flag="--batch-size", seq_flag="--seq-len",
+                     accum_flag="--grad-accum" if plan.grad_accum > 1 else None)
     config = computed(config, step)
     rules, schedule, stage_remat, params = step.rules, step.schedule, step.stage_remat, step.params
     batch_axes, data_shards, context, cp = step.batch_axes, step.data_shards, step.context_axes, step.context_shards
@@ -682,19 +742,19 @@ def estimate(plan: PlanInput) -> dict:
         # The executor accumulates gradients in the scan's carry: XLA:CPU keeps its input and
         # output buffers apart, XLA:GPU updates it in place (measured).
         memory["grads"] *= 2
-    layers_local = config.layers // stages
+    layers_local = stage_layers_run(config, step)
     act = ACTIVATIONS[hw.platform]
     per_token_layer = activation_bytes_per_token_layer(config, tensor, sp, flash, act)
     logits = act.logits * config.vocab / tensor * 4
     if schedule:
         a_mb = rows * local_seq * config.embed * jnp.dtype(config.dtype).itemsize
-        chunk_layers = layers_local // schedule.virtual
+        chunk_layers = step.layer_slots
         # Each chunk's weights are sliced out of the local stack for the branch that runs it
         # (measured: XLA materialises the slices), so the stack counts once more.
         memory["chunk_weights"] = sum(local(p.bytes, p.param, sizes) for p in params if p.names[:1] == ("layers",))
         # The trade `stage_remat` picks: activation memory against the work of the backward.
         trade = {mode: dict(activations=int(pipeline_activations(
-                     compile_program(schedule, mode), config, chunk_layers, per_token_layer, logits, rows * local_seq,
+                     _program(schedule, mode), config, chunk_layers, per_token_layer, logits, rows * local_seq,
                      a_mb, tensor, sp, mode, act)), work=pipeline_work(schedule, mode))
                  for mode in STAGE_REMAT}
         memory["activations"] = trade[stage_remat]["activations"]
@@ -712,19 +772,20 @@ def estimate(plan: PlanInput) -> dict:
         memory["activations"] += RING_BLOCK_FP32 * 4 * rows * config.heads // tensor * tile * local_seq
     if hw.platform == "gpu":  # the larger of backward's peak and the reduction's (above what backward counts)
         memory["reduction"] = max(0, reduction_bytes(step) - memory["grads"] - memory["activations"])
-    memory["batch"] = rows * m * (config.seq_len + 1) * 4
+    memory["batch"] = rows * m * plan.grad_accum * (config.seq_len + 1) * 4
     total_memory = sum(memory.values())
 
     # communication
     stage_axis = step.stage_axis
-    comm = traffic(config, step, rows * m, config.seq_len, hw.platform)
+    comm = traffic(config, step, rows * m, config.seq_len, hw.platform, plan.grad_accum)
     if schedule:
         a_mb = rows * local_seq * config.embed * jnp.dtype(config.dtype).itemsize
         forward, backward = sends(schedule)
-        _add(comm, "collective-permute", (stage_axis,), (forward + backward) * a_mb)
+        _add(comm, "collective-permute", (stage_axis,), (forward + backward) * a_mb * plan.grad_accum)
 
     # time
-    tokens = rows * config.seq_len * m * data_shards
+    accum = plan.grad_accum
+    tokens = rows * config.seq_len * m * data_shards * accum
     flops_model = metrics.flops_per_token(config, config.seq_len) * tokens
     # The FLOPs run count what the experts compute: every slot of the buffer, filled or not,
     # E·C/seq per token where the model FLOPs (and MFU) count top_k.
@@ -742,28 +803,17 @@ def estimate(plan: PlanInput) -> dict:
     else:
         flops_run = flops_base
     peak = hw.peak_flops * (1 if jnp.dtype(config.dtype) == jnp.bfloat16 else 0.5)
-    t_compute = flops_run / (n_devices * peak * hw.matmul_efficiency)
-    if step.fp8:  # the projections' products (forward, both gradients, what remat runs again) at the FP8 peak
-        flops_fp8 = 6 * sum(p.elements for p in params if p.fp8) * tokens * flops_run / flops_base
-        t_compute -= flops_fp8 / (n_devices * hw.matmul_efficiency) * (1 / peak - 1 / hw.fp8_peak_flops)
-    if hw.platform == "gpu":
-        recompute = flops_run / flops_base  # remat runs the forward's elementwise work again too
-        t_compute += elementwise_seconds(config, optimizer_traffic, rows * m * local_seq, layers_local, tensor, sp,
-                                         recompute, hw)
-        if step.fp8:
-            weights = sum(local(p.elements, p.param, sizes) for p in params if p.fp8)
-            casts = rows * m * local_seq * layers_local * fp8_cast_widths(config) / tensor * recompute + 2 * weights
-            t_compute += FP8_CAST_BYTES * casts / hw.hbm_bw
-        if attention != "cudnn":  # XLA's kernel, or jshard's own under cp: each local query's scores over the sequence
-            scores = layers_local * config.heads / tensor * rows * m * local_seq * config.seq_len
-            t_compute += XLA_SCORE_BYTES * scores * recompute / hw.hbm_bw
+    terms = compute_terms(config, step, hw, rows, local_seq, m * accum, layers_local, tensor, sp, attention,
+                          optimizer_traffic, stage_recompute=bool(schedule) and stage_remat == "full")
+    t_compute = sum(terms.values())
     times, rows_out = {}, []
     for (kind, axes), nbytes in sorted(comm.items()):
         n = math.prod(sizes[a] for a in axes.split("+"))
         bw, where = _link(axes, sizes, hw)
-        t = nbytes * _wire_factor(kind, n) / bw
+        count = calls(kind, axes, nbytes, step, layers_local, m * accum, schedule and sum(sends(schedule)) * accum)
+        t = count * physics.collective_seconds(kind, nbytes / count, n, where, bw, _nodes(axes, sizes, hw))
         times[(kind, axes)] = t
-        rows_out.append(dict(kind=kind, axes=axes, group=n, bytes=int(nbytes), link=where, seconds=t))
+        rows_out.append(dict(kind=kind, axes=axes, group=n, bytes=int(nbytes), calls=count, link=where, seconds=t))
 
     def t_of(pred):
         return sum(t for (kind, axes), t in times.items() if pred(kind, axes))
@@ -794,8 +844,13 @@ def estimate(plan: PlanInput) -> dict:
     # Collective matmuls (`sp-overlap`) take SP's transfers off the critical path, each ring step
     # beside a partial matmul (91% of their bytes in the compiled H100 program, docs/gpu-compile.md).
     t_ring = t_of(lambda k, a: k == "collective-permute" and a == "+".join(tensor_axes)) if rules.collective_matmul else 0.0
-    step_s = (t_compute / (1 - bubble) + t_tp - t_ring + t_ep + t_cp_exposed
-              + max(0.0, t_dp + t_zero + t_pp + t_ring - t_compute))
+    # The optimizer runs once, after the pipeline drains: the bubble stretches the rest.
+    step_s = ((t_compute - terms["optimizer"]) / (1 - bubble) + terms["optimizer"] + t_tp - t_ring + t_ep
+              + t_cp_exposed + max(0.0, t_dp + t_zero + t_pp + t_ring - t_compute))
+    host = None
+    if hw.platform == "cpu":
+        host = host_work(config, step, m * accum, schedule.ticks * accum if schedule else 0)
+        step_s = host_step_seconds(terms, host, hw, n_devices)
     mfu = flops_model / (step_s * n_devices * peak)
 
     warnings = []
@@ -835,23 +890,111 @@ def estimate(plan: PlanInput) -> dict:
         fits=total_memory <= hw.hbm_bytes,
         comm_bytes_per_step={k: int(sum(r["bytes"] for r in rows_out if r["kind"] == k)) for k in
                              sorted({r["kind"] for r in rows_out})},
-        collectives=rows_out, compute_s=t_compute, overlap_ratios=ratios, bubble_fraction=bubble,
+        collectives=rows_out, compute_s=t_compute, compute_terms=terms, host=host, overlap_ratios=ratios, bubble_fraction=bubble,
         predicted_step_s=step_s, predicted_mfu=mfu, warnings=warnings,
     )
 
 
-def elementwise_seconds(config: DecoderConfig, optimizer_traffic: float, tokens: int, layers: int, tensor: int,
-                        sp: bool, recompute: float, hw: Hardware) -> float:
-    """A GPU step's memory-bound time on one device: each of its `layers`' elementwise work over
-    its `tokens` (× `recompute`, the work run again under remat), the loss over the logits, and
-    the optimizer's pass over the model state (`optimizer_traffic` bytes). What tensor
-    parallelism splits is divided by `tensor`; the per-element bytes, fitted in bf16, scale with
-    the compute dtype."""
+def compute_terms(config: DecoderConfig, step: Plan, hw: Hardware, rows: int, seq: int, passes: int, layers: int,
+                  tensor: int, sp: bool, attention: str, optimizer_traffic: float, stage_recompute: bool) -> dict:
+    """One device's compute in a step, by term (`physics`): `passes` forward-backward passes
+    (micro-batches × accumulation) of `rows` rows of `seq` tokens through its `layers` and the
+    head, then the optimizer once. On a GPU also the memory-bound work between the GEMMs (bytes
+    per element, measured: `ELEMENTWISE_*`), kernel launches and the layers' loops; XLA:CPU
+    runs the elementwise work beside its matmuls (measured: none to add)."""
+    tokens, gpu = rows * seq, hw.platform == "gpu"
+    dtype = "bf16" if jnp.dtype(config.dtype) == jnp.bfloat16 else "f32"
+    # remat full (or a pipeline stage's) runs the forward again; selective, attention's core
+    forwards = 2.0 if config.remat == "full" or stage_recompute else 1.0
+    core_forwards = 2.0 if config.remat != "none" or stage_recompute else 1.0
+    moe_layers = config.moe_layers * layers // config.layers if is_moe(config) else 0
+    shapes = physics.projections(config, tensor)
+    gemms = layers * physics.training_gemms_seconds(shapes[:-2], tokens, "fp8" if step.fp8 else dtype, hw, forwards)
+    mlp = physics.training_gemms_seconds(shapes[-2:], tokens, "fp8" if step.fp8 else dtype, hw, forwards)
+    gemms += (layers - moe_layers) * mlp
+    if moe_layers:  # each slot through an expert's MLP: the tokens' slots, spread over the experts
+        gemms += moe_layers * physics.training_gemms_seconds(
+            shapes[-2:], math.ceil(tokens * slots_per_token(config)), dtype, hw, forwards)
+    gemms += physics.training_gemms_seconds([(config.embed, config.vocab // tensor)], tokens, dtype, hw)  # the head
+    if attention == "cudnn":
+        core = layers * physics.attention_seconds(config, tokens, config.seq_len, tensor, hw, core_forwards)
+    else:  # QK^T and PV per head as batched GEMMs: forward two, backward four
+        hd, keys, batch = config.head_dim, config.seq_len, rows * config.heads // tensor
+        core = layers * batch * ((core_forwards + 1) * physics.gemm_seconds(seq, keys, hd, dtype, hw)
+                                 + (core_forwards + 1) * physics.gemm_seconds(seq, hd, keys, dtype, hw))
+    terms = dict(gemms=passes * gemms, attention=passes * core, memory_bound=0.0, launches=0.0, optimizer=0.0)
+    if not gpu:  # XLA:CPU runs the elementwise work beside its matmuls; a host's ops: `host_step_seconds`
+        return terms
+    recompute = forwards if config.remat == "full" or stage_recompute else 1.0
     width = config.embed / (tensor if sp else 1) + config.mlp / tensor
     per_element = jnp.dtype(config.dtype).itemsize / 2
-    layer = ELEMENTWISE_LAYER_BYTES * per_element * tokens * layers * width * recompute
-    logits = ELEMENTWISE_LOGIT_BYTES * tokens * config.vocab / tensor  # the loss is fp32 in any compute dtype
-    return (layer + logits + optimizer_traffic) / hw.hbm_bw
+    memory = (hw.elementwise_layer_bytes * per_element * tokens * layers * width * recompute
+              + hw.elementwise_logit_bytes * tokens * config.vocab / tensor)  # the loss is fp32 in any compute dtype
+    if step.fp8:
+        memory += FP8_CAST_BYTES * tokens * layers * fp8_cast_widths(config) / tensor * recompute
+    if attention != "cudnn":  # XLA's kernel, or jshard's own under cp: each local query's scores over the sequence
+        memory += XLA_SCORE_BYTES * layers * config.heads / tensor * rows * seq * config.seq_len * recompute
+    terms["memory_bound"] = passes * memory / hw.hbm_bw
+    terms["launches"] = passes * (physics.launch_seconds(layers, hw) + physics.loop_seconds(2 * layers, hw))
+    fp8_weights = sum(local(p.elements, p.param, step.mesh_sizes) for p in step.params if p.fp8)
+    terms["optimizer"] = (optimizer_traffic + FP8_CAST_BYTES * 2 * fp8_weights * passes) / hw.hbm_bw
+    return terms
+
+
+def scheduled_step_seconds(est: dict, overlapped: dict[tuple[str, str], float]) -> float:
+    """The estimate's step with its communication exposed as a compiled program schedules it:
+    each collective's time but the share of its bytes a matmul runs beside (`overlapped`:
+    {(kind, axes): share}, `aot.GpuProgram.overlapped_share`) added to the compute (stretched
+    by the bubble, the optimizer after it), in place of the overlap ratios' guess."""
+    terms = est["compute_terms"]
+    compute = (est["compute_s"] - terms["optimizer"]) / (1 - est["bubble_fraction"]) + terms["optimizer"]
+    return compute + sum(r["seconds"] * (1 - overlapped.get((r["kind"], r["axes"]), 0.0)) for r in est["collectives"])
+
+
+# AdamW's ops on one param per step (its moments, their corrections, the decay and update).
+OPTIMIZER_OPS = 12
+
+
+def host_work(config: DecoderConfig, step: Plan, passes: int, ticks: int) -> dict:
+    """What fake CPU devices' program costs their host beyond its FLOPs: its ops, each dispatched
+    once for all the devices (a layer's forward and backward `physics.KERNELS_PER_LAYER`, every
+    layer every pass, the optimizer's `OPTIMIZER_OPS` a param), and a pipeline's ticks."""
+    return dict(ops=physics.KERNELS_PER_LAYER * config.layers * passes + OPTIMIZER_OPS * len(step.params),
+                ticks=ticks)
+
+
+def host_step_seconds(terms: dict, host: dict, hw: Hardware, devices: int) -> float:
+    """A step of fake CPU devices: they share the host's cores, so the host runs every device's
+    compute (the step costs their sum; an idle pipeline stage costs nothing: no bubble), plus
+    `op_s` an op and `tick_s` a pipeline tick (`host_work`; measured: `jshard bench search`)."""
+    return devices * sum(terms.values()) + host["ops"] * hw.op_s + host["ticks"] * hw.tick_s
+
+
+def calls(kind: str, axes: str, nbytes: float, step: Plan, layers: int, passes: int, sends: int | None) -> int:
+    """How many collectives of (kind, axes) a step runs, each paying its latency: scalar
+    all-reduces one each, a layer's TP, CP and EP ones every pass (forward and backward), ZeRO-3's
+    gathers and scatters per layer every pass, the pipeline's sends, and gradient reductions
+    combined into `XLA_GPU_COMBINE_BYTES` buffers."""
+    group = set(axes.split("+"))
+    if kind == "all-reduce" and nbytes < 4096:  # scalars, each its own call: the loss, FP8 scales
+        return max(1, int(nbytes // 4))
+    if group == set(step.tensor_axes) or group == set(step.context_axes) or kind == "all-to-all":
+        return max(1, 4 * layers * passes)
+    if step.stage_axis and group == {step.stage_axis} and kind == "collective-permute":
+        return max(1, sends or 1)
+    if step.rules.zero == 3 and group <= set(step.zero_axes):
+        return max(1, (2 if kind == "all-gather" else 1) * layers * passes)
+    return max(1, math.ceil(nbytes / XLA_GPU_COMBINE_BYTES))
+
+
+def _nodes(axes: str, sizes: dict[str, int], hw: Hardware) -> int:
+    """The nodes a group of `axes` spans: one inside a node, else its devices and those of the
+    axes inside it (`_link`) over `gpus_per_node`, at most one a member."""
+    if _link(axes, sizes, hw)[1] == "intra":
+        return 1
+    first = min(AXES.index(a) for a in axes.split("+"))
+    span = math.prod(sizes[a] for a in AXES[first:])
+    return min(math.prod(sizes[a] for a in axes.split("+")), math.ceil(span / hw.gpus_per_node))
 
 
 def _moe_summary(config: DecoderConfig, params, sizes: dict[str, int], experts_axes) -> dict:
@@ -937,12 +1080,14 @@ def report(est: dict) -> str:
         lines.append("  stage remat  " + ";  ".join(
             f"{mode}: activations {format_bytes(t['activations'], 2)}, pipeline work ×{t['work']:.2f}"
             for mode, t in est["stage_remat_trade"].items()) + "  (--stage-remat)")
-    lines.append("communication per step (K bytes per device; time at the link's bandwidth)")
+    lines.append("communication per step (K bytes per device in its calls; time: each call's latency + bytes at the link's bandwidth)")
     for r in est["collectives"]:
-        lines.append(f"  {r['kind']:<19}{r['axes']:<12}×{r['group']:<4}{format_bytes(r['bytes'], 2):>12}  {r['link']:<6}{r['seconds'] * 1e3:10.3f} ms")
+        lines.append(f"  {r['kind']:<19}{r['axes']:<12}×{r['group']:<4}{format_bytes(r['bytes'], 2):>12}{r['calls']:>6} calls  "
+                     f"{r['link']:<6}{r['seconds'] * 1e3:10.3f} ms")
     ratios = "  ".join(f"{k} {v:.3f}" for k, v in est["overlap_ratios"].items() if v is not None) or "none"
     lines += [
-        f"  compute     {est['compute_s'] * 1e3:.3f} ms"
+        f"  compute     {est['compute_s'] * 1e3:.3f} ms: "
+        + ", ".join(f"{name.replace('_', '-')} {t * 1e3:.3f}" for name, t in est["compute_terms"].items() if t)
         + (f" ({est['flops_per_step']['run'] / est['flops_per_step']['model']:.3f}× the model FLOPs MFU counts)"
            if moe else ""),
         f"  overlap     t_comm/t_compute: {ratios}",

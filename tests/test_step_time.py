@@ -1,0 +1,267 @@
+"""The planner's step-time model (`plan.physics`, `estimate.compute_terms`) against what one H100
+measured, its GEMM sweep as kept for the planner, gradient accumulation's bytes, and
+`jshard plan --search` (`plan.search`): its layouts, its ranking, its refusals."""
+
+import json
+import math
+import pathlib
+
+import numpy as np
+import pytest
+
+from jshard.bench import fit, kernels
+from jshard.bench import search as bench_search
+from jshard.cli import main
+from jshard.cli.bench import measured_plans
+from jshard.config import model_config
+from jshard.layout import Layout, LayoutError
+from jshard.plan import physics, search
+from jshard.plan.estimate import (ELEMENTWISE_LAYER_BYTES, ELEMENTWISE_LOGIT_BYTES, HARDWARE, PlanInput, estimate,
+                                  scheduled_step_seconds)
+from jshard.precision import precision
+
+RESULTS = pathlib.Path(__file__).parent.parent / "docs" / "results"
+SWEEP = RESULTS / "bench-kernels-h100-jax0.11.2-2026-11-27.json"
+STEPS = RESULTS / "bench-step-h100-jax0.11.2-2026-11-27.json"
+H100 = HARDWARE["h100"]
+# Left out of the fit, predicted within 10% (the issue's bar) but for one row: a Llama-3.2-1B at
+# one row of 2048 tokens runs 12% longer than predicted (docs/planning.md: what the model misses).
+TOLERANCE, MISSED = 0.10, {"--model llama-3.2-1b --seq-len 2048 --batch-size 1"}
+
+
+@pytest.mark.fast
+def test_the_planners_sweep_is_the_measured_one():
+    kept = json.loads((physics.MEASURED / "h100.json").read_text())
+    assert kept == json.loads(json.dumps(kernels.constants(json.loads(SWEEP.read_text()), kept["source"])))
+    assert kept["source"] == str(SWEEP.relative_to(SWEEP.parents[2]))
+
+
+@pytest.mark.fast
+def test_gemm_rates_are_the_sweeps_at_its_shapes_and_between_them():
+    sweep = json.loads(SWEEP.read_text())["gemms"]
+    measured = physics.measured("h100")
+    for g in sweep[:40]:
+        assert measured.gemm_flops(g["dtype"], g["m"], g["n"], g["k"]) == pytest.approx(g["tflops"] * 1e12, rel=1e-3)
+    at = {(g["m"], g["n"], g["k"]): g["tflops"] * 1e12 for g in sweep if g["dtype"] == "bf16"}
+    between = measured.gemm_flops("bf16", 2048, 3000, 4096)  # between N = 2048 and 4096
+    assert min(at[2048, 2048, 4096], at[2048, 4096, 4096]) <= between <= max(at[2048, 2048, 4096], at[2048, 4096, 4096])
+    # below the grid, a GEMM takes as long as the smallest measured one
+    assert measured.gemm_flops("bf16", 256, 128, 256) == pytest.approx(at[512, 128, 256] / 2, rel=1e-3)
+
+
+@pytest.mark.fast
+def test_a_gemm_is_the_longer_of_its_flops_and_its_bytes():
+    hw = HARDWARE["a100"]  # no sweep: its peak at `matmul_efficiency`
+    flops_bound = physics.gemm_seconds(8192, 8192, 8192, "bf16", hw)
+    assert flops_bound == pytest.approx(2 * 8192**3 / (hw.peak_flops * hw.matmul_efficiency))
+    bytes_bound = physics.gemm_seconds(8192, 8192, 1, "bf16", hw)  # an outer product: all bytes
+    assert bytes_bound == pytest.approx((8192 + 8192 + 8192 * 8192) * 2 / hw.hbm_bw)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("kind, n, link, nodes, expected", [
+    ("all-reduce", 8, "intra", 1, 14 * 2e-6 + 2 * 7 / 8 * 2**30 / 450e9),  # ring: 2(n - 1) steps
+    ("all-gather", 8, "intra", 1, 7 * 2e-6 + 7 / 8 * 2**30 / 450e9),
+    ("collective-permute", 2, "inter", 2, 6e-6 + 2**30 / 50e9),
+    ("all-reduce", 1024, "inter", 128, 2 * 7 * 6e-6 + 2 * 2**30 / 50e9),  # tree: 2 log2(nodes) levels
+])
+def test_a_collective_costs_its_latency_and_its_bytes(kind, n, link, nodes, expected):
+    bandwidth = 450e9 if link == "intra" else 50e9
+    assert physics.collective_seconds(kind, 2**30, n, link, bandwidth, nodes) == pytest.approx(expected)
+
+
+def test_fitted_constants_are_the_fit_of_the_measured_steps():
+    x, y = fit.features(*measured_plans(str(STEPS))[1:])
+    assert np.round(fit.fit(x, y)).tolist() == [ELEMENTWISE_LAYER_BYTES, ELEMENTWISE_LOGIT_BYTES]
+
+
+def _runs():
+    runs = json.loads(STEPS.read_text())["runs"]
+    return [pytest.param(i, marks=pytest.mark.xfail(strict=True, reason="one row: 12% over"))
+            if r["command"].split("--repeats 5 ")[1].replace("--precision bf16 ", "") in MISSED else i
+            for i, r in enumerate(runs)]
+
+
+@pytest.fixture(scope="module")
+def left_out():
+    _, plans, measured = measured_plans(str(STEPS))
+    return fit.left_out(*fit.features(plans, measured), measured)
+
+
+@pytest.mark.parametrize("i", _runs())
+def test_planner_predicts_each_h100_step_left_out_of_its_fit(i, left_out):
+    assert abs(left_out[i] - 1) <= TOLERANCE, left_out[i]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("strategy, mesh, once", [
+    ("dp", {"data": 8}, {"all-reduce"}),  # the accumulated gradient, reduced once
+    ("zero1", {"fsdp": 8}, {"all-gather", "reduce-scatter"}),
+    ("zero3", {"fsdp": 8}, set()),  # gathered and scattered for every pass
+])
+def test_grad_accum_reduces_once_what_waits_for_the_last_pass(strategy, mesh, once):
+    config = model_config("small", {})
+
+    def comm(accum):
+        est = estimate(PlanInput(config, mesh, strategy, micro_batch_size=2, hardware=H100, precision=precision("bf16"),
+                                 grad_accum=accum))
+        return est["comm_bytes_per_step"], est
+
+    (one, est1), (four, est4) = comm(1), comm(4)
+    for kind in one:
+        assert four[kind] == pytest.approx(one[kind] * (1 if kind in once else 4), rel=1e-6, abs=64), kind
+    assert est4["memory_bytes_per_device"]["activations"] == est1["memory_bytes_per_device"]["activations"]
+    assert est4["tokens_per_step"] == 4 * est1["tokens_per_step"]
+
+
+@pytest.mark.fast
+def test_factorizations_cover_every_way_once():
+    found = search.factorizations(16, ("data", "fsdp", "tensor"))
+    assert sorted(tuple(f.values()) for f in found) == [(2, 2, 4), (2, 4, 2), (4, 2, 2)]
+    assert all(math.prod(f.values()) == 64 for f in search.factorizations(64, ("data", "tensor")))
+
+
+@pytest.mark.fast
+def test_search_ranks_layouts_by_predicted_step_and_says_what_bounds_them(capsys, tmp_path):
+    out = tmp_path / "search.json"
+    assert main(["plan", "--search", "--model", "llama-3.2-1b", "--seq-len", "4096", "--devices", "16",
+                 "--batch-size", "32", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    rows = json.loads(out.read_text())
+    assert len(rows) >= 12 and "bound by" in text
+    fits = [r for r in rows if r["fits"]]
+    assert [r["predicted_step_s"] for r in fits] == sorted(r["predicted_step_s"] for r in fits)
+    assert {"dp", "dp+tp", "dp+pp"} <= {r["strategy"] for r in rows}
+    assert any(r["mesh"]["stage"] > 1 and r["mesh"]["tensor"] > 1 and r["mesh"]["fsdp"] > 1 for r in rows)
+    best = fits[0]
+    assert math.prod(best["mesh"].values()) == 16 and best["memory_bytes"] <= H100.hbm_bytes
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("argv, message", [
+    (["--mesh", "data=8"], "--search chooses the layout itself; --mesh fixes part of it"),
+    (["--devices", "12"], "--devices 12 is not a whole number of 8-GPU nodes"),
+    (["--devices", "3", "--batch-size", "4"], "no layout of 3 devices is left"),
+    (["--model", "llama-3.1-70b", "--devices", "2", "--batch-size", "2"], "no layout fits in 80 GiB a device; the smallest"),
+])
+def test_search_refusals_are_one_line(argv, message, capsys):
+    assert main(["plan", "--search", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_kernels_dry_run(tmp_path, capsys):
+    out = tmp_path / "kernels.json"
+    assert main(["bench", "kernels", "--dry", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert len(result["gemms"]) == len(kernels.shapes(kernels.DRY_GRID)) and not result["not_reached"]
+    for g in result["gemms"]:
+        assert g["seconds"] > 0 and g["intensity"] == pytest.approx(
+            2 * g["m"] * g["n"] * g["k"] / ((g["m"] * g["k"] + g["k"] * g["n"]) * (1 if g["dtype"] == "fp8" else 2)
+                                            + g["m"] * g["n"] * 2))
+    assert "bf16 GEMM TFLOP/s" in capsys.readouterr().out
+
+
+@pytest.mark.fast
+def test_plan_strategy_auto_plans_the_searchs_pick(capsys, tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--strategy", "auto", "--model", "llama-3.2-1b", "--seq-len", "4096", "--devices", "16",
+                 "--batch-size", "32", "--json", str(out)]) == 0
+    text, picked = capsys.readouterr().out, json.loads(out.read_text())
+    assert main(["plan", "--search", "--model", "llama-3.2-1b", "--seq-len", "4096", "--devices", "16",
+                 "--batch-size", "32", "--remat", "none", "--json", str(out)]) == 0
+    best = next(r for r in json.loads(out.read_text()) if r["fits"] and Layout.parse(r["layout"]).remat == "none")
+    assert f"auto        {best['layout']}:" in text
+    assert picked["predicted_step_s"] == pytest.approx(best["predicted_step_s"]) and picked["mesh"] == best["mesh"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--strategy", "auto", "--mesh", "data=8"], "--strategy auto chooses the layout, but --mesh fixes part"),
+    (["plan", "--strategy", "auto", "--grad-accum", "2"], "--strategy auto chooses the layout, but --grad-accum"),
+    (["train", "--strategy", "auto", "--schedule", "1f1b"], "--strategy auto chooses the layout, but --schedule 1f1b"),
+])
+def test_strategy_auto_refuses_what_fixes_the_layout(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_train_strategy_auto_trains_the_pick(capsys):
+    assert main(["train", "--strategy", "auto", "--model", "tiny", "--steps", "1", "--batch-size", "16",
+                 "--seq-len", "32"]) == 0
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.strip().startswith("strategy"))
+    assert "; auto: " in line and "layouts that fit" in line and "step     1  loss" in out
+
+
+def test_bench_search_measures_the_layouts_it_ranks(tmp_path, capsys):
+    out = tmp_path / "search.json"
+    assert main(["bench", "search", "--model", "tiny", "--seq-len", "16", "--batch-size", "8", "--count", "2",
+                 "--repeats", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    ranks = [r["rank"] for r in result["rows"]]
+    assert ranks[0] == 1 and ranks[-1] == result["fit"] and all(r["measured_s"] > 0 for r in result["rows"])
+    assert -1 <= result["spearman"] <= 1 and "Spearman rank correlation" in capsys.readouterr().out
+
+
+@pytest.mark.fast
+def test_a_compiled_schedules_overlap_exposes_the_rest_of_each_collective():
+    est = estimate(PlanInput(model_config("small", {}), {"fsdp": 4, "tensor": 2}, "fsdp+tp", micro_batch_size=2,
+                             hardware=H100, precision=precision("bf16")))
+    rows = {(r["kind"], r["axes"]): r["seconds"] for r in est["collectives"]}
+    hidden = {key: 0.5 for key in rows}
+    compute = est["compute_s"]  # no pipeline: no bubble
+    assert scheduled_step_seconds(est, {}) == pytest.approx(compute + sum(rows.values()))
+    assert scheduled_step_seconds(est, hidden) == pytest.approx(compute + sum(rows.values()) / 2)
+    assert scheduled_step_seconds(est, {key: 1.0 for key in rows}) == pytest.approx(compute)
+
+
+@pytest.mark.fast
+def test_every_searched_layout_round_trips_through_its_line():
+    found = search.search(model_config("llama-small", {}), 16, H100, 32, precision("bf16"))
+    assert len(found) > 100
+    for c in found:
+        assert Layout.parse(c.label) == c.layout and str(Layout.parse(c.label)) == c.label
+    full = Layout.of("zero1+tp+sp+pp", {"fsdp": 8, "stage": 4, "tensor": 2}, remat="full", micro_batch_size=2,
+                     grad_accum=1, schedule="interleaved", microbatches=8, virtual=2, stage_remat="full",
+                     precision="mixed", reduce="bf16")
+    assert Layout.parse(str(full)) == full
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("line, message", [
+    ("", "it starts with the strategy"),
+    ("data=2 dp", "it starts with the strategy"),
+    ("dp data=2,tensr=4", "'tensr' is not a mesh axis"),
+    ("dp data=two", "is not axis=size"),
+    ("dp data=2 mb=x", "mb='x' is not an integer"),
+    ("dp data=2 remat", "'remat' is not key=value"),
+    ("dp data=2 micro=2", "no field 'micro'"),
+])
+def test_a_bad_layout_line_says_which_word(line, message):
+    with pytest.raises(LayoutError, match=message):
+        Layout.parse(line)
+
+
+@pytest.mark.fast
+def test_plan_takes_a_searched_layout_line_back(capsys, tmp_path):
+    out = tmp_path / "plan.json"
+    argv = ["--model", "llama-3.2-1b", "--seq-len", "4096", "--devices", "16", "--batch-size", "32"]
+    assert main(["plan", "--search", *argv, "--json", str(out)]) == 0
+    best = json.loads(out.read_text())[0]
+    capsys.readouterr()
+    assert main(["plan", "--model", "llama-3.2-1b", "--seq-len", "4096", "--layout", best["layout"], "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["predicted_step_s"] == pytest.approx(best["predicted_step_s"])
+    assert main(["plan", "--layout", best["layout"], "--mesh", "data=16"]) == 2
+    assert "--layout sets --mesh itself; --mesh data=16 was given too" in capsys.readouterr().err
+    assert main(["train", "--layout", "dp data=8 mb=2"]) == 2
+    assert "mb=2 is not this command's to set" in capsys.readouterr().err
+
+
+def test_cpu_host_constants_are_the_fit_of_the_measured_gpt_search():
+    """The CPU profile's `op_s` and `tick_s`: fitted to `jshard bench search` of the small GPT
+    (the run before them, docs/results), as committed (to their printed digits)."""
+    result = json.loads((RESULTS / "bench-search-small-8cpu-jax0.12.0.1-2026-11-27-before.json").read_text())
+    plans = bench_search.plans_of(result, HARDWARE["cpu"], precision(result["precision"]))
+    fitted = fit.fit_host(plans, np.array([r["measured_s"] for r in result["rows"]]))
+    assert [round(fitted["op_s"], 7), round(fitted["tick_s"], 5)] == [HARDWARE["cpu"].op_s, HARDWARE["cpu"].tick_s]
