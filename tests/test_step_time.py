@@ -9,6 +9,7 @@ import pathlib
 import numpy as np
 import pytest
 
+from jshard import aot
 from jshard.bench import fit, kernels
 from jshard.bench import search as bench_search
 from jshard.cli import main
@@ -143,6 +144,7 @@ def test_search_ranks_layouts_by_predicted_step_and_says_what_bounds_them(capsys
     (["--devices", "12"], "--devices 12 is not a whole number of 8-GPU nodes"),
     (["--devices", "3", "--batch-size", "4"], "no layout of 3 devices is left"),
     (["--model", "llama-3.1-70b", "--devices", "2", "--batch-size", "2"], "no layout fits in 80 GiB a device; the smallest"),
+    (["--devices", "4", "--compile", "1"], "--compile: no compile target of 4 × h100"),
 ])
 def test_search_refusals_are_one_line(argv, message, capsys):
     assert main(["plan", "--search", *argv]) == 2
@@ -265,3 +267,12 @@ def test_cpu_host_constants_are_the_fit_of_the_measured_gpt_search():
     plans = bench_search.plans_of(result, HARDWARE["cpu"], precision(result["precision"]))
     fitted = fit.fit_host(plans, np.array([r["measured_s"] for r in result["rows"]]))
     assert [round(fitted["op_s"], 7), round(fitted["tick_s"], 5)] == [HARDWARE["cpu"].op_s, HARDWARE["cpu"].tick_s]
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.skipif(aot.gpu_compiler_missing() is not None, reason=str(aot.gpu_compiler_missing()))
+def test_search_compiles_its_first_layouts_for_the_gpus(capsys):
+    assert main(["plan", "--search", "--model", "small", "--devices", "8", "--batch-size", "16", "--compile", "2",
+                 "--top", "2"]) == 0
+    out = capsys.readouterr().out.split("compiled for h100x8 by XLA:GPU here (no GPU):\n")[1].splitlines()
+    assert len(out) == 2 and all("GiB compiled (plan" in line and "fits" in line for line in out)

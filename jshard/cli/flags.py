@@ -202,17 +202,18 @@ def with_layout(args: argparse.Namespace) -> argparse.Namespace:
     layout = getattr(args, "layout", None)
     if layout is None:
         return args
-    defaults = args._flag_defaults
-    taken = {dest: getattr(layout, field) for field, dest in LAYOUT_DESTS.items() if hasattr(args, dest)}
+    defaults, unset = args._flag_defaults, Layout(layout.strategy)
+    # what the line names: the strategy and the mesh, and each field it gives (not at its default)
+    taken = {dest: getattr(layout, field) for field, dest in LAYOUT_DESTS.items() if hasattr(args, dest)
+             and (field in ("strategy", "mesh_text") or getattr(layout, field) != getattr(unset, field))}
     given = [dest for dest in taken if getattr(args, dest) != defaults.get(dest)]
     if given:
         flag = "--" + given[0].replace("_", "-")
         raise FlagError(f"--layout sets {flag} itself; {flag} {getattr(args, given[0])} was given too. "
                         f"Fix: drop {flag}, or change it in the layout line.")
     dropped = [f"{key}={getattr(layout, field)}" for field, (key, _) in KEYS.items()
-               if LAYOUT_DESTS[field] not in taken and getattr(layout, field) != getattr(Layout(layout.strategy), field)]
+               if LAYOUT_DESTS[field] not in taken and getattr(layout, field) != getattr(unset, field)]
     if dropped:
         raise FlagError(f"--layout {layout}: {', '.join(dropped)} is not this command's to set. "
                         f"Fix: drop it from the line (e.g. mb: jshard train takes --batch-size rows a step).")
-    return argparse.Namespace(**vars(args) | {dest: value for dest, value in taken.items()
-                                              if value is not None or defaults.get(dest) is None})
+    return argparse.Namespace(**vars(args) | taken)

@@ -60,6 +60,9 @@ def add_parser(commands) -> None:
         help="rank every layout of the model over --devices (strategies, meshes, remat, micro-batches, schedules, "
              "accumulation) by predicted step time for --batch-size rows a step (default: 4 a device); no --mesh")
     add("--top", type=flags.positive_int, default=10, help="with --search: the layouts shown (default: 10)")
+    add("--compile", type=flags.positive_int, metavar="N", help="with --search: also compile the first N layouts that fit "
+        "for these GPUs with XLA:GPU here, no GPU needed (`jshard compile`; --devices and --hardware must be a "
+        "target's: h100 or h200 on 1, 8 or 16), to confirm their memory and bytes")
     flags.add_layout(parser)
     flags.add_fake_devices(parser)
     parser.set_defaults(run=run)
@@ -78,6 +81,28 @@ def plan_input(args, hw: Hardware | None = None, devices: int | None = None) -> 
         raise ShardingError(f"--mesh {args.mesh}: give every size; the planner has no devices to fill '-1' from")
     return PlanInput(config, sizes, args.strategy, args.schedule, args.microbatches, args.virtual,
                      args.micro_batch_size or 1, hw, policy, args.stage_remat, args.batch_size, args.grad_accum)
+
+
+def confirm(candidates, target) -> None:
+    """Each layout compiled for `target`'s GPUs (`aot.compile_step`): its memory and collective
+    bytes beside the plan's, a line each."""
+    import optax
+    from flax import nnx
+
+    from jshard.models import decoder, gpt_loss
+
+    print(f"compiled for {target.name} by XLA:GPU here (no GPU):")
+    for i, c in enumerate(candidates, 1):
+        p, est = c.plan, c.estimate
+        rows = est["tokens_per_step"] // p.config.seq_len
+        program = aot.compile_step(nnx.eval_shape(lambda: decoder(p.config, nnx.Rngs(0))), optax.adamw(1e-4), gpt_loss,
+                                   est["mesh"], preset(p.strategy), target, (rows, p.config.seq_len + 1),
+                                   precision=p.precision, microbatches=p.microbatches, schedule=p.schedule,
+                                   virtual=p.virtual, grad_accum=p.grad_accum)
+        vs = aot.compared(program, est)
+        print(f"{i:>3}  {c.label:<72} {program.memory['total'] / GiB:>6.1f} GiB compiled (plan {vs['memory_rel_err']:+.1%}), "
+              f"{'fits' if program.fits else 'DOES NOT FIT'}; collective bytes "
+              f"{'equal to the plan' if vs['bytes_exact'] else 'NOT equal to the plan'}")
 
 
 def auto_layout(args, hw: Hardware, devices: int) -> tuple[argparse.Namespace, str]:
@@ -114,6 +139,16 @@ def run_search(args) -> int:
                         f"Fix: drop {given[0]}, or drop --search to plan that one layout.")
     base = plan_input(argparse.Namespace(**vars(args) | dict(strategy="dp", mesh=None)), devices=args.devices)
     hw = base.hardware
+    target = None
+    if args.compile:  # before JAX starts: XLA's GPU flags, and JAX itself on the CPU
+        target = next((t for t in aot.TARGETS.values() if t.hardware == hw.name and t.devices == args.devices), None)
+        if target is None:
+            raise FlagError(f"--compile: no compile target of {args.devices} × {hw.name} "
+                            f"(targets: {', '.join(aot.TARGETS)}). Fix: --devices and --hardware of one, or drop --compile.")
+        if reason := aot.gpu_compiler_missing():
+            raise aot.CompileError(reason)
+        use_gpu_xla_flags(compiling_for_gpu=True)
+        aot.use_cpu_for_jax()
     if args.devices > hw.gpus_per_node and args.devices % hw.gpus_per_node:
         raise FlagError(f"--devices {args.devices} is not a whole number of {hw.gpus_per_node}-GPU nodes. "
                         f"Fix: --devices a multiple of {hw.gpus_per_node}, or --gpus-per-node to match.")
@@ -134,6 +169,8 @@ def run_search(args) -> int:
           f"{base.config.seq_len}, {rows} rows a step on {args.devices} x {hw.name} ({hw.gpus_per_node} a node): "
           f"{len(found)} layouts, {len(found) - len(estimated)} refused, {fits} fit")
     print(table(found, args.top))
+    if target:
+        confirm([c for c in estimated if c.estimate["fits"]][:args.compile], target)
     write_json(args.json, [dict(layout=c.label, **{k: c.estimate[k] for k in (
         "strategy", "mesh", "micro_batch_size", "microbatches", "schedule", "predicted_step_s", "predicted_mfu",
         "fits", "compute_terms")}, memory_bytes=c.estimate["memory_bytes_per_device"]["total"],
