@@ -325,8 +325,7 @@ def _auto_layout(config: TrainConfig, model: DecoderConfig, policy) -> tuple[Tra
                          + ". Fix: fewer --batch-size rows, --remat full, or more devices.")
     best = fits[0]
     p = best.plan
-    mesh = ",".join(f"{a}={n}" for a, n in p.sizes.items() if n > 1) or "data=1"
-    config = dataclasses.replace(config, strategy=p.strategy, mesh=mesh, grad_accum=p.grad_accum, schedule=p.schedule,
+    config = dataclasses.replace(config, strategy=p.strategy, mesh=best.layout.mesh_text, grad_accum=p.grad_accum, schedule=p.schedule,
                                  microbatches=p.microbatches, virtual=p.virtual)
     return config, (f"auto: {best.label}, the first of {len(fits)} layouts that fit ({len(found)} planned on the "
                     f"{name} profile), predicted {best.estimate['predicted_step_s'] * 1e3:.1f} ms a step")

@@ -122,9 +122,8 @@ def auto_layout(args, hw: Hardware, devices: int) -> tuple[argparse.Namespace, s
         raise FlagError(f"--strategy auto: no layout of {devices} {hw.name} devices fits this model and {rows} rows a "
                         f"step at --remat {base.config.remat}. Fix: --remat full, fewer --batch-size rows or more devices.")
     p = fits[0].plan
-    mesh = ",".join(f"{a}={n}" for a, n in p.sizes.items() if n > 1) or "data=1"
     chosen = argparse.Namespace(**vars(args) | dict(
-        strategy=p.strategy, mesh=mesh, schedule=p.schedule, microbatches=p.microbatches, virtual=p.virtual,
+        strategy=p.strategy, mesh=fits[0].layout.mesh_text, schedule=p.schedule, microbatches=p.microbatches, virtual=p.virtual,
         micro_batch_size=p.micro_batch_size, grad_accum=p.grad_accum, batch_size=None))
     return chosen, (f"  auto        {fits[0].label}: the first of {len(fits)} layouts that fit ({len(found)} planned; "
                     f"jshard plan --search ranks them all)")

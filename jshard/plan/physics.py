@@ -47,12 +47,16 @@ class Measured:
     loop_iteration_s: float
     gemm: dict  # dtype name -> {(m, n, k): FLOP/s}
 
+    @functools.cached_property
+    def grid(self) -> dict[str, list[list[int]]]:
+        """Per dtype, the sweep's M, N and K values, sorted (read once: a search asks thousands of times)."""
+        return {d: [sorted({key[i] for key in table}) for i in range(3)] for d, table in self.gemm.items()}
+
     def gemm_flops(self, dtype: str, m: int, n: int, k: int) -> float:
         """FLOP/s at (m, n, k): trilinear in log2 over the sweep's grid (a corner it did not
         reach left out, the others weighted up); below the grid the time of its smallest
         shape (a kernel does not get faster as it shrinks), above it the largest's FLOP/s."""
-        table = self.gemm[dtype]
-        axes = [sorted({key[i] for key in table}) for i in range(3)]
+        table, axes = self.gemm[dtype], self.grid[dtype]
         scale, corners = 1.0, []
         for value, grid in zip((m, n, k), axes):
             if value < grid[0]:
