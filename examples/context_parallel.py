@@ -34,14 +34,14 @@ ATTENTION_KINDS = ("collective-permute", "all-gather", "reduce-scatter")  # para
 
 def measure(preset: str, cp: int, config: GPTConfig) -> dict:
     mesh = jshard.make_mesh(devices=jax.devices()[:cp], context=cp)
-    step = jshard.parallel.build_step(decoder(config, nnx.Rngs(0)), optax.adamw(1e-3), gpt_loss, mesh,
-                                      jshard.preset(preset))
+    step = jshard.parallel.build_step(decoder(config, nnx.Rngs(0)), optax.adamw(1e-3), gpt_loss,
+                                      jshard.Layout.of(preset, mesh), mesh)
     lowered = step.lower(step.state, step.shard_batch(np.zeros((1, config.seq_len + 1), np.int32)))
     compiled = lowered.compile()
     moved = sum(c.bytes * c.count for c in hlo.collectives(compiled.as_text(), lowered.as_text())
                 if c.kind in ATTENTION_KINDS)
     sizes = jshard.mesh.mesh_shape(mesh)
-    est = plan.estimate(plan.PlanInput(config, sizes, preset, hardware=plan.HARDWARE["cpu"]))
+    est = plan.estimate(plan.PlanInput(config, jshard.Layout.of(preset, sizes), plan.HARDWARE["cpu"]))
     predicted = sum(r["bytes"] for r in est["collectives"] if r["kind"] in ATTENTION_KINDS)
     return dict(preset=preset, cp=cp, temp=compiled.memory_analysis().temp_size_in_bytes,
                 planned_activations=est["memory_bytes_per_device"]["activations"], bytes=moved, planned_bytes=predicted)

@@ -36,9 +36,9 @@ def kept_per_token_layer(config: GPTConfig, strategy: str, mesh: dict[str, int],
     for layers in (2, 4):
         for rows in (1, 2):
             c = dataclasses.replace(config, layers=layers)
-            program = aot.compile_step(nnx.eval_shape(lambda: decoder(c, nnx.Rngs(0))), optax.sgd(1e-3), gpt_loss, mesh,
-                                       jshard.preset(strategy), target, (rows * mesh.get("data", 1) * mesh.get("fsdp", 1), c.seq_len + 1),
-                                       precision="bf16")
+            program = aot.compile_step(nnx.eval_shape(lambda: decoder(c, nnx.Rngs(0))), optax.sgd(1e-3), gpt_loss,
+                                       jshard.Layout.of(strategy, mesh, precision="bf16"), target,
+                                       (rows * mesh.get("data", 1) * mesh.get("fsdp", 1), c.seq_len + 1))
             temps[layers, rows], kernel = program.memory["temporaries"], program.attention
     return ((temps[4, 2] - temps[4, 1]) - (temps[2, 2] - temps[2, 1])) / (2 * config.seq_len), kernel
 

@@ -55,7 +55,7 @@ def main(argv=None) -> None:
     ranks = args.ranks or jax.device_count()
     mesh = jshard.make_mesh(devices=jax.devices()[:ranks], data=ranks)
     tx = optax.adamw(1e-3)  # the lecture's AdamW(lr=1e-3); each device steps its own copy
-    step = jshard.parallel.build_step(_common.make_mlp(args), tx, mlp_loss, mesh, jshard.preset("dp"))
+    step = jshard.parallel.build_step(_common.make_mlp(args), tx, mlp_loss, jshard.Layout.of("dp", mesh), mesh)
     data = _common.sample_data(args)
     print(f"{ranks} ranks, batch {args.batch_size} -> {args.batch_size // ranks} rows per rank, "
           f"{args.layers} layers of {args.dim}x{args.dim}")

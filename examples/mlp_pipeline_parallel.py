@@ -71,8 +71,9 @@ def main(argv=None) -> None:
     schedule = make_schedule(args.schedule, stages, m, args.virtual)  # who does what at each tick
     print(render(schedule))
     mesh = jshard.make_mesh(devices=jax.devices()[:stages], stage=stages)
-    step = jshard.parallel.build_step(model, optax.adamw(1e-3), mlp_loss, mesh, jshard.preset("pp"), microbatches=m,
-                                      schedule=args.schedule, virtual=args.virtual)
+    step = jshard.parallel.build_step(model, optax.adamw(1e-3), mlp_loss,
+                                      jshard.Layout.of("pp", mesh, microbatches=m, schedule=args.schedule,
+                                                       virtual=args.virtual), mesh)
     loss, grads = step.value_and_grad(step.state, step.shard_batch(data))
     kernel = np.asarray(grads["layers"]["linear"]["kernel"].get_value())  # (layers, D, D), in model order
     k = args.layers // (stages * schedule.virtual)  # layers per model chunk

@@ -54,7 +54,7 @@ def main(argv=None) -> None:
     rules = jshard.preset("tp")
     model = _common.make_mlp(args)
     print(jshard.describe(model, mesh, rules))  # each rank: D x D/N of every layer
-    step = jshard.parallel.build_step(model, optax.adamw(1e-3), mlp_loss, mesh, rules)
+    step = jshard.parallel.build_step(model, optax.adamw(1e-3), mlp_loss, jshard.Layout.of(rules, mesh), mesh)
     data = _common.sample_data(args)
 
     activations = per_rank_forward(step, step.state, data)

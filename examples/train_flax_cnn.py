@@ -68,7 +68,8 @@ def make_batch(rng, rows: int):
 def main(argv=None) -> None:
     args = parser.parse_args(argv)
     mesh, rules = jshard.make_mesh(**jshard.mesh.parse_axis_sizes(args.mesh)), jshard.preset(args.preset)
-    step = jshard.parallel.build_step(CNN(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, mesh, rules, has_aux=True)
+    step = jshard.parallel.build_step(CNN(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, jshard.Layout.of(rules, mesh),
+                                      mesh, has_aux=True)
     rng = np.random.default_rng(0)
     print(step.describe(make_batch(rng, args.batch_size)))  # placements, and what each param gets
     state = step.state

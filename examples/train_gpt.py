@@ -1,7 +1,6 @@
-"""The library end to end: a mesh, a rules preset, a GPT placed by them, the sharded step.
+"""The library end to end: a layout (a rules preset, a mesh), a GPT placed by it, the sharded step.
 
-    .venv/bin/python examples/train_gpt.py                  # 8 fake CPU devices, or the GPUs
-    .venv/bin/python examples/train_gpt.py --mesh fsdp=4,tensor=2 --preset fsdp+tp+sp
+    .venv/bin/python examples/train_gpt.py [--layout "fsdp+tp+sp fsdp=4,tensor=2"]   # 8 fake CPU devices, or the GPUs
 """
 
 import argparse
@@ -14,19 +13,20 @@ import jshard
 from jshard.models import GPT, GPTConfig, gpt_loss
 
 jshard.mesh.use_fake_cpu_devices_unless_accelerated(8)
-parser = argparse.ArgumentParser(description="train a small GPT under a sharding preset")
-for flag, default in [("mesh", "data=2,fsdp=2,tensor=2"), ("preset", "dp+fsdp+tp"), ("microbatches", None),
-                      ("steps", 30), ("batch-size", 16), ("seq-len", 64), ("embed", 128), ("layers", 4)]:
-    parser.add_argument(f"--{flag}", default=default, type=str if flag in ("mesh", "preset") else int)
+parser = argparse.ArgumentParser(description="train a small GPT laid out as a layout line")
+for flag, default in [("layout", "dp+fsdp+tp data=2,fsdp=2,tensor=2"), ("steps", 30), ("batch-size", 16),
+                      ("seq-len", 64), ("embed", 128), ("layers", 4)]:
+    parser.add_argument(f"--{flag}", default=default, type=str if flag == "layout" else int)
 
 
 def main(argv=None) -> None:
     args = parser.parse_args(argv)
-    mesh, rules = jshard.make_mesh(**jshard.mesh.parse_axis_sizes(args.mesh)), jshard.preset(args.preset)
+    layout = jshard.Layout.parse(args.layout)  # strategy, mesh, pipeline (e.g. "pp+dp stage=2,data=4 m=4"), precision
+    mesh = jshard.make_mesh(**dict(layout.mesh))
     config = GPTConfig(seq_len=args.seq_len, embed=args.embed, mlp=4 * args.embed, layers=args.layers)
-    model = jshard.init(lambda: GPT(config, rngs=nnx.Rngs(0)), mesh, rules)  # created in its shards
-    print(jshard.describe(model, mesh, rules))  # per param: names -> spec -> bytes per device
-    step = jshard.parallel.build_step(model, optax.adamw(3e-3), gpt_loss, mesh, rules, args.microbatches)
+    model = jshard.init(lambda: GPT(config, rngs=nnx.Rngs(0)), mesh, layout.rules)  # created in its shards
+    print(jshard.describe(model, mesh, layout.rules))  # per param: names -> spec -> bytes per device
+    step = jshard.build_step(model, optax.adamw(3e-3), gpt_loss, layout, mesh)
     rng, state, losses = np.random.default_rng(0), step.state, []
     for i in range(args.steps):  # the task: continue x, x+d, x+2d, ... (mod 256)
         start, stride = rng.integers(0, 256, (args.batch_size, 1)), rng.integers(1, 8, (args.batch_size, 1))

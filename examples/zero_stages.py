@@ -46,7 +46,7 @@ def measure(preset: str, args, n: int, data) -> dict:
     axis = "data" if preset == "dp" else "fsdp"
     mesh, rules = jshard.make_mesh(devices=jax.devices()[:n], **{axis: n}), jshard.preset(preset)
     model = _common.make_mlp(args)
-    step = jshard.parallel.build_step(model, optax.adamw(1e-3), mlp_loss, mesh, rules)
+    step = jshard.parallel.build_step(model, optax.adamw(1e-3), mlp_loss, jshard.Layout.of(rules, mesh), mesh)
     compiled = step.lower(step.state, step.shard_batch(data)).compile()
     memory = compiled.memory_analysis()
     comm = collections.Counter()

@@ -6,7 +6,9 @@
     rules = jshard.preset("dp+fsdp+tp")
     model = jshard.init(lambda: GPT(GPTConfig(), rngs=nnx.Rngs(0)), mesh, rules)
     print(jshard.describe(model, mesh, rules))
-    step = jshard.build_step(model, optax.adamw(3e-4), jshard.models.gpt_loss, mesh, rules)
+    step = jshard.build_step(model, optax.adamw(3e-4), jshard.models.gpt_loss, jshard.Layout.of(rules, mesh), mesh)
+    # or the whole layout as one line, its mesh made over the devices:
+    # jshard.build_step(model, tx, loss, "dp+fsdp+tp data=2,fsdp=2,tensor=2 precision=mixed accum=4")
 """
 
 from flax import nnx as _nnx
@@ -14,6 +16,7 @@ from flax import nnx as _nnx
 from jshard import collectives, models, nn, parallel
 from jshard.collectives import CollectiveError
 from jshard.distributed import DistributedError, initialize
+from jshard.layout import Layout
 from jshard.mesh import (
     STANDARD_AXES,
     MeshError,
@@ -44,6 +47,6 @@ _nnx.use_eager_sharding(False)
 # importable here for existing callers (`jshard.specs`, `jshard.mesh_shape`, the other errors, ...)
 # and lives, documented, in its own module.
 __all__ = [
-    "MeshError", "Rules", "ShardingError", "activate", "build_step", "constrain", "describe", "init", "initialize",
+    "Layout", "MeshError", "Rules", "ShardingError", "activate", "build_step", "constrain", "describe", "init", "initialize",
     "make_mesh", "models", "named", "nn", "preset", "shard", "summed", "use_fake_cpu_devices",
 ]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import importlib.util
+import math
 import re
 import time
 
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jshard import hlo
+from jshard.layout import Layout
 from jshard.mesh import make_mesh, mesh_shape
 from jshard.parallel.state import abstract_batch
 from jshard.parallel.step import build_step
@@ -200,15 +202,16 @@ def program_of(compiled, mesh: dict[str, int], t: Target, seconds: float) -> Gpu
     return GpuProgram(t.name, dict(mesh), seconds, memory, rows, attention_kernel(text), hlo.kernel_counts(text), text)
 
 
-def compile_step(model, tx, loss_fn, sizes: dict[str, int], rules, t: Target, batch_shape: tuple[int, int], *,
-                 precision=None, microbatches=None, schedule=None, virtual=None, stage_remat=None,
-                 grad_accum: int = 1) -> GpuProgram:
+def compile_step(model, tx, loss_fn, layout: Layout | str, t: Target, batch_shape: tuple[int, int]) -> GpuProgram:
     """`loss_fn`'s training step for `model` (an `nnx.eval_shape` of it will do) and optimizer
-    `tx`, on a mesh of `sizes` over target `t`'s GPUs, compiled by XLA's GPU compiler here, with
-    no GPU. `batch_shape`: the global batch of token ids (rows, seq + 1)."""
-    mesh = make_mesh(target_devices(t), **sizes)
-    step = build_step(model, tx, loss_fn, mesh, rules, precision=precision, microbatches=microbatches,
-                      schedule=schedule, virtual=virtual, stage_remat=stage_remat, grad_accum=grad_accum, abstract=True)
+    `tx`, laid out as `layout` (`jshard.Layout`, or its line) over target `t`'s GPUs, compiled by
+    XLA's GPU compiler here, with no GPU. `batch_shape`: the global batch of token ids (rows, seq + 1)."""
+    layout = Layout.coerce(layout)
+    if -1 in dict(layout.mesh).values() or math.prod(dict(layout.mesh).values()) != t.devices:
+        raise CompileError(f"Layout.mesh {layout.mesh_text}: {t.name} has {t.devices} GPUs. Fix: sizes whose product "
+                           f"is {t.devices}, or another target.")
+    mesh = make_mesh(target_devices(t), **dict(layout.mesh))
+    step = build_step(model, tx, loss_fn, layout, mesh, abstract=True)
     batch = abstract_batch(step.plan, batch_shape, jnp.int32)
     start = time.perf_counter()
     try:

@@ -40,6 +40,7 @@ from jshard import tokenizer as tokenizers
 from jshard.checkpoint import Checkpoints, model_of
 from jshard.config import write_json
 from jshard.distributed import initialize, is_main_process
+from jshard.layout import Layout
 from jshard.mesh import (fake_device_count, format_mesh, mesh_shape, mesh_sizes, use_fake_cpu_devices_unless_accelerated,
                          use_gpu_xla_flags)
 from jshard.models import DecoderConfig, decoder
@@ -346,7 +347,7 @@ def _mesh(c: GenerateConfig, rules: jshard.Rules, abstract: nnx.Module):
         counts = [n for n in range(jax.device_count(), 0, -1) if jax.device_count() % n == 0]
     for n in counts:  # the plan makes every check of the layouts: a dim that does not divide raises
         mesh = jshard.make_mesh(jax.devices()[:n], **mesh_sizes(c.mesh, rules, n))
-        plan = make_plan(abstract, mesh, rules)
+        plan = make_plan(abstract, Layout.of(rules, mesh), mesh)
         if c.num_samples % plan.data_shards == 0:
             break
     return mesh, plan

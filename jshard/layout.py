@@ -4,11 +4,19 @@
     zero1+tp+sp+pp fsdp=64,stage=16,tensor=8 remat=full mb=1 schedule=interleaved m=32 v=2 precision=mixed
 
 The first word is the strategy (a rules preset), then the mesh (axis=size, comma-joined), then
-`key=value` fields, each left out at its default: `remat` (none), `mb` (rows per micro-batch per
-data shard, 1), `accum` (passes accumulated before the update, 1), `schedule`, `m` (pipeline
-micro-batches), `v` (virtual chunks), `stage-remat`, `precision`, `reduce` (the gradient
-reduction's dtype). `Layout.parse(str(layout)) == layout`. `jshard plan --search` prints its
-layouts so; `--layout` in `plan`, `compile` and `train` takes one back.
+`key=value` fields, each left out at its default: `remat` (the model's own), `mb` (rows per
+micro-batch per data shard, 1), `accum` (passes accumulated before the update, 1), `schedule`,
+`m` (pipeline micro-batches), `v` (virtual chunks), `stage-remat`, `precision`, `reduce` (the
+gradient reduction's dtype). `Layout.parse(str(layout)) == layout`. `jshard plan --search` prints
+its layouts so; `--layout` in `plan`, `compile` and `train` takes one back.
+
+The library takes it whole: `build_step(model, tx, loss_fn, layout)`, `parallel.make_plan`,
+`aot.compile_step`, the planner's `PlanInput` and `jshard.train` (`TrainConfig.layout`). Who
+reads which field: the step (`make_plan`) the strategy, mesh, schedule, micro-batches, virtual
+chunks, stage remat, precision, reduction and accumulation; `remat` is the model's (a jshard
+decoder's `config.remat`: the step checks they agree) and `mb` the batch's (the planner's rows).
+A Python caller may give the strategy as a `Rules` value and the precision as a `Precision`;
+their names are what the line shows.
 """
 
 from __future__ import annotations
@@ -16,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 
 from jshard.mesh import STANDARD_AXES
+from jshard.precision import Precision, precision
+from jshard.rules import Rules, ShardingError, preset
 
 # field name -> the key its line uses, and its type
 KEYS = {"remat": ("remat", str), "micro_batch_size": ("mb", int), "grad_accum": ("accum", int),
@@ -23,23 +33,50 @@ KEYS = {"remat": ("remat", str), "micro_batch_size": ("mb", int), "grad_accum": 
         "stage_remat": ("stage-remat", str), "precision": ("precision", str), "reduce": ("reduce", str)}
 
 
-class LayoutError(ValueError):
-    """A layout line that does not parse; its message names the word and the fix."""
+class LayoutError(ShardingError):
+    """A layout line that does not parse, or a field no step can take; its message names the word
+    or the field (`Layout.grad_accum`), and the fix."""
+
+
+COUNTS = ("micro_batch_size", "grad_accum", "microbatches", "virtual")  # integer fields, each >= 1 where given
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    strategy: str
-    mesh: tuple[tuple[str, int], ...] = ()  # (axis, size) of the axes above 1, in mesh order
-    remat: str = "none"
+    strategy: str | Rules  # a rules preset's name (`jshard.preset`), or the Rules themselves
+    mesh: tuple[tuple[str, int], ...] = ()  # (axis, size) of the axes not of size 1, in mesh order
+    remat: str | None = None  # None: the model's own
     micro_batch_size: int = 1
     grad_accum: int = 1
     schedule: str | None = None
     microbatches: int | None = None
     virtual: int | None = None
     stage_remat: str | None = None
-    precision: str | None = None
+    precision: str | Precision | None = None  # `jshard.precision`; None: params as the model holds them
     reduce: str | None = None
+
+    def __post_init__(self):
+        for field in COUNTS:
+            value = getattr(self, field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise LayoutError(f"Layout.{field}={value!r}: it counts {COUNT_MEANS[field]}. Fix: an integer >= 1.")
+        for axis, size in self.mesh:
+            if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+                raise LayoutError(f"Layout.mesh: {axis}={size!r} is not a size. Fix: an integer >= 1 (or -1 for one "
+                                  "axis: the devices the others leave).")
+
+    @property
+    def rules(self) -> Rules:
+        """The strategy's rules: the preset it names, or the Rules it is."""
+        return self.strategy if isinstance(self.strategy, Rules) else preset(self.strategy)
+
+    @property
+    def policy(self) -> Precision | None:
+        """The precision policy with its reduction dtype (`jshard.precision.precision`)."""
+        try:
+            return precision(self.precision, self.reduce)
+        except ValueError as e:
+            raise LayoutError(f"Layout.precision={_name(self.precision)!r}, Layout.reduce={self.reduce!r}: {e}") from None
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -52,17 +89,29 @@ class Layout:
         return ",".join(f"{a}={n}" for a, n in self.mesh) or "data=1"
 
     def __str__(self) -> str:
-        words = [self.strategy, self.mesh_text]
+        words = [_name(self.strategy), self.mesh_text]
         for field, (key, _) in KEYS.items():
             value = getattr(self, field)
-            if value != next(f.default for f in dataclasses.fields(Layout) if f.name == field):
-                words.append(f"{key}={value}")
+            if value != DEFAULTS[field]:
+                words.append(f"{key}={_name(value)}")
         return " ".join(words)
 
     @classmethod
-    def of(cls, strategy: str, sizes: dict[str, int], **fields) -> Layout:
-        """From mesh sizes as a dict (axes of size 1 left out, mesh order kept)."""
-        return cls(strategy, tuple((a, n) for a, n in sizes.items() if n > 1), **fields)
+    def of(cls, strategy: str | Rules, sizes, **fields) -> Layout:
+        """From mesh sizes as a dict, or a mesh's (a `jax.sharding.Mesh` or `AbstractMesh`): axes of
+        size 1 left out, mesh order kept."""
+        sizes = dict(sizes.shape) if hasattr(sizes, "axis_names") else sizes
+        return cls(strategy, tuple((a, n) for a, n in sizes.items() if n != 1), **fields)
+
+    @classmethod
+    def coerce(cls, layout: Layout | str) -> Layout:
+        """A Layout, or its line parsed."""
+        if isinstance(layout, str):
+            return cls.parse(layout)
+        if not isinstance(layout, Layout):
+            raise LayoutError(f"layout {layout!r} is a {type(layout).__name__}, not a Layout. Fix: jshard.Layout(...) "
+                              "or its line, e.g. 'dp+tp data=2,tensor=4'.")
+        return layout
 
     @classmethod
     def parse(cls, text: str) -> Layout:
@@ -96,3 +145,14 @@ class Layout:
             except ValueError:
                 raise LayoutError(f"layout {text!r}: {key}={value!r} is not an integer. Fix: e.g. {key}=2.") from None
         return cls(words[0], mesh, **fields)
+
+
+def _name(value) -> str:
+    """A field as its line shows it: a Rules' or a Precision's name."""
+    return value.name if isinstance(value, (Rules, Precision)) else value
+
+
+COUNT_MEANS = {"micro_batch_size": "rows per micro-batch per data shard", "grad_accum": "the micro-batches a step "
+               "accumulates gradients over (1: none)", "microbatches": "a pipeline's micro-batches per step",
+               "virtual": "model chunks per device (the interleaved schedule)"}
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(Layout)}

@@ -49,6 +49,7 @@ from jshard.metrics import PROFILE_STEPS, MetricsFile, device_memory, device_pea
 from jshard.nn import attention_implementation
 from jshard.models import SIZES, DecoderConfig, decoder, gpt_loss
 from jshard.models.stack import REMAT_POLICIES
+from jshard.layout import Layout
 from jshard.parallel import Plan, ShardedStep, TrainState, make_plan
 from jshard.parallel.step import step_from_plan
 from jshard.parallel.pipeline import STAGE_REMAT
@@ -116,6 +117,13 @@ class TrainConfig:
     peak_tflops: float | None = None  # per device, for MFU where jshard does not know the device
     log_every: int | None = None  # None: steps // 10
     skip_nonfinite: int = 0  # updates of non-finite gradients skipped in a row before the run stops (0: stop at the first)
+
+    def layout(self, sizes: dict[str, int]) -> Layout:
+        """The run's layout, whole (`jshard.Layout`), on mesh `sizes` (its `mesh` resolved over the
+        devices: `mesh.mesh_sizes`)."""
+        return Layout.of(self.strategy, sizes, remat=self.remat, grad_accum=self.grad_accum, schedule=self.schedule,
+                         microbatches=self.microbatches, virtual=self.virtual, stage_remat=self.stage_remat,
+                         precision=self.precision, reduce=self.grad_reduce)
 
 
 @dataclasses.dataclass
@@ -256,15 +264,13 @@ def set_up(config: TrainConfig) -> Setup:
     model = dataclasses.replace(model, seq_len=max(seq_len, model.seq_len))
     auto = None
     if config.strategy == AUTO:
-        config, auto = _auto_layout(config, dataclasses.replace(model, seq_len=seq_len), policy)
-    rules = jshard.preset(config.strategy)
-    mesh = jshard.make_mesh(**mesh_sizes(config.mesh, rules, jax.device_count()))
+        config, auto = _auto_layout(config, dataclasses.replace(model, seq_len=seq_len))
+    layout = config.layout(mesh_sizes(config.mesh, jshard.preset(config.strategy), jax.device_count()))
     # The step's plan, on the model's shapes: every check of the strategy, mesh and batch, once.
-    plan = make_plan(nnx.eval_shape(lambda: decoder(model, nnx.Rngs(0))), mesh, rules, loss_fn=gpt_loss,
-                     precision=policy, microbatches=config.microbatches, default_microbatches=PIPELINE_MICROBATCHES,
-                     schedule=config.schedule, virtual=config.virtual, stage_remat=config.stage_remat,
-                     grad_accum=config.grad_accum)
-    plan.check_batch(config.batch_size, seq_len, rows_flag="--batch-size", seq_flag="--seq-len", accum_flag="grad-accum")
+    plan = make_plan(nnx.eval_shape(lambda: decoder(model, nnx.Rngs(0))), layout, jshard.make_mesh(**dict(layout.mesh)),
+                     loss_fn=gpt_loss, default_microbatches=PIPELINE_MICROBATCHES)
+    plan.check_batch(config.batch_size, seq_len, rows_name="TrainConfig.batch_size", seq_name="TrainConfig.seq_len",
+                     name_accum=True)
     checkpoints, record = None, None
     if config.checkpoint_dir:
         checkpoints = Checkpoints(config.checkpoint_dir)
@@ -298,37 +304,28 @@ def set_up(config: TrainConfig) -> Setup:
 AUTO = "auto"
 
 
-def _auto_layout(config: TrainConfig, model: DecoderConfig, policy) -> tuple[TrainConfig, str]:
+def _auto_layout(config: TrainConfig, model: DecoderConfig) -> tuple[TrainConfig, str]:
     """`config` with the search's best layout for `model` on this run's devices (the planner's
     profile of their kind: `plan.search`): strategy, mesh, accumulation, pipeline; and a line
     saying what was picked. Its remat is the run's own (`--remat`)."""
     fixed = [f for f in ("mesh", "schedule", "microbatches", "virtual") if getattr(config, f) is not None]
     if fixed:
-        raise TrainError(f"--strategy auto chooses the layout, but --{fixed[0]} {getattr(config, fixed[0])} fixes part of "
-                         f"it. Fix: drop --{fixed[0]}, or name a strategy (e.g. --strategy dp+tp).")
+        raise TrainError(f"TrainConfig.strategy auto chooses the layout, but TrainConfig.{fixed[0]} "
+                         f"{getattr(config, fixed[0])} fixes part of it. Fix: drop TrainConfig.{fixed[0]}, or name a "
+                         "strategy (e.g. dp+tp).")
     if config.grad_accum != 1:
-        raise TrainError(f"--strategy auto chooses the accumulation, but --grad-accum {config.grad_accum} fixes it. "
-                         "Fix: drop --grad-accum, or name a strategy.")
+        raise TrainError(f"TrainConfig.strategy auto chooses the accumulation, but TrainConfig.grad_accum "
+                         f"{config.grad_accum} fixes it. Fix: drop TrainConfig.grad_accum, or name a strategy.")
     hw = hardware_of(jax.devices()[0])
     if hw is None:
-        raise TrainError(f"--strategy auto: the planner has no profile of a {jax.devices()[0].device_kind}. "
-                         f"Fix: name a strategy and --mesh (profiles: {', '.join(KINDS)}, CPU).")
-    name = hw.name
-    found = plan_search.search(model, jax.device_count(), hw, config.batch_size, policy, remats=(config.remat,))
-    fits = [c for c in found if c.estimate and c.estimate["fits"]]
-    if not fits:
-        least = min((c for c in found if c.estimate), key=lambda c: c.estimate["memory_bytes_per_device"]["total"],
-                    default=None)
-        raise TrainError(f"--strategy auto: no layout of {jax.device_count()} {name} devices fits this model and "
-                         f"{config.batch_size} rows a step" + (f" (the smallest, {least.label}, needs "
-                         f"{format_bytes(least.estimate['memory_bytes_per_device']['total'])})" if least else "")
-                         + ". Fix: fewer --batch-size rows, --remat full, or more devices.")
-    best = fits[0]
-    p = best.plan
-    config = dataclasses.replace(config, strategy=p.strategy, mesh=best.layout.mesh_text, grad_accum=p.grad_accum, schedule=p.schedule,
-                                 microbatches=p.microbatches, virtual=p.virtual)
-    return config, (f"auto: {best.label}, the first of {len(fits)} layouts that fit ({len(found)} planned on the "
-                    f"{name} profile), predicted {best.estimate['predicted_step_s'] * 1e3:.1f} ms a step")
+        raise TrainError(f"TrainConfig.strategy auto: the planner has no profile of a {jax.devices()[0].device_kind}. "
+                         f"Fix: name a strategy and TrainConfig.mesh (profiles: {', '.join(KINDS)}, CPU).")
+    best, line = plan_search.pick(model, jax.device_count(), hw, config.batch_size, config.precision, config.grad_reduce,
+                                  config.remat)
+    picked = best.layout
+    config = dataclasses.replace(config, strategy=picked.strategy, mesh=picked.mesh_text, grad_accum=picked.grad_accum,
+                                 schedule=picked.schedule, microbatches=picked.microbatches, virtual=picked.virtual)
+    return config, f"auto: {line}"
 
 
 def _context_line(p: Setup) -> str:

@@ -36,8 +36,8 @@ def lowered_text(step, batch) -> str:
 
 
 def abstract_step(preset, sizes, mesh, **kwargs):
-    step = build_step(model_for(sizes, abstract=True), optax.adamw(1e-3), gpt_loss, mesh, jshard.preset(preset),
-                      abstract=True, **kwargs)
+    step = build_step(model_for(sizes, abstract=True), optax.adamw(1e-3), gpt_loss, jshard.Layout.of(preset, mesh, **kwargs),
+                      mesh, abstract=True)
     return step, abstract_batch(step.plan, (ROWS, decoders.CONFIGS["gpt"].seq_len + 1), jnp.int32)
 
 
@@ -61,15 +61,15 @@ def test_every_preset_and_schedule_lowers_on_an_abstract_mesh(preset, sizes, kwa
 def test_the_abstract_step_is_the_step_built_on_devices(preset, sizes, kwargs):
     abstract, batch = abstract_step(preset, sizes, abstract_mesh(**sizes), **kwargs)
     mesh = jshard.make_mesh(**sizes)
-    step = build_step(model_for(sizes, abstract=False), optax.adamw(1e-3), gpt_loss, mesh, jshard.preset(preset),
-                      **kwargs)
+    step = build_step(model_for(sizes, abstract=False), optax.adamw(1e-3), gpt_loss,
+                      jshard.Layout.of(preset, mesh, **kwargs), mesh)
     tokens = step.shard_batch(jnp.zeros(batch.shape, batch.dtype))
     assert lowered_text(abstract, batch) == lowered_text(step, tokens)
 
 
 def test_a_plan_of_other_shapes_is_refused():
     mesh = abstract_mesh(data=8)
-    plan = jshard.parallel.make_plan(model_for({}, abstract=True), mesh, jshard.preset("dp"))
+    plan = jshard.parallel.make_plan(model_for({}, abstract=True), jshard.Layout.of("dp", mesh), mesh)
     other = nnx.eval_shape(lambda: decoders.make("gpt", 0, embed=64))
     with pytest.raises(jshard.ShardingError, match="the model's params are not the plan's"):
         jshard.parallel.step.step_from_plan(plan, other, optax.adamw(1e-3), gpt_loss, abstract=True)

@@ -34,7 +34,7 @@ def check_against_one_device(make, loss_fn, batches, preset, sizes, tx):
     """The compiler-placed step from `make()` trains as one device does: losses, then every
     Variable (params, BatchNorm statistics, RNG keys and counts). Returns the step and its state."""
     run = train_on_one_device(make(), tx, loss_fn, batches)
-    step = build_step(make(), tx, loss_fn, jshard.make_mesh(**sizes), jshard.preset(preset), collectives="compiler")
+    step = build_step(make(), tx, loss_fn, jshard.Layout.of(preset, sizes), collectives="compiler")
     assert isinstance(step, CompiledStep)
     return step, assert_trains_like_one_device(step, run, preset)
 
@@ -94,7 +94,7 @@ def test_gradients_come_out_in_the_opt_layout():
     """ZeRO-1: params whole on every device, their gradients split like the optimizer state."""
     batch = cnn_batches(1)[0]
     mesh, rules = jshard.make_mesh(data=2, fsdp=4), jshard.preset("dp+zero1")
-    step = build_step(make_cnn(), OPTIMIZER, cnn_loss, mesh, rules, collectives="compiler")
+    step = build_step(make_cnn(), OPTIMIZER, cnn_loss, jshard.Layout.of(rules, mesh), mesh, collectives="compiler")
     _, step_grads = assert_gradients_close(step, batch, *one_device_gradients(make_cnn(), cnn_loss, batch))
     kernel = step_grads["conv2"]["kernel"].get_value()  # named (None, None, mlp, embed)
     assert kernel.sharding.spec == jax.P(None, None, None, "fsdp")
@@ -108,26 +108,24 @@ def test_gradients_come_out_in_the_opt_layout():
                                            ("fsdp+tp+pp", dict(fsdp=2, tensor=2, stage=2))])
 def test_pipeline_rules_are_refused(preset, sizes):
     with pytest.raises(jshard.ShardingError, match="compiler-placed step does not pipeline.*explicit step"):
-        build_step(make_gpt(), OPTIMIZER, gpt_loss, jshard.make_mesh(**sizes), jshard.preset(preset),
-                   collectives="compiler")
+        build_step(make_gpt(), OPTIMIZER, gpt_loss, jshard.Layout.of(preset, sizes), collectives="compiler")
 
 
 def test_pipeline_arguments_are_refused():
     with pytest.raises(jshard.ShardingError, match="microbatches=4.*does not pipeline"):
-        build_step(make_gpt(), OPTIMIZER, gpt_loss, jshard.make_mesh(data=8), jshard.preset("dp"),
-                   microbatches=4, collectives="compiler")
+        build_step(make_gpt(), OPTIMIZER, gpt_loss, jshard.Layout.of("dp", dict(data=8), microbatches=4),
+                   collectives="compiler")
 
 
 def test_collective_matmuls_are_refused():
     with pytest.raises(jshard.ShardingError, match="collective matmuls.*explicit step.*'sp' in place of 'sp-overlap'"):
-        build_step(make_gpt(), OPTIMIZER, gpt_loss, jshard.make_mesh(data=2, tensor=4), jshard.preset("dp+sp-overlap"),
+        build_step(make_gpt(), OPTIMIZER, gpt_loss, jshard.Layout.of("dp+sp-overlap", dict(data=2, tensor=4)),
                    collectives="compiler")
 
 
 def test_unknown_collectives_are_refused():
     with pytest.raises(jshard.ShardingError, match="collectives='bogus'.*'explicit'.*'compiler'"):
-        build_step(make_gpt(), OPTIMIZER, gpt_loss, jshard.make_mesh(data=8), jshard.preset("dp"),
-                   collectives="bogus")
+        build_step(make_gpt(), OPTIMIZER, gpt_loss, jshard.Layout.of("dp", dict(data=8)), collectives="bogus")
 
 
 class Unnamed(nnx.Module):
@@ -141,7 +139,7 @@ class Unnamed(nnx.Module):
 def test_bad_rules_raise_the_explicit_steps_error():
     def refusal(collectives):
         with pytest.raises(jshard.ShardingError) as refused:
-            build_step(Unnamed(nnx.Rngs(0)), OPTIMIZER, cnn_loss, jshard.make_mesh(tensor=8), jshard.preset("tp"),
+            build_step(Unnamed(nnx.Rngs(0)), OPTIMIZER, cnn_loss, jshard.Layout.of("tp", dict(tensor=8)),
                        collectives=collectives)
         return str(refused.value)
 
@@ -151,8 +149,7 @@ def test_bad_rules_raise_the_explicit_steps_error():
 
 
 def test_batch_that_does_not_split_is_refused():
-    step = build_step(make_cnn(), OPTIMIZER, cnn_loss, jshard.make_mesh(data=8), jshard.preset("dp"),
-                      collectives="compiler")
+    step = build_step(make_cnn(), OPTIMIZER, cnn_loss, jshard.Layout.of("dp", dict(data=8)), collectives="compiler")
     images, labels = cnn_batches(1)[0]
     with pytest.raises(jshard.ShardingError, match=r"batch size 12 does not split over 8 batch shards \(data\) = 8"):
         step.shard_batch((images[:12], labels[:12]))
@@ -165,8 +162,8 @@ def test_state_round_trips_through_a_checkpoint_and_training_continues(tmp_path)
     """Params, AdamW state, BatchNorm statistics and the RNG stream (key data, count) are all
     saved; the restored state trains on exactly as the state that was saved."""
     batches = cnn_batches(3)
-    step = build_step(make_cnn(), OPTIMIZER, cnn_loss, jshard.make_mesh(data=2, fsdp=2, tensor=2),
-                      jshard.preset("dp+fsdp+tp"), collectives="compiler")
+    step = build_step(make_cnn(), OPTIMIZER, cnn_loss, jshard.Layout.of("dp+fsdp+tp", dict(data=2, fsdp=2, tensor=2)),
+                      collectives="compiler")
     state, _ = step(step.state, step.shard_batch(batches[0]))
     with Checkpoints(tmp_path) as checkpoints:
         checkpoints.save(1, step.to_model_order(state), {"step": 1})

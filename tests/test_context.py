@@ -57,7 +57,7 @@ def test_compiled_bytes_are_the_planners_under_full_remat(model, preset, sizes):
     """Recomputing each block in the backward pass sends nothing more than the planner says."""
     config = dataclasses.replace(decoders.CONFIGS[model], remat="full")
     batch = np.random.default_rng(0).integers(0, config.vocab, (8, config.seq_len + 1))
-    step = build_step(decoder(config, nnx.Rngs(0)), OPTIMIZER, gpt_loss, jshard.make_mesh(**sizes), jshard.preset(preset))
+    step = build_step(decoder(config, nnx.Rngs(0)), OPTIMIZER, gpt_loss, jshard.Layout.of(preset, sizes))
     assert_context_bytes_are_the_planners(step, config, batch, preset, sizes)
 
 
@@ -66,13 +66,13 @@ def test_compiled_bytes_are_the_planners_under_full_remat(model, preset, sizes):
 
 def test_a_model_with_no_sequence_is_refused():
     step = build_step(DeepMLP(MLPConfig(dim=16, layers=2), rngs=nnx.Rngs(0)), OPTIMIZER, mlp_loss,
-                      jshard.make_mesh(data=2, context=4), jshard.preset("dp+cp"))
+                      jshard.Layout.of("dp+cp", dict(data=2, context=4)))
     with pytest.raises(jshard.ShardingError, match="split each sequence over context .* split no input over it"):
         step.value_and_grad(step.state, step.shard_batch(np.ones((8, 16), np.float32)))
 
 
 def test_a_sequence_that_does_not_cut_into_2n_chunks_is_refused():
-    step = build_step(decoders.make("gpt", 0), OPTIMIZER, gpt_loss, jshard.make_mesh(context=8), jshard.preset("cp"))
+    step = build_step(decoders.make("gpt", 0), OPTIMIZER, gpt_loss, jshard.Layout.of("cp", dict(context=8)))
     with pytest.raises(jshard.ShardingError, match="into 16 equal chunks; 12 tokens do not divide by 16"):
         step.value_and_grad(step.state, step.shard_batch(np.ones((2, 13), np.int32)))
 
@@ -84,8 +84,8 @@ def test_a_sequence_that_does_not_cut_into_2n_chunks_is_refused():
 ])
 def test_bad_strategies_are_refused_before_placing(preset, sizes, message):
     with pytest.raises(jshard.ShardingError, match=message):
-        build_step(decoders.make("gpt", 0), OPTIMIZER, gpt_loss, jshard.make_mesh(**sizes), jshard.preset(preset),
-                   microbatches=2 if "pp" in preset else None)
+        build_step(decoders.make("gpt", 0), OPTIMIZER, gpt_loss,
+                   jshard.Layout.of(preset, sizes, microbatches=2 if "pp" in preset else None))
 
 
 @pytest.mark.slow
@@ -111,8 +111,8 @@ def test_ring_under_bf16_compute_is_near_fp32_on_one_device():
 
     batch = np.random.default_rng(1).integers(0, 64, (4, 17))
     _, expected = one_device_gradients(decoders.make("llama", 0), gpt_loss, batch)
-    step = build_step(decoders.make("llama", 0, dtype=jnp.bfloat16), OPTIMIZER, gpt_loss, jshard.make_mesh(context=8),
-                      jshard.preset("cp"))
+    step = build_step(decoders.make("llama", 0, dtype=jnp.bfloat16), OPTIMIZER, gpt_loss,
+                      jshard.Layout.of("cp", dict(context=8)))
     _, grads = step.value_and_grad(step.state, step.shard_batch(batch))
     assert_trees_close(grads, expected, "gradient", BF16_TOLERANCE)
 
@@ -123,8 +123,8 @@ def test_ring_runs_a_block_tile_by_tile(monkeypatch):
     monkeypatch.setattr(nn.context, "QUERY_TILE", 2)
     batch = np.random.default_rng(2).integers(0, 64, (4, 17))
     _, expected = one_device_gradients(decoders.make("llama", 0), gpt_loss, batch)
-    step = build_step(decoders.make("llama", 0), OPTIMIZER, gpt_loss, jshard.make_mesh(data=4, context=2),
-                      jshard.preset("dp+cp"))
+    step = build_step(decoders.make("llama", 0), OPTIMIZER, gpt_loss,
+                      jshard.Layout.of("dp+cp", dict(data=4, context=2)))
     jaxpr = str(jax.make_jaxpr(step.value_and_grad)(step.state, step.shard_batch(batch)))
     assert "length=4" in jaxpr  # the own block's 8 queries (2 chunks of 4 per device) in 4 tiles
     _, grads = step.value_and_grad(step.state, step.shard_batch(batch))
@@ -143,6 +143,5 @@ def test_a_loss_that_averages_only_its_own_chunks():
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
     batch = np.random.default_rng(3).integers(0, 64, (4, 17))
-    step = build_step(decoders.make("gpt", 0), OPTIMIZER, own_loss, jshard.make_mesh(data=2, context=4),
-                      jshard.preset("dp+cp"))
+    step = build_step(decoders.make("gpt", 0), OPTIMIZER, own_loss, jshard.Layout.of("dp+cp", dict(data=2, context=4)))
     assert_gradients_close(step, batch, *one_device_gradients(decoders.make("gpt", 0), own_loss, batch))

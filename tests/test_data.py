@@ -93,22 +93,21 @@ def test_different_process_counts_build_the_same_global_batch():
 # The kinds of step: explicit collectives, ZeRO-2's shard-and-replica view, the B/W-split and
 # the interleaved pipeline programs, XLA's partitioner. ZeRO-3 + TP, GPipe and 1F1B are
 # checked against DP's eval losses in tests/test_train.py's strategy runs.
-EVAL_STEPS = [
-    ("dp", dict(data=8), {}), ("zero2", dict(fsdp=8), {}),
-    ("pp+dp", dict(stage=2, data=4), dict(microbatches=2, schedule="zb-h1")),
-    ("pp+dp", dict(stage=2, data=4), dict(microbatches=2, schedule="interleaved", virtual=2)),
-    ("dp+tp", dict(data=4, tensor=2), dict(collectives="compiler")),
+EVAL_STEPS = [  # (layout, who places the collectives)
+    ("dp data=8", "explicit"), ("zero2 fsdp=8", "explicit"), ("pp+dp stage=2,data=4 m=2 schedule=zb-h1", "explicit"),
+    ("pp+dp stage=2,data=4 m=2 schedule=interleaved v=2", "explicit"), ("dp+tp data=4,tensor=2", "compiler"),
 ]
 
 
-@pytest.mark.parametrize("preset, sizes, kwargs", EVAL_STEPS, ids=lambda v: str(v) if isinstance(v, str) else None)
-def test_eval_loss_is_the_one_device_loss_and_leaves_the_state(preset, sizes, kwargs):
+@pytest.mark.parametrize("layout, collectives", EVAL_STEPS)
+def test_eval_loss_is_the_one_device_loss_and_leaves_the_state(layout, collectives):
     config = dataclasses.replace(GPT_SIZES["tiny"], layers=4)
     tokens = np.random.default_rng(3).integers(0, 256, (16, 33)).astype(np.int32)  # fresh inputs
     reference = float(gpt_loss(GPT(config, rngs=nnx.Rngs(5)), tokens))  # one device, plain Flax
-    mesh, rules = jshard.make_mesh(**sizes), jshard.preset(preset)
-    step = build_step(jshard.init(lambda: GPT(config, rngs=nnx.Rngs(5)), mesh, rules), optax.adam(1e-2), gpt_loss,
-                      mesh, rules, **kwargs)
+    layout = jshard.Layout.parse(layout)
+    mesh = jshard.make_mesh(**dict(layout.mesh))
+    step = build_step(jshard.init(lambda: GPT(config, rngs=nnx.Rngs(5)), mesh, layout.rules), optax.adam(1e-2), gpt_loss,
+                      layout, mesh, collectives=collectives)
     batch = step.shard_batch(tokens)
     before = jax.tree.map(np.asarray, step.state.params)
     loss = float(step.loss(step.state, batch))
@@ -121,7 +120,7 @@ def test_eval_loss_is_the_one_device_loss_and_leaves_the_state(preset, sizes, kw
 def test_eval_runs_no_backward():
     mesh, rules = jshard.make_mesh(data=8), jshard.preset("dp")
     step = build_step(jshard.init(lambda: GPT(GPT_SIZES["tiny"], rngs=nnx.Rngs(0)), mesh, rules), optax.sgd(0.1),
-                      gpt_loss, mesh, rules)
+                      gpt_loss, jshard.Layout.of(rules, mesh), mesh)
     batch = step.shard_batch(np.zeros((8, 33), np.int32))
     forward = step._loss.lower(step.state.params, step.state.model_state, batch, None).compile().cost_analysis()
     training = step.lower(step.state, batch).compile().cost_analysis()

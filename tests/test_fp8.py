@@ -130,8 +130,8 @@ FP8_CASES = [("gpt", "zero3"), ("gpt", "dp+tp+sp"), ("llama", "dp+fsdp+tp"), ("g
 def test_fp8_trains_like_one_device_within_fp8s_rounding(model_name, preset):
     run = test_precision.reference(model_name)
     model = decoders.make(model_name, SEED, layers=test_precision.LAYERS, dtype=jnp.bfloat16)
-    step = build_step(model, test_precision.OPTIMIZER, gpt_loss, jshard.make_mesh(**example_mesh(preset)),
-                      jshard.preset(preset), precision="fp8")
+    step = build_step(model, test_precision.OPTIMIZER, gpt_loss,
+                      jshard.Layout.of(preset, example_mesh(preset), precision="fp8"))
     state, losses = train(step, run.batches)
     assert max(relative_error(a, b) for a, b in zip(losses, run.losses)) <= FP8_LOSS
     got = dict(nnx.to_flat_state(test_precision.master_params(step, state)))
@@ -146,12 +146,11 @@ def test_only_the_projections_compute_in_fp8():
     config = LlamaConfig(vocab=64, seq_len=16, embed=32, heads=4, kv_heads=2, mlp=64, layers=2, experts=4, top_k=2,
                          tied_head=False)
     model = nnx.eval_shape(lambda: decoder(config, nnx.Rngs(0)))
-    step = make_plan(model, jshard.make_mesh(fsdp=8), jshard.preset("zero3"), precision="fp8")
+    step = make_plan(model, jshard.Layout.of("zero3", dict(fsdp=8), precision="fp8"))
     assert {p.path for p in step.params if p.fp8} == {
         "blocks/attn/q/kernel", "blocks/attn/kv/kernel", "blocks/attn/out/kernel",
         "blocks/mlp/gate_up/kernel", "blocks/mlp/down/kernel"}
-    assert not any(p.fp8 for p in make_plan(model, jshard.make_mesh(fsdp=8), jshard.preset("zero3"),
-                                            precision="mixed").params)
+    assert not any(p.fp8 for p in make_plan(model, jshard.Layout.of("zero3", dict(fsdp=8), precision="mixed")).params)
 
 
 def test_zero3_gathers_the_projections_in_half_the_bytes_of_mixed():
@@ -166,8 +165,8 @@ def test_the_planner_counts_e4m3_gathers_and_their_scales():
     reduce-scatters in bf16 as under mixed, and one f32 scale a projection a layer all-reduced
     (on a CPU). That these are the compiled program's bytes: `tests/test_plan.py`'s fp8 rows."""
     config = plan.VALIDATION_MODELS["gpt"]
-    comm = {name: plan.estimate(plan.PlanInput(config, dict(fsdp=8), "zero3", precision=name, micro_batch_size=2,
-                                               hardware=plan.HARDWARE["cpu"]))["comm_bytes_per_step"]
+    layouts = {name: jshard.Layout.of("zero3", dict(fsdp=8), precision=name, micro_batch_size=2) for name in ("mixed", "fp8")}
+    comm = {name: plan.estimate(plan.PlanInput(config, layouts[name], plan.HARDWARE["cpu"]))["comm_bytes_per_step"]
             for name in ("mixed", "fp8")}
     projections = 4 * config.layers * config.embed * config.embed + 2 * config.layers * config.embed * config.mlp
     assert comm["mixed"]["all-gather"] - comm["fp8"]["all-gather"] == 2 * projections  # 2 gathers, a byte less each
@@ -177,18 +176,19 @@ def test_the_planner_counts_e4m3_gathers_and_their_scales():
 
 def test_fp8_step_time_counts_the_projections_at_the_fp8_peak():
     config = GPT_SIZES["gpt-1b"]
-    times = {name: plan.estimate(plan.PlanInput(config, dict(data=8), "dp", precision=name, batch_size=32))
+    times = {name: plan.estimate(plan.PlanInput(config, jshard.Layout.of("dp", dict(data=8), precision=name),
+                                                batch_size=32))
              for name in ("mixed", "fp8")}
     assert times["fp8"]["compute_s"] < times["mixed"]["compute_s"] < 2 * times["fp8"]["compute_s"]
 
 
 def test_fp8_is_refused_where_it_cannot_run():
     with pytest.raises(ShardingError, match="a100 has no FP8"):
-        plan.estimate(plan.PlanInput(GPT_SIZES["gpt-1b"], dict(data=8), "dp", precision="fp8",
-                                     hardware=plan.HARDWARE["a100"]))
+        plan.estimate(plan.PlanInput(GPT_SIZES["gpt-1b"], jshard.Layout.of("dp", dict(data=8), precision="fp8"),
+                                     plan.HARDWARE["a100"]))
     model = nnx.eval_shape(lambda: decoders.make("gpt", SEED))
     with pytest.raises(ShardingError, match="sp-overlap.*no FP8 form"):
-        make_plan(model, jshard.make_mesh(data=2, tensor=4), jshard.preset("dp+tp+sp-overlap"), precision="fp8")
+        make_plan(model, jshard.Layout.of("dp+tp+sp-overlap", dict(data=2, tensor=4), precision="fp8"))
 
 
 @pytest.mark.slow

@@ -101,8 +101,8 @@ def test_hf_sharded_loss_matches_transformers(family, preset, sizes):
     model, _ = imported(fixture(family))
     ref = reference(family)
     pipelined = "stage" in sizes
-    step = build_step(model, OPTIMIZER, gpt_loss, jshard.make_mesh(**sizes), jshard.preset(preset),
-                      microbatches=2 if pipelined else None)
+    step = build_step(model, OPTIMIZER, gpt_loss,
+                      jshard.Layout.of(preset, sizes, microbatches=2 if pipelined else None))
     ids, expected = ref["ids"], float(ref["loss"])
     if "sp" in preset.split("+"):  # sequence parallelism splits the 23 positions: 22, and transformers'
         ids = ids[:, :23]          # loss over them from its own logits (causal: the same for a shorter input)

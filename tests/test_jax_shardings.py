@@ -44,8 +44,8 @@ def test_a_model_with_jax_annotations_trains_in_its_own_layout(preset, sizes, co
     """Losses and every Variable after 3 steps, as on one device; each param laid out as its
     author's spec says, renamed (`P()` replicated); the `nnx.data` constant carried through the
     steps and, under dp, through a checkpoint."""
-    step = build_step(explicit_sharding_lm(nnx.Rngs(SEED)), OPTIMIZER, next_token_loss, jshard.make_mesh(**sizes),
-                      rules(preset), collectives=collectives)
+    step = build_step(explicit_sharding_lm(nnx.Rngs(SEED)), OPTIMIZER, next_token_loss,
+                      jshard.Layout.of(rules(preset), sizes), collectives=collectives)
     specs = {p.path: p.placement.spec for p in step.plan.params}
     fsdp = "fsdp" if sizes.get("fsdp", 1) > 1 else None
     tensor = "tensor" if sizes.get("tensor", 1) > 1 else None
@@ -70,7 +70,7 @@ def test_what_the_explicit_step_cannot_honour_is_one_line(make, preset, sizes, m
     """A forward request for another layout than the local one, named at its call site; a preset
     that leaves the model's tensor axis unused. Refused while tracing: nothing compiles."""
     with pytest.raises(ShardingError, match=message) as refused:
-        step = build_step(make(nnx.Rngs(SEED)), OPTIMIZER, next_token_loss, jshard.make_mesh(**sizes), rules(preset))
+        step = build_step(make(nnx.Rngs(SEED)), OPTIMIZER, next_token_loss, jshard.Layout.of(rules(preset), sizes))
         step(step.state, step.shard_batch(token_batches(SEED, 1)[0]))
     assert "\n" not in str(refused.value)
 
@@ -79,8 +79,8 @@ def test_what_the_explicit_step_cannot_honour_is_one_line(make, preset, sizes, m
 def test_a_model_axis_without_a_jshard_axis_is_one_line():
     with pytest.raises(ShardingError, match=r"name mesh axis 'tp' \(params .* and 3 more\).* "
                                             r"Fix: .*rules.with_mesh_axes\(\{'tp': 'tensor'\}\)") as refused:
-        build_step(explicit_sharding_lm(nnx.Rngs(SEED)), OPTIMIZER, next_token_loss, jshard.make_mesh(data=8),
-                   jshard.preset("dp"))
+        build_step(explicit_sharding_lm(nnx.Rngs(SEED)), OPTIMIZER, next_token_loss,
+                   jshard.Layout.of("dp", dict(data=8)))
     assert "\n" not in str(refused.value)
 
 
@@ -88,5 +88,5 @@ def test_with_sharding_constraint_on_the_models_axes_lowers_in_the_compiler_plac
     """An Auto-mesh model's constraint over its author's axes becomes one over jshard's (lowered, not
     compiled: JAX refuses it at trace time, if at all)."""
     step = build_step(explicit_sharding_lm(nnx.Rngs(SEED), model=ConstrainedLM), OPTIMIZER, next_token_loss,
-                      jshard.make_mesh(data=2, fsdp=2, tensor=2), rules("dp+fsdp+tp"), collectives="compiler")
+                      jshard.Layout.of(rules("dp+fsdp+tp"), dict(data=2, fsdp=2, tensor=2)), collectives="compiler")
     step.lower(step.state, step.shard_batch(token_batches(SEED, 1)[0]))

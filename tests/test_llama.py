@@ -55,8 +55,8 @@ def test_rotary_scores_depend_on_the_distance_only():
 def test_kv_heads_that_do_not_divide_the_tensor_axis_are_one_error():
     config = LlamaConfig(vocab=64, seq_len=16, embed=32, heads=8, kv_heads=2, mlp=64, layers=2)
     with pytest.raises(ShardingError) as error:
-        build_step(Llama(config, rngs=nnx.Rngs(0)), optax.sgd(0.1), gpt_loss, jshard.make_mesh(data=2, tensor=4),
-                   jshard.preset("dp+tp"))
+        build_step(Llama(config, rngs=nnx.Rngs(0)), optax.sgd(0.1), gpt_loss,
+                   jshard.Layout.of("dp+tp", dict(data=2, tensor=4)))
     assert "blocks/attn/kv/kernel" in str(error.value) and "('kv_heads', size 2) does not divide by tensor=4" in str(error.value)
 
 

@@ -110,7 +110,7 @@ def test_collective_bytes_are_the_planners(preset, sizes, remat, moe_every):
     equal the planner's formulas (`plan.traffic`)."""
     config = dataclasses.replace(SIZES["moe-tiny"], remat=remat, layers=2 * moe_every, moe_every=moe_every)
     batch = np.random.default_rng(SEED).integers(0, config.vocab, (16, config.seq_len + 1))
-    step = build_step(decoder(config, nnx.Rngs(0)), OPTIMIZER, gpt_loss, jshard.make_mesh(**sizes), jshard.preset(preset))
+    step = build_step(decoder(config, nnx.Rngs(0)), OPTIMIZER, gpt_loss, jshard.Layout.of(preset, sizes))
     counted = collective_bytes(step, batch)
     planned = {}
     for (kind, _), nbytes in plan.traffic(config, step.plan, 16 // step.data_shards, config.seq_len).items():
@@ -126,7 +126,7 @@ def test_expert_weights_per_device_fall_as_one_over_ep(ep):
     """Each device holds experts/ep experts' weights, and compiles to 1/ep of their bytes; the
     rest of the model stays whole (dp)."""
     step = build_step(decoder(SIZES["moe-tiny"], nnx.Rngs(0)), OPTIMIZER, gpt_loss,
-                      jshard.make_mesh(data=8 // ep, expert=ep), jshard.preset("dp+ep"))
+                      jshard.Layout.of("dp+ep", dict(data=8 // ep, expert=ep)))
     held = {"/".join(map(str, path)): (v.get_value().addressable_shards[0].data.nbytes, v.get_value().nbytes)
             for path, v in nnx.to_flat_state(step.state.params)}
     experts = [k for k in held if "mlp/gate_up" in k or "mlp/down" in k]
@@ -143,7 +143,7 @@ def test_top_1_and_dropless_match_one_device(top_k, capacity_factor):
     under dp+ep+tp, against one device, balance gradient included."""
     make = functools.partial(decoders.make, "moe", SEED, top_k=top_k, capacity_factor=capacity_factor)
     batch = batch_of()
-    step = build_step(make(), OPTIMIZER, gpt_loss, jshard.make_mesh(data=2, expert=2, tensor=2), jshard.preset("dp+ep+tp"))
+    step = build_step(make(), OPTIMIZER, gpt_loss, jshard.Layout.of("dp+ep+tp", dict(data=2, expert=2, tensor=2)))
     assert_gradients_close(step, batch, *one_device_gradients(make(), gpt_loss, batch))
     dropped = make().router_stats(batch[:, :-1])["dropped"]
     assert np.all(dropped == 0) if capacity_factor is None else np.all(dropped > 0)
@@ -156,7 +156,7 @@ def test_moe_every_other_block_matches_one_device():
     assert len(model.blocks.dense) == 1 and model.blocks.moe.mlp.gate_up.kernel.shape[:2] == (2, CONFIG.experts)
     assert model.router_stats(batch_of()[:, :-1])["load"].shape == (2, CONFIG.experts)
     batch = batch_of()
-    step = build_step(make(), OPTIMIZER, gpt_loss, jshard.make_mesh(data=2, expert=2, tensor=2), jshard.preset("dp+ep+tp"))
+    step = build_step(make(), OPTIMIZER, gpt_loss, jshard.Layout.of("dp+ep+tp", dict(data=2, expert=2, tensor=2)))
     assert_gradients_close(step, batch, *one_device_gradients(model, gpt_loss, batch))
 
 
@@ -183,8 +183,9 @@ def test_pipeline_matches_one_device(schedule, moe_every):
     shards, microbatches = 4, 2  # data × expert
     batch = batch_of()
     make = functools.partial(decoders.make, "moe", SEED, layers=4 * moe_every, moe_every=moe_every)
-    step = build_step(make(), OPTIMIZER, gpt_loss, jshard.make_mesh(data=2, expert=2, stage=2),
-                      jshard.preset("dp+ep+pp"), microbatches, schedule)
+    step = build_step(make(), OPTIMIZER, gpt_loss,
+                      jshard.Layout.of("dp+ep+pp", dict(data=2, expert=2, stage=2), microbatches=microbatches,
+                                       schedule=schedule))
 
     def reference_loss(model, batch):
         per_shard = batch.reshape(shards, microbatches, -1, batch.shape[1])
@@ -202,8 +203,9 @@ def test_compiler_placed_step_matches_the_explicit_one():
     """The same rules under plain jax.jit: XLA's partitioner turns the buffer's layouts into its
     own collectives; gradients agree with the explicit step's."""
     batch, mesh, rules = batch_of(), jshard.make_mesh(data=2, expert=4), jshard.preset("dp+ep")
-    explicit = build_step(decoders.make("moe", SEED), OPTIMIZER, gpt_loss, mesh, rules)
-    compiled = build_step(decoders.make("moe", SEED), OPTIMIZER, gpt_loss, mesh, rules, collectives="compiler")
+    explicit = build_step(decoders.make("moe", SEED), OPTIMIZER, gpt_loss, jshard.Layout.of(rules, mesh), mesh)
+    compiled = build_step(decoders.make("moe", SEED), OPTIMIZER, gpt_loss, jshard.Layout.of(rules, mesh), mesh,
+                          collectives="compiler")
     loss, grads = explicit.value_and_grad(explicit.state, explicit.shard_batch(batch))
     assert_gradients_close(compiled, batch, loss, grads)
 
@@ -213,7 +215,7 @@ def test_bf16_matches_fp32_on_one_device():
     batch = batch_of()
     expected, expected_grads = one_device_gradients(decoders.make("moe", SEED), gpt_loss, batch)
     step = build_step(decoders.make("moe", SEED, dtype=jnp.bfloat16), OPTIMIZER, gpt_loss,
-                      jshard.make_mesh(data=2, expert=4), jshard.preset("dp+ep"), precision="mixed")
+                      jshard.Layout.of("dp+ep", dict(data=2, expert=4), precision="mixed"))
     loss, grads = step.value_and_grad(step.state, step.shard_batch(batch))
     assert relative_error(loss, expected) <= BF16_TOLERANCE, f"loss {float(loss)} vs {expected} (seed {SEED})"
     flat = dict(nnx.to_flat_state(expected_grads))
@@ -240,7 +242,7 @@ def test_bad_input(fields, preset, sizes, error, match):
     """One clear error, before any device work: from the config, or from build_step's checks."""
     with pytest.raises(error, match=match):
         model = decoders.make("moe", SEED, **fields)
-        build_step(model, OPTIMIZER, gpt_loss, jshard.make_mesh(**sizes), jshard.preset(preset))
+        build_step(model, OPTIMIZER, gpt_loss, jshard.Layout.of(preset, sizes))
 
 
 def test_matmul_batches_over_names_leading_both_and_contracts_trailing_ones():

@@ -49,8 +49,8 @@ def test_step_matches_the_plain_flax_step(name, precision):
     # fp32 at fp32 (a GPU's default runs fp32 matmuls as TF32): the comparison is the step's, not TF32's.
     exact = jax.default_matmul_precision("highest") if precision == "fp32" else contextlib.nullcontext()
     with exact:
-        step = build_step(model, OPTIMIZER, gpt_loss, jshard.make_mesh(devices=devices, data=1), jshard.preset("dp"),
-                          precision=policy)
+        step = build_step(model, OPTIMIZER, gpt_loss, jshard.Layout("dp", precision=policy),
+                          jshard.make_mesh(devices=devices, data=1))
         plain_fn, plain_state, rows = plain_step(plain, OPTIMIZER, devices)
         state, losses, plain_losses = step.state, [], []
         for tokens in _batches(config):
@@ -90,8 +90,8 @@ def test_the_device_compiles_the_kernel_auto_chose(name):
     """bf16 at head dim 64: cuDNN's fused attention on a GPU (in the program the device ran), XLA's elsewhere."""
     model = decoder(CONFIGS[name], nnx.Rngs(SEED))
     devices = jax.devices()[:1]
-    step = build_step(model, OPTIMIZER, gpt_loss, jshard.make_mesh(devices=devices, data=1), jshard.preset("dp"),
-                      precision=precision_policy("bf16"))
+    step = build_step(model, OPTIMIZER, gpt_loss, jshard.Layout("dp", precision="bf16"),
+                      jshard.make_mesh(devices=devices, data=1))
     _, program = compiled_for_device(step, step.state, step.shard_batch(_batches(CONFIGS[name])[0]))
     assert program["attention"] == ("cudnn" if ON_GPU else "xla")
     assert program["memory"]["total"] > 0 and program["kernels"]["fusion"] > 0
@@ -105,8 +105,8 @@ def test_fp8_projections_are_fp8_gemms_in_the_devices_program(name):
     as one bf16 GEMM: 11 of 15 FP8.)"""
     model = decoder(CONFIGS[name], nnx.Rngs(SEED))
     devices = jax.devices()[:1]
-    step = build_step(model, OPTIMIZER, gpt_loss, jshard.make_mesh(devices=devices, data=1), jshard.preset("dp"),
-                      precision=precision_policy("fp8"))
+    step = build_step(model, OPTIMIZER, gpt_loss, jshard.Layout("dp", precision="fp8"),
+                      jshard.make_mesh(devices=devices, data=1))
     _, program = compiled_for_device(step, step.state, step.shard_batch(_batches(CONFIGS[name])[0]))
     projections = {"gpt": 4, "llama": 5}[name]
     kernels = program["kernels"]

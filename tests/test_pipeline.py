@@ -26,8 +26,8 @@ MLP_CONFIG = MLPConfig(dim=32, layers=8)
 
 def assert_matches_one_device(make, loss_fn, batch, preset, sizes, microbatches, schedule, steps=0):
     """Loss and gradients of the pipelined step equal one device's; then `steps` AdamW steps."""
-    step = build_step(make(), OPTIMIZER, loss_fn, jshard.make_mesh(**sizes), jshard.preset(preset), microbatches,
-                      schedule)
+    step = build_step(make(), OPTIMIZER, loss_fn,
+                      jshard.Layout.of(preset, sizes, microbatches=microbatches, schedule=schedule))
     reference = make()
     assert_gradients_close(step, batch, *one_device_gradients(reference, loss_fn, batch))
     if steps:
@@ -87,8 +87,9 @@ def uneven_step(layers, stages, schedule, virtual):
     """DeepMLP(32, `layers`) under dp+pp at m = p, and its state's abstract values (for `lower`:
     the parity test's call donates `.state`), so the FLOPs test shares its compilation."""
     model = DeepMLP(MLPConfig(dim=MLP_CONFIG.dim, layers=layers), rngs=nnx.Rngs(SEED))
-    step = build_step(model, OPTIMIZER, mlp_loss, jshard.make_mesh(data=8 // stages, stage=stages),
-                      jshard.preset("dp+pp"), stages, schedule, virtual)
+    step = build_step(model, OPTIMIZER, mlp_loss,
+                      jshard.Layout.of("dp+pp", dict(data=8 // stages, stage=stages), microbatches=stages,
+                                       schedule=schedule, virtual=virtual))
     return step, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), step.state)
 
 
@@ -133,8 +134,9 @@ def mlp_step(schedule, stages, microbatches, dim=MLP_CONFIG.dim, stage_remat=Non
     jitted function's lowering and executable. Only lowered or differentiated, never called (a
     call would donate its `.state`)."""
     model = DeepMLP(MLPConfig(dim=dim, layers=8), rngs=nnx.Rngs(0))
-    return build_step(model, OPTIMIZER, mlp_loss, jshard.make_mesh(data=8 // stages, stage=stages),
-                      jshard.preset("dp+pp"), microbatches, schedule, stage_remat=stage_remat)
+    return build_step(model, OPTIMIZER, mlp_loss,
+                      jshard.Layout.of("dp+pp", dict(data=8 // stages, stage=stages), microbatches=microbatches,
+                                       schedule=schedule, stage_remat=stage_remat))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
@@ -159,8 +161,7 @@ def test_flops_of_every_schedule():
     the stage's forward adds a third; ZB-H1 recomputing for B and for W, two thirds."""
     stages, microbatches = 2, 4
     batch = np.ones((8 * microbatches, MLP_CONFIG.dim), np.float32)
-    flat = build_step(DeepMLP(MLP_CONFIG, rngs=nnx.Rngs(0)), OPTIMIZER, mlp_loss, jshard.make_mesh(data=8),
-                      jshard.preset("dp"))
+    flat = build_step(DeepMLP(MLP_CONFIG, rngs=nnx.Rngs(0)), OPTIMIZER, mlp_loss, jshard.Layout.of("dp", dict(data=8)))
     # Per device the same work: 1/8 of the rows through every layer, or 1/4 through half of them.
     unpipelined = _flops(flat, batch)
     for schedule in SCHEDULES:
@@ -243,8 +244,8 @@ def test_one_f_one_b_needs_less_memory_than_gpipe():
 def test_model_comes_back_in_model_order(schedule):
     """The interleaved step stores chunks d, p+d, ... on device d; what it hands out is in model order."""
     make = lambda: DeepMLP(MLPConfig(dim=8, layers=8), rngs=nnx.Rngs(3))  # noqa: E731
-    step = build_step(make(), OPTIMIZER, mlp_loss, jshard.make_mesh(data=4, stage=2), jshard.preset("dp+pp"), 4,
-                      schedule)
+    step = build_step(make(), OPTIMIZER, mlp_loss,
+                      jshard.Layout.of("dp+pp", dict(data=4, stage=2), microbatches=4, schedule=schedule))
     expected = dict(nnx.to_flat_state(nnx.state(make())))
     for path, param in nnx.to_flat_state(nnx.state(step.model(step.state))):
         np.testing.assert_array_equal(param.get_value(), expected[path].get_value(), err_msg=str(path))
@@ -264,7 +265,7 @@ def make_mlp():
 @pytest.mark.parametrize(
     "preset, sizes, loss_fn, microbatches, fragment",
     [
-        ("dp+pp", dict(data=2, stage=4), mlp_loss, None, "needs microbatches=M >= 1"),
+        ("dp+pp", dict(data=2, stage=4), mlp_loss, None, "needs Layout.microbatches=M >= 1"),
         ("dp+pp", dict(data=2, stage=4), lambda m, b: mlp_loss(m, b), 4, "StagedLoss"),
         ("dp", dict(data=8), mlp_loss, 4, "no pipeline to feed"),
     ],
@@ -272,7 +273,7 @@ def make_mlp():
 def test_bad_pipeline_input(preset, sizes, loss_fn, microbatches, fragment):
     model = DeepMLP(MLPConfig(dim=32, layers=8), rngs=nnx.Rngs(0))
     with pytest.raises(jshard.ShardingError, match=fragment):
-        build_step(model, OPTIMIZER, loss_fn, jshard.make_mesh(**sizes), jshard.preset(preset), microbatches)
+        build_step(model, OPTIMIZER, loss_fn, jshard.Layout.of(preset, sizes, microbatches=microbatches))
 
 
 @pytest.mark.parametrize("preset, sizes, stage_remat, fragment", [
@@ -281,12 +282,13 @@ def test_bad_pipeline_input(preset, sizes, loss_fn, microbatches, fragment):
 ])
 def test_bad_stage_remat(preset, sizes, stage_remat, fragment):
     with pytest.raises(jshard.ShardingError, match=fragment):
-        build_step(make_mlp(), OPTIMIZER, mlp_loss, jshard.make_mesh(**sizes), jshard.preset(preset),
-                   4 if "pp" in preset else None, stage_remat=stage_remat)
+        build_step(make_mlp(), OPTIMIZER, mlp_loss,
+                   jshard.Layout.of(preset, sizes, microbatches=4 if "pp" in preset else None,
+                                    stage_remat=stage_remat))
 
 
 def test_batch_not_divisible_by_microbatches():
-    step = build_step(make_mlp(), OPTIMIZER, mlp_loss, jshard.make_mesh(data=2, stage=4), jshard.preset("dp+pp"), 4)
+    step = build_step(make_mlp(), OPTIMIZER, mlp_loss, jshard.Layout.of("dp+pp", dict(data=2, stage=4), microbatches=4))
     with pytest.raises(jshard.ShardingError, match=r"batch size 12 does not split over 2 batch shards \(data\) × 4 pipeline micro-batches = 8"):
         step.shard_batch(np.ones((12, MLP_CONFIG.dim), np.float32))
 
@@ -307,13 +309,13 @@ def test_bad_schedule_input(layers, sizes, microbatches, schedule, virtual, frag
     """Each refused before any device work, with the sizes and a fix."""
     model = DeepMLP(MLPConfig(dim=32, layers=layers), rngs=nnx.Rngs(0))
     with pytest.raises(ScheduleError, match=fragment):
-        build_step(model, OPTIMIZER, mlp_loss, jshard.make_mesh(**sizes), jshard.preset("dp+pp"), microbatches,
-                   schedule, virtual)
+        build_step(model, OPTIMIZER, mlp_loss,
+                   jshard.Layout.of("dp+pp", sizes, microbatches=microbatches, schedule=schedule, virtual=virtual))
 
 
 def test_schedule_without_pipeline():
     with pytest.raises(jshard.ShardingError, match="schedule='1f1b' but rules 'dp'.*no pipeline to feed"):
-        build_step(make_mlp(), OPTIMIZER, mlp_loss, jshard.make_mesh(data=8), jshard.preset("dp"), schedule="1f1b")
+        build_step(make_mlp(), OPTIMIZER, mlp_loss, jshard.Layout.of("dp", dict(data=8), schedule="1f1b"))
 
 
 @pytest.mark.slow

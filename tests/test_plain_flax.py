@@ -64,8 +64,8 @@ def test_plain_flax_model_matches_one_device(name, preset, sizes, microbatches):
     make, loss_fn, batches = (ShapeReadingMLP, mse_loss, regression_batches) if name == "mlp" else MODELS[name]
     extra = dict(dropout=0.0) if name in ("mlp", "cnn") else {}
     run = train_on_one_device(make(nnx.Rngs(SEED), **extra), OPTIMIZER, loss_fn, batches(SEED, 3))
-    step = build_step(make(nnx.Rngs(SEED), **extra), OPTIMIZER, loss_fn, jshard.make_mesh(**sizes),
-                      jshard.preset(preset), microbatches)
+    step = build_step(make(nnx.Rngs(SEED), **extra), OPTIMIZER, loss_fn,
+                      jshard.Layout.of(preset, sizes, microbatches=microbatches))
     assert_trains_like_one_device(step, run, f"{name} {preset}")
 
 
@@ -76,7 +76,7 @@ def test_zero_splits_params_without_names_by_itself(name, preset):
     divides, and the run is one device's."""
     make, loss_fn, batches = MODELS[name]
     run = train_on_one_device(make(nnx.Rngs(SEED)), OPTIMIZER, loss_fn, batches(SEED, 3))
-    step = build_step(make(nnx.Rngs(SEED)), OPTIMIZER, loss_fn, jshard.make_mesh(fsdp=8), jshard.preset(preset))
+    step = build_step(make(nnx.Rngs(SEED)), OPTIMIZER, loss_fn, jshard.Layout.of(preset, dict(fsdp=8)))
     assert_trains_like_one_device(step, run, f"{name} {preset}")
     flags = {p.path: p.flags for p in step.describe(batches(SEED, 1)[0]).rows}
     kernel, dim = {"unnamed cnn": ("conv1/kernel", 3), "unnamed transformer": ("up/kernel", 1),
@@ -101,7 +101,7 @@ def test_a_plain_model_under_any_preset_trains_or_gets_one_sharding_error(name, 
     one jshard error with a Fix, never an exception from deep inside Flax or JAX."""
     make, loss_fn, batches = MODELS[name]
     try:
-        step = build_step(make(nnx.Rngs(0)), OPTIMIZER, loss_fn, jshard.make_mesh(**sizes), jshard.preset(preset))
+        step = build_step(make(nnx.Rngs(0)), OPTIMIZER, loss_fn, jshard.Layout.of(preset, sizes))
         state, loss = step(step.state, step.shard_batch(batches(0, 1)[0]))
     except jshard.ShardingError as e:
         assert "Fix:" in str(e), str(e)
@@ -113,17 +113,17 @@ def test_tensor_parallelism_still_needs_names_and_says_which():
     with pytest.raises(jshard.ShardingError, match=r"param 'conv1/kernel' \(shape \(3, 3, 1, 8\)\) has no logical axis "
                                                    r"names, but rules 'dp\+zero3\+tp' shard params over tensor"):
         build_step(MODELS["unnamed cnn"][0](nnx.Rngs(0)), OPTIMIZER, classification_loss,
-                   jshard.make_mesh(data=2, fsdp=2, tensor=2), jshard.preset("dp+fsdp+tp"))
+                   jshard.Layout.of("dp+fsdp+tp", dict(data=2, fsdp=2, tensor=2)))
 
 
 def test_describe_lists_the_params_a_plain_layer_reads_whole():
-    step = build_step(MLP(nnx.Rngs(0)), OPTIMIZER, mse_loss, jshard.make_mesh(data=2, fsdp=2, tensor=2),
-                      jshard.preset("dp+fsdp+tp"))
+    step = build_step(MLP(nnx.Rngs(0)), OPTIMIZER, mse_loss,
+                      jshard.Layout.of("dp+fsdp+tp", dict(data=2, fsdp=2, tensor=2)))
     flags = {p.path: p.flags for p in step.describe(regression_batches(0, 1)[0]).rows}
     assert any("read whole by a plain layer" in f and "gathered over tensor" in f for f in flags["up/kernel"])
     assert "no logical names: split by itself over fsdp on dim 0 (ZeRO)" in flags["up/bias"]  # (not over tensor)
     # Under ZeRO-3 alone a whole read gathers what jshard.nn gathers too: nothing to flag.
-    step = build_step(MLP(nnx.Rngs(0)), OPTIMIZER, mse_loss, jshard.make_mesh(fsdp=8), jshard.preset("zero3"))
+    step = build_step(MLP(nnx.Rngs(0)), OPTIMIZER, mse_loss, jshard.Layout.of("zero3", dict(fsdp=8)))
     report = step.describe(regression_batches(0, 1)[0])
     assert step.whole_reads == {"up/kernel": ("fsdp",), "down/kernel": ("fsdp",), "up/bias": ("fsdp",),
                                 "down/bias": ("fsdp",)}  # (the biases split by ZeRO with no names)
@@ -145,7 +145,7 @@ def loss_with_a_key_of_its_own(model, batch):
 ])
 def test_describe_warns_of_a_random_key_the_loss_makes_from_a_constant(loss_fn, sizes, warned):
     rules = jshard.preset("dp" if "data" in sizes else "zero3" if "fsdp" in sizes else "dp+tp")
-    step = build_step(CNN(nnx.Rngs(0)), OPTIMIZER, loss_fn, jshard.make_mesh(**sizes), rules)
+    step = build_step(CNN(nnx.Rngs(0)), OPTIMIZER, loss_fn, jshard.Layout.of(rules, sizes))
     report = step.describe(image_batches(0, 1)[0])
     assert ("! the loss makes a random key from a constant" in str(report)) == warned, str(report)
 
@@ -168,8 +168,7 @@ class EveryReadMLP(MLP):
                                            ("dp+fsdp+tp", dict(data=2, fsdp=2, tensor=2))])
 def test_every_read_of_a_split_param_gets_the_whole_param(preset, sizes):
     run = train_on_one_device(EveryReadMLP(nnx.Rngs(SEED)), OPTIMIZER, mse_loss, regression_batches(SEED, 2))
-    step = build_step(EveryReadMLP(nnx.Rngs(SEED)), OPTIMIZER, mse_loss, jshard.make_mesh(**sizes),
-                      jshard.preset(preset))
+    step = build_step(EveryReadMLP(nnx.Rngs(SEED)), OPTIMIZER, mse_loss, jshard.Layout.of(preset, sizes))
     assert_trains_like_one_device(step, run, preset)
 
 
@@ -190,8 +189,8 @@ def test_a_loss_that_returns_metrics_trains_and_returns_them(preset, sizes, coll
     averaged over the batch shards as the loss is, or added up where the loss marks it `jshard.summed`."""
     batches = image_batches(SEED, 3)
     one = CNN(nnx.Rngs(SEED), dropout=0.0)
-    step = build_step(CNN(nnx.Rngs(SEED), dropout=0.0), OPTIMIZER, loss_and_accuracy, jshard.make_mesh(**sizes),
-                      jshard.preset(preset), collectives=collectives, has_aux=True)
+    step = build_step(CNN(nnx.Rngs(SEED), dropout=0.0), OPTIMIZER, loss_and_accuracy, jshard.Layout.of(preset, sizes),
+                      collectives=collectives, has_aux=True)
     state, reference = step.state, train_on_one_device(one, OPTIMIZER, classification_loss, batches)
     for batch, expected_loss in zip(batches, reference.losses):
         evaluated_loss, evaluated = step.loss(state, step.shard_batch(batch))
@@ -216,8 +215,7 @@ def test_a_loss_that_returns_metrics_trains_and_returns_them(preset, sizes, coll
     (classification_loss, True, dict(data=8), "the loss returned a ArrayImpl|Tracer|not \\(loss, metrics\\)"),
 ])
 def test_a_loss_with_metrics_that_does_not_fit_gets_one_error(loss_fn, has_aux, sizes, message):
-    step = build_step(CNN(nnx.Rngs(0), dropout=0.0), OPTIMIZER, loss_fn, jshard.make_mesh(**sizes), jshard.preset("dp"),
-                      has_aux=has_aux)
+    step = build_step(CNN(nnx.Rngs(0), dropout=0.0), OPTIMIZER, loss_fn, jshard.Layout.of("dp", sizes), has_aux=has_aux)
     with pytest.raises(jshard.ShardingError, match=message):
         step(step.state, step.shard_batch(image_batches(0, 1)[0]))
 
@@ -231,8 +229,8 @@ def test_a_loss_with_metrics_that_does_not_fit_gets_one_error(loss_fn, has_aux, 
 ])
 def test_a_pipeline_names_what_its_model_or_loss_lacks(make, loss_fn, has_aux, message):
     with pytest.raises(jshard.ShardingError, match=message):
-        build_step(make(nnx.Rngs(0)), OPTIMIZER, loss_fn, jshard.make_mesh(data=4, stage=2),
-                   jshard.preset("dp+pp"), microbatches=4, has_aux=has_aux)
+        build_step(make(nnx.Rngs(0)), OPTIMIZER, loss_fn,
+                   jshard.Layout.of("dp+pp", dict(data=4, stage=2), microbatches=4), has_aux=has_aux)
 
 
 def fold_keys(model, shard: int):
@@ -247,8 +245,7 @@ def test_dropout_draws_from_the_stream_of_each_batch_shard(preset, sizes):
     """The step's loss and gradients with dropout equal plain Flax's on each batch shard with
     its own stream, fold_in(key, shard), averaged: each shard drops other positions."""
     batch = regression_batches(SEED, 1)[0]
-    step = build_step(MLP(nnx.Rngs(SEED), dropout=0.5), OPTIMIZER, mse_loss, jshard.make_mesh(**sizes),
-                      jshard.preset(preset))
+    step = build_step(MLP(nnx.Rngs(SEED), dropout=0.5), OPTIMIZER, mse_loss, jshard.Layout.of(preset, sizes))
     loss, grads = step.value_and_grad(step.state, step.shard_batch(batch))
     shards = step.data_shards
     rows = len(batch[0]) // shards
@@ -270,8 +267,7 @@ def test_cnn_with_batch_norm_and_dropout_trains_and_resumes_exactly(preset, size
     survive a checkpoint: saved after 2 steps, restored after 12 into the same step (one
     program), 2 more steps are the uninterrupted run's steps 3 and 4."""
     data = image_batches(SEED, 1) * 12  # one batch, again and again: the loss must fall
-    step = build_step(CNN(nnx.Rngs(SEED)), optax.adam(1e-2), classification_loss, jshard.make_mesh(**sizes),
-                      jshard.preset(preset))
+    step = build_step(CNN(nnx.Rngs(SEED)), optax.adam(1e-2), classification_loss, jshard.Layout.of(preset, sizes))
     state, losses = step.state, []
     for i, batch in enumerate(data):
         state, loss = step(state, step.shard_batch(batch))
@@ -307,8 +303,8 @@ class CountedMLP(MLP):
 
 
 def test_any_variable_the_model_writes_is_carried_through_steps():
-    step = build_step(CountedMLP(nnx.Rngs(0)), OPTIMIZER, mse_loss, jshard.make_mesh(data=2, fsdp=2, tensor=2),
-                      jshard.preset("dp+fsdp+tp"))
+    step = build_step(CountedMLP(nnx.Rngs(0)), OPTIMIZER, mse_loss,
+                      jshard.Layout.of("dp+fsdp+tp", dict(data=2, fsdp=2, tensor=2)))
     state, _ = train(step, regression_batches(0, 3))
     assert int(step.model(state).calls[...]) == 3
 
@@ -326,7 +322,7 @@ class BatchMean(nnx.Module):
 
 
 def test_state_written_from_one_shard_is_refused():
-    step = build_step(BatchMean(nnx.Rngs(0)), OPTIMIZER, mse_loss, jshard.make_mesh(data=8), jshard.preset("dp"))
+    step = build_step(BatchMean(nnx.Rngs(0)), OPTIMIZER, mse_loss, jshard.Layout.of("dp", dict(data=8)))
     with pytest.raises(jshard.ShardingError, match=r"model Variable 'seen' \(BatchStat\) came out of the step "
                                                    r"different on each device of data"):
         step(step.state, step.shard_batch(regression_batches(0, 1)[0]))
@@ -335,13 +331,13 @@ def test_state_written_from_one_shard_is_refused():
 def test_state_under_a_pipeline_is_refused():
     with pytest.raises(jshard.ShardingError, match=r"holds Variables other than Params \(bn1/mean, bn1/var, "
                                                    r"bn2/mean.*pipeline its layers over stage"):
-        build_step(CNN(nnx.Rngs(0)), OPTIMIZER, classification_loss, jshard.make_mesh(data=2, stage=4),
-                   jshard.preset("dp+pp"), microbatches=2)
+        build_step(CNN(nnx.Rngs(0)), OPTIMIZER, classification_loss,
+                   jshard.Layout.of("dp+pp", dict(data=2, stage=4), microbatches=2))
 
 
 def test_a_transformer_of_plain_layers_trains_under_every_axis():
     """Beyond parity: 10 steps of dp+fsdp+tp+sp on one repeated batch fit it."""
     step = build_step(Transformer(nnx.Rngs(SEED)), optax.adam(3e-3), next_token_loss,
-                      jshard.make_mesh(data=2, fsdp=2, tensor=2), jshard.preset("dp+fsdp+tp+sp"))
+                      jshard.Layout.of("dp+fsdp+tp+sp", dict(data=2, fsdp=2, tensor=2)))
     _, losses = train(step, token_batches(SEED, 1) * 10)
     assert losses[-1] < 0.7 * losses[0], f"{losses} (seed {SEED})"

@@ -8,6 +8,7 @@ import json
 import jax.numpy as jnp
 import pytest
 
+from jshard.layout import Layout
 from jshard import moe, plan
 from jshard.plan import physics
 from jshard.cli import main
@@ -57,11 +58,11 @@ def test_plan_formulas_scale_as_the_textbook():
     # ZeRO-3 on 8 devices keeps 1/8 of the 16 bytes per param; DP all-reduces every param once.
     config = GPT_SIZES["gpt-125m"]
     sizes = {"data": 1, "stage": 1, "fsdp": 8, "tensor": 1}
-    est = plan.estimate(plan.PlanInput(config, sizes, "fsdp"))
+    est = plan.estimate(plan.PlanInput(config, Layout.of("fsdp", sizes)))
     n = est["model"]["params"]
     mem = est["memory_bytes_per_device"]
     assert mem["params"] + mem["grads"] + mem["optimizer"] == pytest.approx(16 * n / 8, rel=1e-3)
-    dp = plan.estimate(plan.PlanInput(config, sizes | {"fsdp": 1, "data": 8}, "dp"))
+    dp = plan.estimate(plan.PlanInput(config, Layout.of("dp", sizes | {"fsdp": 1, "data": 8})))
     assert dp["comm_bytes_per_step"]["all-reduce"] == 4 * n + 4
     assert est["comm_bytes_per_step"]["all-gather"] < 2 * 4 * n  # norms and embeddings: gathered once
 
@@ -78,12 +79,12 @@ def test_plan_formulas_scale_as_the_textbook():
 def test_gpu_gradient_reduction_is_a_peak_beside_backwards(model, strategy, mesh, precision, reduction):
     config = dataclasses.replace(GPT_SIZES[model], remat="full")
     sizes = {"data": 1, "stage": 1, "fsdp": 1, "tensor": 1} | mesh
-    est = plan.estimate(plan.PlanInput(config, sizes, strategy, precision=precision, hardware=plan.HARDWARE["h100"]))
+    est = plan.estimate(plan.PlanInput(config, Layout.of(strategy, sizes, precision=precision), plan.HARDWARE["h100"]))
     mem, n = est["memory_bytes_per_device"], est["model"]["params"]
     # the larger of backward's peak (gradients and activations) and the reduction's
     assert mem["grads"] + mem["activations"] + mem.get("reduction", 0) == pytest.approx(
         max(mem["grads"] + mem["activations"], reduction(n)), rel=1e-4)
-    cpu = plan.estimate(plan.PlanInput(config, sizes, strategy, precision=precision, hardware=plan.HARDWARE["cpu"]))
+    cpu = plan.estimate(plan.PlanInput(config, Layout.of(strategy, sizes, precision=precision), plan.HARDWARE["cpu"]))
     assert "reduction" not in cpu["memory_bytes_per_device"]  # XLA:CPU: not seen in its programs
 
 
@@ -93,7 +94,7 @@ def test_collective_matmuls_take_sps_transfers_off_the_critical_path():
     them beside compute, so its step is compute plus what is left on the critical path."""
     config = SIZES["llama-3.1-8b"]
     sizes = {"data": 1, "stage": 1, "fsdp": 1, "tensor": 8}
-    est = {s: plan.estimate(plan.PlanInput(config, sizes, s, precision="mixed", hardware=plan.HARDWARE["h100"]))
+    est = {s: plan.estimate(plan.PlanInput(config, Layout.of(s, sizes, precision="mixed"), plan.HARDWARE["h100"]))
            for s in ("tp+sp", "tp+sp-overlap")}
     seconds = {s: {r["kind"]: r["seconds"] for r in e["collectives"]} for s, e in est.items()}
     sp, overlap = est["tp+sp"], est["tp+sp-overlap"]
@@ -137,7 +138,7 @@ def test_mixtral_expert_params_per_device_fall_as_one_over_ep(ep):
     """dp+ep on 64 H100s: each device holds 8/ep experts' weights and the rest whole; the
     all-to-all of the dispatch buffer (4 per layer, of rows · E · C · embed) puts (ep-1)/ep of it on
     the node's links, and the predicted step waits for it."""
-    est = plan.estimate(plan.PlanInput(MIXTRAL, {"data": 64 // ep, "expert": ep}, "dp+ep", precision="bf16"))
+    est = plan.estimate(plan.PlanInput(MIXTRAL, Layout.of("dp+ep", {"data": 64 // ep, "expert": ep}, precision="bf16")))
     experts, n = est["moe"], est["model"]["params"]
     assert experts["experts_per_device"] == 8 // ep and experts["active_params"] < 0.3 * n
     assert experts["expert_param_bytes_per_device"] == experts["expert_params"] * 4 // ep  # fp32 params
@@ -161,7 +162,7 @@ def test_compute_counts_the_slots_the_experts_run(capacity_factor):
     """Model FLOPs (and MFU) count top_k experts a token; the compute time counts every slot
     of the buffer, E · C per row, filled or not (dropless: C = seq)."""
     config = dataclasses.replace(SIZES["moe-tiny"], capacity_factor=capacity_factor)
-    est = plan.estimate(plan.PlanInput(config, {"expert": 8}, "ep", hardware=plan.HARDWARE["cpu"]))
+    est = plan.estimate(plan.PlanInput(config, Layout.of("ep", {"expert": 8}), plan.HARDWARE["cpu"]))
     slots = 8 * moe.capacity(config.seq_len, 8, 2, capacity_factor) / config.seq_len
     padding = 6 * 3 * config.embed * config.mlp * config.layers * (slots - 2) * est["tokens_per_step"]
     assert est["flops_per_step"]["run"] - est["flops_per_step"]["model"] == pytest.approx(padding)

@@ -51,8 +51,7 @@ def master_params(step, state) -> nnx.State:
 
 def assert_mixed_trains_as_fp32(model_name, preset, sizes, **pipeline):
     model = decoders.make(model_name, SEED, layers=LAYERS, dtype=jnp.bfloat16)
-    step = build_step(model, OPTIMIZER, gpt_loss, jshard.make_mesh(**sizes), jshard.preset(preset),
-                      precision="mixed", **pipeline)
+    step = build_step(model, OPTIMIZER, gpt_loss, jshard.Layout.of(preset, sizes, precision="mixed", **pipeline))
     assert dtypes(step.state.params) == {"bfloat16"}
     assert dtypes(step.state.master) == dtypes(step.state.opt_state) == {"float32"}
     state = assert_trains_like_one_device(step, reference(model_name), "master", BF16_TOLERANCE, master_params)
@@ -93,8 +92,7 @@ def mlp_step(preset: str, sizes: tuple[tuple[str, int], ...], policy: Precision)
     and test_fp8's that lower the same one share its compilation (JAX keeps a jitted function's
     lowering and executable). Only lowered, never called (a call would donate its `.state`)."""
     model = DeepMLP(dataclasses.replace(MLP, dtype=policy.compute), rngs=nnx.Rngs(0))
-    return build_step(model, OPTIMIZER, mlp_loss, jshard.make_mesh(**dict(sizes)), jshard.preset(preset),
-                      precision=policy)
+    return build_step(model, OPTIMIZER, mlp_loss, jshard.Layout.of(preset, dict(sizes), precision=policy))
 
 
 def program_traffic(preset, sizes, policy) -> dict[str, int]:
@@ -153,8 +151,8 @@ def test_memory_falls_with_each_zero_stage_under_mixed():
     batch = np.zeros((16, 33), np.int32)
 
     def per_device(preset, sizes):
-        step = build_step(decoder(config, nnx.Rngs(0)), OPTIMIZER, gpt_loss, jshard.make_mesh(**sizes),
-                          jshard.preset(preset), precision=policy)
+        step = build_step(decoder(config, nnx.Rngs(0)), OPTIMIZER, gpt_loss,
+                          jshard.Layout.of(preset, sizes, precision=policy))
         m = step.lower(step.state, step.shard_batch(batch)).compile().memory_analysis()
         return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
 
@@ -171,7 +169,7 @@ FIGURE_1_GB = {"dp": 120, "zero1": 31.4, "zero2": 16.6, "zero3": 1.9}
 @pytest.mark.parametrize("strategy", FIGURE_1_GB)
 def test_planner_reproduces_zero_figure_1(strategy):
     sizes = {a: 1 for a in STANDARD_AXES} | ({"data": 64} if strategy == "dp" else {"fsdp": 64})
-    est = plan.estimate(plan.PlanInput(FIGURE_1_MODEL, sizes, strategy, precision="mixed"))
+    est = plan.estimate(plan.PlanInput(FIGURE_1_MODEL, jshard.Layout.of(strategy, sizes, precision="mixed")))
     assert abs(est["model_state_bytes"] / 1e9 / FIGURE_1_GB[strategy] - 1) <= 0.10, est["memory_bytes_per_device"]
 
 
@@ -181,5 +179,5 @@ def test_bad_precision_is_refused():
     with pytest.raises(ValueError, match="choose one of fp32, bf16"):
         precision("mixed", "fp8")
     with pytest.raises(jshard.ShardingError, match="compiler-placed step"):
-        build_step(DeepMLP(MLP, rngs=nnx.Rngs(0)), OPTIMIZER, mlp_loss, jshard.make_mesh(data=8),
-                   jshard.preset("dp"), collectives="compiler", precision="mixed")
+        build_step(DeepMLP(MLP, rngs=nnx.Rngs(0)), OPTIMIZER, mlp_loss,
+                   jshard.Layout.of("dp", dict(data=8), precision="mixed"), collectives="compiler")

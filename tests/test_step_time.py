@@ -104,8 +104,9 @@ def test_grad_accum_reduces_once_what_waits_for_the_last_pass(strategy, mesh, on
     config = model_config("small", {})
 
     def comm(accum):
-        est = estimate(PlanInput(config, mesh, strategy, micro_batch_size=2, hardware=H100, precision=precision("bf16"),
-                                 grad_accum=accum))
+        est = estimate(PlanInput(config,
+                                 Layout.of(strategy, mesh, micro_batch_size=2, precision=precision("bf16"),
+                                           grad_accum=accum), H100))
         return est["comm_bytes_per_step"], est
 
     (one, est1), (four, est4) = comm(1), comm(4)
@@ -208,8 +209,9 @@ def test_bench_search_measures_the_layouts_it_ranks(tmp_path, capsys):
 
 @pytest.mark.fast
 def test_a_compiled_schedules_overlap_exposes_the_rest_of_each_collective():
-    est = estimate(PlanInput(model_config("small", {}), {"fsdp": 4, "tensor": 2}, "fsdp+tp", micro_batch_size=2,
-                             hardware=H100, precision=precision("bf16")))
+    est = estimate(PlanInput(model_config("small", {}),
+                             Layout.of("fsdp+tp", {"fsdp": 4, "tensor": 2}, micro_batch_size=2,
+                                       precision=precision("bf16")), H100))
     rows = {(r["kind"], r["axes"]): r["seconds"] for r in est["collectives"]}
     hidden = {key: 0.5 for key in rows}
     compute = est["compute_s"]  # no pipeline: no bubble
@@ -220,7 +222,7 @@ def test_a_compiled_schedules_overlap_exposes_the_rest_of_each_collective():
 
 @pytest.mark.fast
 def test_every_searched_layout_round_trips_through_its_line():
-    found = search.search(model_config("llama-small", {}), 16, H100, 32, precision("bf16"))
+    found = search.search(model_config("llama-small", {}), 16, H100, 32, "bf16")
     assert len(found) > 100
     for c in found:
         assert Layout.parse(c.label) == c.layout and str(Layout.parse(c.label)) == c.label
@@ -264,7 +266,7 @@ def test_cpu_host_constants_are_the_fit_of_the_measured_gpt_search():
     """The CPU profile's `op_s` and `tick_s`: fitted to `jshard bench search` of the small GPT
     (the run before them, docs/results), as committed (to their printed digits)."""
     result = json.loads((RESULTS / "bench-search-small-8cpu-jax0.12.0.1-2026-11-27-before.json").read_text())
-    plans = bench_search.plans_of(result, HARDWARE["cpu"], precision(result["precision"]))
+    plans = bench_search.plans_of(result, HARDWARE["cpu"])
     fitted = fit.fit_host(plans, np.array([r["measured_s"] for r in result["rows"]]))
     assert [round(fitted["op_s"], 7), round(fitted["tick_s"], 5)] == [HARDWARE["cpu"].op_s, HARDWARE["cpu"].tick_s]
 

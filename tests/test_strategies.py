@@ -94,7 +94,7 @@ def test_matches_one_device(model_name, preset, sizes):
     collectives are the planner's too (counted first: training then reuses that compile)."""
     make, loss_fn, _ = MODELS[model_name]
     run = reference(model_name)
-    step = build_step(make(SEED), OPTIMIZER, loss_fn, jshard.make_mesh(**sizes), jshard.preset(preset))
+    step = build_step(make(SEED), OPTIMIZER, loss_fn, jshard.Layout.of(preset, sizes))
     if (model_name, preset, format_mesh(sizes)) in BYTES_COUNTED:
         assert_context_bytes_are_the_planners(step, decoders.CONFIGS[model_name], run.batches[0], preset, sizes)
     assert_gradients_close(step, run.batches[0], run.loss, run.grads)
@@ -105,7 +105,7 @@ def test_matches_one_device(model_name, preset, sizes):
 
 
 def sharded_step(make, loss_fn, preset, sizes, devices=None):
-    return build_step(make(), OPTIMIZER, loss_fn, jshard.make_mesh(devices=devices, **sizes), jshard.preset(preset))
+    return build_step(make(), OPTIMIZER, loss_fn, jshard.Layout.of(preset, sizes), jshard.make_mesh(devices=devices, **sizes))
 
 
 @functools.cache
@@ -267,13 +267,14 @@ def user_loss(model, batch):
 def test_user_module_matches_one_device(preset):
     rng = np.random.default_rng(SEED)
     batch = (rng.standard_normal((16, 16), dtype=np.float32), rng.standard_normal((16, 16), dtype=np.float32))
-    step = build_step(UserMLP(nnx.Rngs(SEED)), OPTIMIZER, user_loss, jshard.make_mesh(data=2, fsdp=2, tensor=2), jshard.preset(preset))
+    step = build_step(UserMLP(nnx.Rngs(SEED)), OPTIMIZER, user_loss,
+                      jshard.Layout.of(preset, dict(data=2, fsdp=2, tensor=2)))
     assert_gradients_close(step, batch, *one_device_gradients(UserMLP(nnx.Rngs(SEED)), user_loss, batch))
 
 
 @pytest.mark.fast
 def test_batch_not_divisible_by_batch_shards():
-    step = build_step(make_mlp(), OPTIMIZER, mlp_loss, jshard.make_mesh(data=8), jshard.preset("dp"))
+    step = build_step(make_mlp(), OPTIMIZER, mlp_loss, jshard.Layout.of("dp", dict(data=8)))
     with pytest.raises(jshard.ShardingError, match=r"batch size 12 does not split over 8 batch shards \(data\) = 8"):
         step.shard_batch(np.ones((12, MLP_CONFIG.dim), np.float32))
 
@@ -309,8 +310,9 @@ def whole_batches() -> OneDeviceRun:
                          [pytest.param(*c, id=f"{c[0]}-{c[3]}-x{c[2]}", marks=[pytest.mark.fast] * (c[0] == "dp"))
                           for c in ACCUMULATED])
 def test_accumulated_micro_batches_train_like_the_whole_batch_on_one_device(preset, sizes, grad_accum, collectives):
-    step = build_step(decoders.make("gpt", SEED), OPTIMIZER, gpt_loss, jshard.make_mesh(**sizes), jshard.preset(preset),
-                      microbatches=2 if "stage" in sizes else None, collectives=collectives, grad_accum=grad_accum)
+    step = build_step(decoders.make("gpt", SEED), OPTIMIZER, gpt_loss,
+                      jshard.Layout.of(preset, sizes, microbatches=2 if "stage" in sizes else None,
+                                       grad_accum=grad_accum), collectives=collectives)
     assert_trains_like_one_device(step, whole_batches(), f"{preset} grad_accum={grad_accum}", ACCUMULATED_TOLERANCE)
 
 
@@ -325,7 +327,7 @@ def test_accumulation_reduces_what_its_strategy_says_when(preset, sizes, expecte
     accumulation; ZeRO-2 and ZeRO-3 reduce-scatter per micro-batch (ZeRO-3 gathers forward and
     backward per micro-batch too); the update's all-gather once."""
     batch = np.ones((32, MLP_CONFIG.dim), np.float32)  # 4 rows per batch shard: micro-batches of 1
-    step = build_step(make_mlp(), OPTIMIZER, mlp_loss, jshard.make_mesh(**sizes), jshard.preset(preset), grad_accum=4)
+    step = build_step(make_mlp(), OPTIMIZER, mlp_loss, jshard.Layout.of(preset, sizes, grad_accum=4))
     psi = param_bytes(make_mlp)
     assert collective_bytes(step, batch, min_bytes=8) == {kind: n * psi for kind, n in expected.items()}
     if preset == "dp":  # the bytes of the step without accumulation (counted once in the traffic tests)

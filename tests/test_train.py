@@ -224,7 +224,7 @@ def test_remat_policies_cut_memory_under_zero3_too():
 
     def temp_bytes(remat):
         model = GPT(dataclasses.replace(GPT_SIZES["tiny"], remat=remat), rngs=nnx.Rngs(0))
-        step = build_step(model, optax.sgd(0.1), gpt_loss, mesh, rules)
+        step = build_step(model, optax.sgd(0.1), gpt_loss, jshard.Layout.of(rules, mesh), mesh)
         return step.lower(step.state, step.shard_batch(tokens)).compile().memory_analysis().temp_size_in_bytes
 
     none, selective, full = temp_bytes("none"), temp_bytes("selective"), temp_bytes("full")
@@ -234,7 +234,7 @@ def test_remat_policies_cut_memory_under_zero3_too():
 def test_global_norm_sums_over_the_shards():
     mesh, rules = jshard.make_mesh(fsdp=4, tensor=2), jshard.preset("zero3+tp")
     model = jshard.init(lambda: GPT(GPT_SIZES["tiny"], rngs=nnx.Rngs(0)), mesh, rules)
-    step = build_step(model, optax.sgd(0.1), gpt_loss, mesh, rules)
+    step = build_step(model, optax.sgd(0.1), gpt_loss, jshard.Layout.of(rules, mesh), mesh)
     tokens = data.TextBatches(data.corpus_tokens(), 16, 0).rows(range(8))
     _, grads = step.value_and_grad(step.state, step.shard_batch(tokens))
     grad_specs = specs(grads, mesh, rules, "opt")
@@ -369,11 +369,11 @@ def refused(capsys, argv, message):
     (["--strategy", "dp+fast"], "unknown strategy 'fast' in preset 'dp+fast'"),
     (["--mesh", "data=3"], "mesh data=3 needs 3 devices, but JAX sees 8"),
     (["--strategy", "dp", "--mesh", "data=8", "--batch-size", "12"],
-     "--batch-size 12 does not split over 8 batch shards (data) × grad-accum 1 = 8"),
+     "--batch-size 12 does not split over 8 batch shards (data) × --grad-accum 1 = 8"),
     (["--strategy", "dp", "--mesh", "data=8", "--batch-size", "8", "--grad-accum", "2"],
-     "--batch-size 8 does not split over 8 batch shards (data) × grad-accum 2 = 16"),
+     "--batch-size 8 does not split over 8 batch shards (data) × --grad-accum 2 = 16"),
     (["--strategy", "pp+fsdp", "--mesh", "stage=2,fsdp=4", "--batch-size", "8"],
-     "over 4 batch shards (fsdp) × 4 pipeline micro-batches × grad-accum 1 = 16"),
+     "over 4 batch shards (fsdp) × 4 pipeline micro-batches × --grad-accum 1 = 16"),
     (["--seq-len", "65"], "--seq-len 65 is longer than model 'tiny' takes (64"),
     (["--steps", "0"], "--steps must be a positive int, got 0"),
     (["--lr", "-1"], "--lr must be a positive number, got -1.0"),

@@ -37,11 +37,11 @@ from flax import nnx
 from jshard import aot
 from jshard.bench import step, trace
 from jshard.config import model_config
-from jshard.mesh import STANDARD_AXES, use_gpu_xla_flags
+from jshard.layout import Layout
+from jshard.mesh import use_gpu_xla_flags
 from jshard.models import decoder, gpt_loss
 from jshard.plan.estimate import HARDWARE, PlanInput, estimate
 from jshard.precision import precision as precision_policy
-from jshard.rules import preset
 
 SEQ = 2048
 # Rows per step, by attention kernel. The device holds both steps' states at once (they
@@ -77,10 +77,10 @@ def deviceless_program(case, target: aot.Target, seq: int, rows: int) -> dict:
     be on the CPU (`aot.use_cpu_for_jax`): `compile_deviceless` runs it in a process of its own."""
     model, precision, attention = case
     config, policy = model_config(model, dict(attention=attention), seq_len=seq), precision_policy(precision)
-    plan = estimate(PlanInput(config, {a: 1 for a in STANDARD_AXES}, "dp", micro_batch_size=rows,
-                              hardware=HARDWARE[target.hardware], precision=policy))
+    layout = Layout("dp", micro_batch_size=rows, precision=policy)
+    plan = estimate(PlanInput(config, layout, HARDWARE[target.hardware]))
     program = aot.compile_step(nnx.eval_shape(lambda: decoder(config, nnx.Rngs(0))), optax.adamw(1e-4), gpt_loss,
-                               plan["mesh"], preset("dp"), target, (rows, seq + 1), precision=policy)
+                               layout, target, (rows, seq + 1))
     return dict(plan=plan, compiled=program.as_json())
 
 

@@ -27,6 +27,7 @@ from flax import nnx
 
 import jshard
 from jshard import hlo
+from jshard.layout import Layout
 from jshard.mesh import default_mesh, format_mesh, mesh_shape, mesh_sizes
 from jshard.metrics import median_step_seconds
 from jshard.models import DecoderConfig, decoder, gpt_loss
@@ -48,8 +49,7 @@ def run_schedules(config: DecoderConfig, mesh: str | None, schedules, microbatch
         return decoder(config, nnx.Rngs(0))
 
     flat_rules = jshard.preset("dp")  # every device a data shard
-    flat = build_step(make_model(), tx, gpt_loss, jshard.make_mesh(**default_mesh(flat_rules, jax.device_count())),
-                      flat_rules)
+    flat = build_step(make_model(), tx, gpt_loss, Layout.of(flat_rules, default_mesh(flat_rules, jax.device_count())))
     flat_tokens = flat.shard_batch(batch)
     flat_compiled = flat.lower(flat.state, flat_tokens).compile()
     flat_flops = hlo.matmul_flops(flat_compiled.as_text())
@@ -67,9 +67,9 @@ def run_schedules(config: DecoderConfig, mesh: str | None, schedules, microbatch
           f"{'step ms':>9}{'/gpipe':>8}{'vs_flat':>8}{'textbook':>9}{'parity':>9}")
     rows = []
     for name in schedules:
-        step = build_step(make_model(), tx, gpt_loss, mesh, pipelined, microbatches, name.strip(),
-                          virtual if name.strip() == "interleaved" else None,  # v is interleaved's alone
-                          stage_remat=stage_remat)
+        step = build_step(make_model(), tx, gpt_loss, Layout.of(
+            pipelined, mesh, microbatches=microbatches, schedule=name.strip(), stage_remat=stage_remat,
+            virtual=virtual if name.strip() == "interleaved" else None), mesh)  # v is interleaved's alone
         tokens = step.shard_batch(batch)
         program, schedule = compile_program(step.schedule, stage_remat), step.schedule
         compiled = step.lower(step.state, tokens).compile()

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-import jshard
+from jshard.layout import Layout
 from jshard.metrics import median_step_seconds
 from jshard.models import DecoderConfig, decoder, gpt_loss
 from jshard.parallel import build_step
@@ -27,25 +27,16 @@ from jshard.config import MODEL_FIELDS, model_config
 from jshard.plan.estimate import Hardware, PlanInput
 
 
-LAYOUT_FIELDS = ("strategy", "sizes", "schedule", "microbatches", "virtual", "micro_batch_size", "grad_accum")
-
-
-def layout_fields(plan) -> dict:
-    """What a measured row keeps of its `PlanInput` to be planned again (`bench fit --host`)."""
-    return {f: getattr(plan, f) for f in LAYOUT_FIELDS} | {"remat": plan.config.remat}
-
-
-def plans_of(result: dict, hw: Hardware, precision) -> list:
+def plans_of(result: dict, hw: Hardware) -> list:
     """The `PlanInput` of each measured row of a `run` result, on profile `hw` (to plan again:
-    `bench.fit.fit_host`)."""
+    `bench.fit.fit_host`): its layout line, at the run's precision where the line names none."""
     model = result["model"]
     config = model_config("llama-small" if model["kind"] == "Llama" else "small",
                           {k: model[k] for k in MODEL_FIELDS if k in model and k != "experts"}, seq_len=model["seq_len"])
     plans = []
     for row in result["rows"]:
-        fields = dict(row["plan"])
-        config_remat = dataclasses.replace(config, remat=fields.pop("remat"))
-        plans.append(PlanInput(config_remat, hardware=hw, precision=precision, **fields))
+        layout = Layout.parse(row["layout"])
+        plans.append(PlanInput(config, dataclasses.replace(layout, precision=layout.precision or result["precision"]), hw))
     return plans
 
 
@@ -65,17 +56,15 @@ def spearman(a, b) -> float:
 def measure(candidate: search.Candidate, batch: np.ndarray, repeats: int) -> float:
     """The median step time of a candidate layout, built as `jshard train` builds its step."""
     p = candidate.plan
-    sizes = {a: n for a, n in p.sizes.items() if n > 1} or {"data": 1}
-    step = build_step(decoder(p.config, nnx.Rngs(0)), optax.adamw(1e-3), gpt_loss, jshard.make_mesh(**sizes),
-                      jshard.preset(p.strategy), microbatches=p.microbatches, schedule=p.schedule, virtual=p.virtual,
-                      precision=p.precision, grad_accum=p.grad_accum)
+    step = build_step(decoder(p.model, nnx.Rngs(0)), optax.adamw(1e-3), gpt_loss, p.layout)
     tokens = step.shard_batch(batch)
     return median_step_seconds(step, tokens, repeats, step.lower(step.state, tokens).compile())
 
 
-def run(config: DecoderConfig, hw: Hardware, batch_size: int, precision, count: int = 12, repeats: int = 5) -> dict:
+def run(config: DecoderConfig, hw: Hardware, batch_size: int, precision: str, reduce: str | None = None, count: int = 12,
+        repeats: int = 5) -> dict:
     """Search, measure `count` layouts, compare; printed as it goes and returned as a dict."""
-    found = search.search(config, jax.device_count(), hw, batch_size, precision)
+    found = search.search(config, jax.device_count(), hw, batch_size, precision, reduce)
     fits = [c for c in found if c.estimate and c.estimate["fits"]]
     chosen = spread(fits, count)
     batch = np.random.default_rng(0).integers(0, config.vocab, (batch_size, config.seq_len + 1))
@@ -87,14 +76,13 @@ def run(config: DecoderConfig, hw: Hardware, batch_size: int, precision, count: 
     rows = []
     for c in chosen:
         measured = measure(c, batch, repeats)
-        rows.append(dict(rank=fits.index(c) + 1, layout=c.label, plan=layout_fields(c.plan),
-                         predicted_s=c.estimate["predicted_step_s"], measured_s=measured))
+        rows.append(dict(rank=fits.index(c) + 1, layout=c.label, predicted_s=c.estimate["predicted_step_s"], measured_s=measured))
         print(f"{rows[-1]['rank']:>5}  {c.label:<64}{rows[-1]['predicted_s'] * 1e3:>13.2f}{measured * 1e3:>12.2f}",
               flush=True)
     predicted, measured = [r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]
     best = min(measured)
     result = dict(device=f"{jax.device_count()} x {device.device_kind}", profile=hw.name, model=dataclasses.asdict(config)
-                  | {"dtype": str(config.dtype), "kind": config.family}, precision=precision.name, batch_size=batch_size, searched=len(found), fit=len(fits), rows=rows,
+                  | {"dtype": str(config.dtype), "kind": config.family}, precision=precision, batch_size=batch_size, searched=len(found), fit=len(fits), rows=rows,
                   spearman=spearman(predicted, measured), pick_over_best=measured[0] / best)
     print(f"# Spearman rank correlation, predicted vs measured: {result['spearman']:.2f}; the planner's pick "
           f"(rank 1) measured {result['pick_over_best']:.2f} x the measured best")

@@ -44,6 +44,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 import jshard
 from jshard import hlo
 from jshard.aot import attention_kernel, memory_of
+from jshard.layout import Layout
 from jshard.mesh import format_mesh, mesh_shape
 from jshard.metrics import (CPU_MATMUL, PROFILE_STEPS, best_seconds, device_peak, flops_per_token,
                             measured_fp8_matmul_flops, measured_matmul_flops)
@@ -164,7 +165,7 @@ def measure(sizes: dict[str, int], strategy: str, name: str, config: DecoderConf
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     plain = plain_from(model, precision.compute)  # before build_step takes the model's arrays
 
-    step = build_step(model, tx, gpt_loss, mesh, jshard.preset(strategy), precision=precision, grad_accum=grad_accum)
+    step = build_step(model, tx, gpt_loss, Layout.of(strategy, mesh, precision=precision, grad_accum=grad_accum), mesh)
     plain_fn, plain_state, rows = plain_step(plain, tx, devices)
     del model, plain  # the steps hold their own state now
     step_tokens, plain_tokens = step.shard_batch(tokens), jax.device_put(tokens, rows)

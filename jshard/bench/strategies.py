@@ -35,6 +35,7 @@ from flax import nnx
 
 import jshard
 from jshard import hlo, plan
+from jshard.layout import Layout
 from jshard.mesh import format_mesh, mesh_shape, parse_axis_sizes
 from jshard.metrics import median_step_seconds
 from jshard.models import DecoderConfig, decoder, gpt_loss
@@ -85,7 +86,8 @@ def bench_strategy(preset: str, sizes: dict[str, int], config: DecoderConfig, ba
     def make_model():
         return decoder(config, nnx.Rngs(0))
 
-    step = build_step(make_model(), tx, gpt_loss, mesh, rules, precision=precision, grad_accum=grad_accum)
+    layout = Layout.of(rules, mesh, precision=precision, grad_accum=grad_accum)
+    step = build_step(make_model(), tx, gpt_loss, layout, mesh)
     tokens = step.shard_batch(batch)
     lowered = step.lower(step.state, tokens)
     memory = lowered.compile().memory_analysis()
@@ -102,8 +104,8 @@ def bench_strategy(preset: str, sizes: dict[str, int], config: DecoderConfig, ba
     )
     if not (step.precision and step.precision.master):  # the compiler-placed step holds params as the model does
         # (collective matmuls are the explicit step's: XLA places the same layouts' collectives itself)
-        xla = build_step(make_model(), tx, gpt_loss, mesh, dataclasses.replace(rules, collective_matmul=False),
-                         collectives="compiler", precision=precision, grad_accum=grad_accum)
+        xla = build_step(make_model(), tx, gpt_loss, dataclasses.replace(
+            layout, strategy=dataclasses.replace(rules, collective_matmul=False)), mesh, collectives="compiler")
         row.update(xla_comm_bytes=comm_bytes(xla.lower(xla.state, tokens)), xla_parity_rel_err=parity(xla, tokens, reference),
                    gspmd_step_s=median_step_seconds(xla, tokens, repeats))
     # Last: a timed step donates the step's initial state.

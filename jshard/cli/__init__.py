@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from jshard.aot import CompileError
+    from jshard.cli import flags
     from jshard.checkpoint import CheckpointError
     from jshard.collectives import CollectiveError
     from jshard.config import FlagError
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     # Bad input: the message is the help.
     except (MeshError, ShardingError, CollectiveError, ScheduleError, TrainError, CheckpointError,
             DistributedError, FlagError, PlotError, GenerateError, CompileError, HFError) as e:
-        print(f"jshard {args.command}: {e}", file=sys.stderr)
+        print(f"jshard {args.command}: {flags.spoken(str(e))}", file=sys.stderr)
         # At once in a multi-process run (the others may wait in a collective), or after a failed
         # save (its writes would report past the interpreter's shutdown).
         return leave(2, at_once=getattr(e, "abandoned", False))

@@ -299,8 +299,6 @@ def run_fit(args) -> int:
 
     import numpy as np
 
-    from jshard.precision import precision
-
     try:
         with open(args.runs) as f:
             result = json.load(f)
@@ -308,7 +306,7 @@ def run_fit(args) -> int:
         raise FlagError(f"{args.runs}: not a results file ({type(e).__name__}: {e}). Fix: give a bench step or bench "
                         "search results file, e.g. docs/results/bench-step-h100-jax0.11.2-2026-11-27.json") from None
     if isinstance(result, dict) and "rows" in result:  # a `bench search` result: the CPU profile's host constants
-        plans = bench_search.plans_of(result, HARDWARE[result["profile"]], precision(result["precision"]))
+        plans = bench_search.plans_of(result, HARDWARE[result["profile"]])
         fitted = fit.fit_host(plans, np.array([r["measured_s"] for r in result["rows"]]))
         print(f"# fitted over {len(plans)} layouts of {args.runs}: "
               + ", ".join(f"{k} = {v:.3g} s" for k, v in fitted.items()))
@@ -342,6 +340,7 @@ def run_search(args) -> int:
     if hw is None:
         raise FlagError(f"the planner has no profile of a {jax.devices()[0].device_kind}: nothing to rank against")
     config = flags.built_model(args, "small")
-    result = bench_search.run(config, hw, args.batch_size, flags.precision_of(args), args.count, args.repeats)
+    flags.precision_of(args)  # (its one line, for a reduction without a precision)
+    result = bench_search.run(config, hw, args.batch_size, args.precision, args.grad_reduce, args.count, args.repeats)
     write_json(args.json, result)
     return 0

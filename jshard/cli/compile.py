@@ -15,7 +15,6 @@ from jshard.config import FlagError, write_json
 from jshard.mesh import use_gpu_xla_flags
 from jshard.models import decoder, gpt_loss
 from jshard.plan.estimate import HARDWARE, estimate, report, scheduled_step_seconds
-from jshard.rules import preset
 from jshard.train import AUTO
 
 
@@ -48,18 +47,16 @@ def run(args) -> int:
     picked = None
     if args.strategy == AUTO:  # the search's pick for the target's devices, then compiled to confirm it
         args, picked = auto_layout(args, HARDWARE[target.hardware], target.devices)
-    est = estimate(plan_input(args, HARDWARE[target.hardware], target.devices))
+    planned = plan_input(args, HARDWARE[target.hardware], target.devices)
+    est = estimate(planned)
     if (n := math.prod(est["mesh"].values())) != target.devices:
         raise FlagError(f"--mesh {args.mesh}: {n} devices, but --target {target.name} has {target.devices}. "
                         f"Fix: sizes whose product is {target.devices}, or another --target.")
     print(report(est) if not picked else "\n".join((lines := report(est).splitlines())[:4] + [picked] + lines[4:]))
-    config = flags.built_model(args, "small", remat=args.remat)
+    config = planned.model
     model = nnx.eval_shape(lambda: decoder(config, nnx.Rngs(0)))
     rows = est["tokens_per_step"] // config.seq_len  # (the plan's: every accumulated micro-batch's rows)
-    program = aot.compile_step(model, optax.adamw(1e-4), gpt_loss, est["mesh"], preset(args.strategy), target,
-                               (rows, config.seq_len + 1), precision=flags.precision_of(args),
-                               microbatches=args.microbatches, schedule=args.schedule, virtual=args.virtual,
-                               stage_remat=args.stage_remat, grad_accum=args.grad_accum)
+    program = aot.compile_step(model, optax.adamw(1e-4), gpt_loss, planned.layout, target, (rows, config.seq_len + 1))
     devices = f"{target.hosts} × {target.per_host} × {HARDWARE[target.hardware].name.upper()}"
     scheduled = scheduled_step_seconds(est, program.overlapped_share())
     print(aot.report(program, est, devices, scheduled))

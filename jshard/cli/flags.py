@@ -25,6 +25,8 @@ and `GenerateConfig` reach without it: `jshard.config` (`model_config`, `MODEL_F
 from __future__ import annotations
 
 import argparse
+import functools
+import re
 
 from jshard.config import MODEL_FIELDS, FlagError, model_config
 from jshard.layout import KEYS, Layout, LayoutError
@@ -180,6 +182,16 @@ LAYOUT_DESTS = {"strategy": "strategy", "mesh_text": "mesh", "remat": "remat", "
                 "stage_remat": "stage_remat", "precision": "precision", "reduce": "grad_reduce"}
 
 
+def layout_of(args, sizes: dict[str, int]) -> Layout:
+    """The `Layout` the flags name, on mesh `sizes` (a command's flags it lacks at their defaults)."""
+    get = functools.partial(getattr, args)
+    return Layout.of(args.strategy, sizes, remat=get("remat", None), micro_batch_size=get("micro_batch_size", None) or 1,
+                     grad_accum=get("grad_accum", 1), schedule=get("schedule", None),
+                     microbatches=get("microbatches", None), virtual=get("virtual", None),
+                     stage_remat=get("stage_remat", None), precision=get("precision", None) or "fp32",
+                     reduce=get("grad_reduce", None))
+
+
 def add_layout(parser) -> None:
     """--layout LINE: a layout as `jshard plan --search` prints it (`jshard.layout`), in place of
     the flags it sets, which may not be given beside it."""
@@ -187,6 +199,17 @@ def add_layout(parser) -> None:
                         help="a layout line as `jshard plan --search` prints it, e.g. 'dp+tp data=2,tensor=4 remat=full "
                              "mb=2 accum=4': sets --strategy, --mesh, --remat and the rest it names")
     parser.set_defaults(_flag_defaults={dest: parser.get_default(dest) for dest in LAYOUT_DESTS.values()})
+
+
+# A library error names what it checks by its Python field (`Layout.grad_accum`,
+# `TrainConfig.batch_size`); the command line says the flag that sets it.
+FIELD_FLAGS = {"Layout.reduce": "--grad-reduce", "Layout.mesh_text": "--mesh", "Layout.strategy": "--strategy"}
+_FIELD = re.compile(r"\b(Layout|PlanInput|TrainConfig|DecoderConfig|GenerateConfig)\.([a-z_]+)\b")
+
+
+def spoken(message: str) -> str:
+    """`message` with each config field it names (`Layout.grad_accum`) as the flag that sets it."""
+    return _FIELD.sub(lambda m: FIELD_FLAGS.get(m[0], "--" + m[2].replace("_", "-")), message)
 
 
 def _layout(text: str) -> Layout:

@@ -10,14 +10,14 @@ import dataclasses
 from jshard import aot
 from jshard.cli import flags
 from jshard.config import FlagError, write_json
-from jshard.mesh import STANDARD_AXES, fake_device_count, mesh_sizes, use_fake_cpu_devices, use_gpu_xla_flags
+from jshard.mesh import fake_device_count, mesh_sizes, use_fake_cpu_devices, use_gpu_xla_flags
 from jshard.plan import memory_png
 from jshard.plan.estimate import GiB, HARDWARE, Hardware, PlanInput, estimate, report
-from jshard.plan.search import bottleneck, search, table
+from jshard.plan.search import bottleneck, pick, search, table
 from jshard.plan.validate import (MEMORY_TOLERANCE, format_validation, validate_one, validation_cases, validation_models,
                                   within_tolerance)
 from jshard.plot import check_output_path
-from jshard.rules import ShardingError, preset
+from jshard.rules import preset
 from jshard.train import AUTO, SEQ_LEN, TrainConfig
 
 HARDWARE_FLAGS = (  # flag, Hardware field, unit
@@ -71,16 +71,13 @@ def add_parser(commands) -> None:
 def plan_input(args, hw: Hardware | None = None, devices: int | None = None) -> PlanInput:
     """The planner's input from the shared flags, on `hw` (default: --hardware and its overrides)
     and `devices` (default: --devices) where --mesh is not given."""
-    policy = flags.precision_of(args)
+    flags.precision_of(args)  # (its one line, for a reduction without a precision)
     config = flags.built_model(args, "small", remat=args.remat)
     hw = hw or dataclasses.replace(HARDWARE[args.hardware], **{field: getattr(args, field) * unit
                                                                 for _, field, unit in HARDWARE_FLAGS
                                                                 if getattr(args, field) is not None})
-    sizes = {a: 1 for a in STANDARD_AXES} | mesh_sizes(args.mesh, preset(args.strategy), devices or args.devices)
-    if -1 in sizes.values():
-        raise ShardingError(f"--mesh {args.mesh}: give every size; the planner has no devices to fill '-1' from")
-    return PlanInput(config, sizes, args.strategy, args.schedule, args.microbatches, args.virtual,
-                     args.micro_batch_size or 1, hw, policy, args.stage_remat, args.batch_size, args.grad_accum)
+    sizes = mesh_sizes(args.mesh, preset(args.strategy), devices or args.devices)
+    return PlanInput(config, flags.layout_of(args, sizes), hw, args.batch_size)
 
 
 def confirm(candidates, target) -> None:
@@ -95,10 +92,8 @@ def confirm(candidates, target) -> None:
     for i, c in enumerate(candidates, 1):
         p, est = c.plan, c.estimate
         rows = est["tokens_per_step"] // p.config.seq_len
-        program = aot.compile_step(nnx.eval_shape(lambda: decoder(p.config, nnx.Rngs(0))), optax.adamw(1e-4), gpt_loss,
-                                   est["mesh"], preset(p.strategy), target, (rows, p.config.seq_len + 1),
-                                   precision=p.precision, microbatches=p.microbatches, schedule=p.schedule,
-                                   virtual=p.virtual, grad_accum=p.grad_accum)
+        program = aot.compile_step(nnx.eval_shape(lambda: decoder(p.model, nnx.Rngs(0))), optax.adamw(1e-4), gpt_loss,
+                                   p.layout, target, (rows, p.config.seq_len + 1))
         vs = aot.compared(program, est)
         print(f"{i:>3}  {c.label:<72} {program.memory['total'] / GiB:>6.1f} GiB compiled (plan {vs['memory_rel_err']:+.1%}), "
               f"{'fits' if program.fits else 'DOES NOT FIT'}; collective bytes "
@@ -115,18 +110,11 @@ def auto_layout(args, hw: Hardware, devices: int) -> tuple[argparse.Namespace, s
         raise FlagError(f"--strategy auto chooses the layout, but {flag} fixes part of it. "
                         f"Fix: drop {flag}, or name a strategy (e.g. --strategy dp+tp).")
     base = plan_input(argparse.Namespace(**vars(args) | dict(strategy="dp", mesh=None)), hw, devices)
-    rows = args.batch_size or 4 * devices
-    found = search(base.config, devices, hw, rows, base.precision, remats=(base.config.remat,))
-    fits = [c for c in found if c.estimate and c.estimate["fits"]]
-    if not fits:
-        raise FlagError(f"--strategy auto: no layout of {devices} {hw.name} devices fits this model and {rows} rows a "
-                        f"step at --remat {base.config.remat}. Fix: --remat full, fewer --batch-size rows or more devices.")
-    p = fits[0].plan
-    chosen = argparse.Namespace(**vars(args) | dict(
-        strategy=p.strategy, mesh=fits[0].layout.mesh_text, schedule=p.schedule, microbatches=p.microbatches, virtual=p.virtual,
-        micro_batch_size=p.micro_batch_size, grad_accum=p.grad_accum, batch_size=None))
-    return chosen, (f"  auto        {fits[0].label}: the first of {len(fits)} layouts that fit ({len(found)} planned; "
-                    f"jshard plan --search ranks them all)")
+    best, line = pick(base.config, devices, hw, args.batch_size or 4 * devices, base.layout.precision,
+                      base.layout.reduce, base.layout.remat)
+    chosen = argparse.Namespace(**vars(args) | {dest: getattr(best.layout, field)
+                                                 for field, dest in flags.LAYOUT_DESTS.items()} | dict(batch_size=None))
+    return chosen, f"  auto        {line}"
 
 
 def run_search(args) -> int:
@@ -152,7 +140,7 @@ def run_search(args) -> int:
         raise FlagError(f"--devices {args.devices} is not a whole number of {hw.gpus_per_node}-GPU nodes. "
                         f"Fix: --devices a multiple of {hw.gpus_per_node}, or --gpus-per-node to match.")
     rows = args.batch_size or 4 * args.devices
-    found = search(base.config, args.devices, hw, rows, base.precision)
+    found = search(base.config, args.devices, hw, rows, base.layout.precision, base.layout.reduce)
     estimated = [c for c in found if c.estimate]
     if not estimated:
         raise FlagError(f"--search: no layout of {args.devices} devices is left for this model and {rows} rows a step "

@@ -1,9 +1,10 @@
 """The plan of a step: everything `build_step` derives from its inputs, resolved once, with no
 device, and every check of those inputs in one place (each error raised once, before any work).
 
-    plan = make_plan(model, mesh, rules, precision="mixed", microbatches=8, schedule="1f1b")
+    plan = make_plan(model, Layout.parse("pp+fsdp stage=4,fsdp=2 precision=mixed m=8 schedule=1f1b"))
 
-`model` may be abstract (`nnx.eval_shape`) and `mesh` an `AbstractMesh`. The plan holds
+`model` may be abstract (`nnx.eval_shape`) and the mesh (the layout's, or one given) an
+`AbstractMesh`. The plan holds
 
     params        per param (`placement.ParamLayout`): its `param` and `opt` layouts, and its
                   dtypes under the precision policy (held, compute, reduce, master)
@@ -28,19 +29,22 @@ import functools
 import math
 import os
 import re
+import warnings
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from jshard.mesh import COLLECTIVES_IN_FLIGHT_OPTION, TRITON_GEMM_OPTION, ZERO3_COLLECTIVES_IN_FLIGHT, mesh_shape
+from jshard.layout import Layout, LayoutError
+from jshard.mesh import (COLLECTIVES_IN_FLIGHT_OPTION, TRITON_GEMM_OPTION, ZERO3_COLLECTIVES_IN_FLIGHT, abstract_mesh,
+                         format_mesh, make_mesh, mesh_shape)
 from jshard.models.stack import StagedLoss, has_stack
 from jshard.parallel import pipeline
 from jshard.parallel.model_state import check_no_pipeline
 from jshard.parallel.schedules import Schedule, make_schedule, stage_layers
 from jshard.placement import ParamLayout, Placement, Report, adopt_array_shardings, paths_and_shapes, place, specs_of
-from jshard.precision import Precision, precision as precision_policy
+from jshard.precision import Precision
 from jshard.rules import Kind, Rules, ShardingError
 
 COLLECTIVES = ("explicit", "compiler")  # who places a step's collectives: jshard (shard_map) or XLA (jit)
@@ -207,59 +211,61 @@ class Plan:
     # -- the batch ---------------------------------------------------------------------------
 
     def check_batch(self, rows: int | None = None, seq_len: int | None = None, *,
-                    rows_flag: str = "batch size", seq_flag: str = "sequence length",
-                    accum_flag: str | None = None) -> None:
+                    rows_name: str = "batch size", seq_name: str = "sequence length", name_accum: bool = False) -> None:
         """Whether a global batch of `rows` rows splits over the batch axes, `grad_accum`'s
         micro-batches and a pipeline's, and a sequence of `seq_len` tokens into
         context parallelism's chunks (two per device, load-balanced) and, on each device,
-        sequence parallelism's (one per tensor shard). The flags name the inputs
-        in the error (a command's flags: '--batch-size'; `accum_flag` names grad_accum, shown even at 1)."""
+        sequence parallelism's (one per tensor shard). The names say what the caller calls
+        the two in the error (a config's fields: 'TrainConfig.batch_size'); `name_accum`: the
+        error names the accumulation even at 1 (a run whose rows it multiplies)."""
         n = self.context_shards
         if seq_len is not None and n > 1 and seq_len % (2 * n):
             raise ShardingError(
-                f"{seq_flag} {seq_len}: context parallelism over {'×'.join(self.context_axes)} = {n} cuts each "
-                f"sequence into {2 * n} equal chunks (two per device, load-balanced). Fix: a {seq_flag} that is a "
+                f"{seq_name} {seq_len}: context parallelism over {'×'.join(self.context_axes)} = {n} cuts each "
+                f"sequence into {2 * n} equal chunks (two per device, load-balanced). Fix: a {seq_name} that is a "
                 f"multiple of {2 * n}.")
         sp_axes = [a for a in self.sequence_axes if a not in self.context_axes]
         sp = math.prod(self.mesh_sizes[a] for a in sp_axes)
         if seq_len is not None and sp > 1 and seq_len % (n * sp):
             multiple = math.lcm(2 * n, n * sp) if n > 1 else sp
             raise ShardingError(
-                f"{seq_flag} {seq_len}: sequence parallelism splits each sequence's tokens "
-                f"{'on a device ' if n > 1 else ''}over {'×'.join(sp_axes)} = {sp}. Fix: a {seq_flag} that is a "
+                f"{seq_name} {seq_len}: sequence parallelism splits each sequence's tokens "
+                f"{'on a device ' if n > 1 else ''}over {'×'.join(sp_axes)} = {sp}. Fix: a {seq_name} that is a "
                 f"multiple of {multiple}.")
         per_step = self.batch_shards
         if rows is not None and rows % per_step:
             over = " × ".join([f"{self.data_shards} batch shards ({'×'.join(self.batch_axes) or 'none'})"]
                               + ([f"{self.microbatches} pipeline micro-batches"] if self.microbatches else [])
-                              + ([f"{accum_flag} {self.grad_accum}"] if accum_flag else
-                                 [f"grad_accum={self.grad_accum}"] if self.grad_accum > 1 else []))
-            raise ShardingError(f"{rows_flag} {rows} does not split over {over} = {per_step}. "
-                                f"Fix: make {rows_flag} a multiple of {per_step}.")
+                              + ([f"Layout.grad_accum {self.grad_accum}"] if self.grad_accum > 1 or name_accum else []))
+            raise ShardingError(f"{rows_name} {rows} does not split over {over} = {per_step}. "
+                                f"Fix: make {rows_name} a multiple of {per_step}.")
 
 
-def make_plan(model, mesh: Mesh | AbstractMesh, rules: Rules, *, loss_fn=None, precision: Precision | str | None = None,
-              microbatches: int | None = None, schedule: str | None = None, virtual: int | None = None,
-              stage_remat: str | None = None, collectives: str = "explicit",
-              default_microbatches: int | None = None, has_aux: bool = False, grad_accum: int = 1) -> Plan:
-    """Resolve and check a step of `model` (an NNX module, abstract or not) under `rules` on
-    `mesh` (or an AbstractMesh): the one place `build_step`'s inputs are checked.
+def make_plan(model, layout: Layout | str | Mesh | AbstractMesh, mesh: Mesh | AbstractMesh | None = None, *,
+              loss_fn=None, collectives: str = "explicit", default_microbatches: int | None = None,
+              has_aux: bool = False, **deprecated) -> Plan:
+    """Resolve and check a step of `model` (an NNX module, abstract or not) laid out as `layout`
+    (`jshard.Layout`, or its line) on `mesh` (None: `step_mesh`'s, from the layout): the one place
+    `build_step`'s inputs are checked.
 
     `loss_fn` None: not known here (the planner, `describe`); a pipeline needs a StagedLoss.
-    `default_microbatches`: a pipeline's micro-batches where `microbatches` is not given (a
-    command's default); without it a pipeline needs `microbatches`. `has_aux`: `loss_fn`
-    returns (loss, metrics), as for `jax.value_and_grad(..., has_aux=True)`. `grad_accum`: micro-batches
-    a step's batch is cut into, their gradients added up before the data-parallel reduction.
+    `default_microbatches`: a pipeline's micro-batches where the layout gives none (a
+    command's default); without it a pipeline needs `Layout.microbatches`. `has_aux`: `loss_fn`
+    returns (loss, metrics), as for `jax.value_and_grad(..., has_aux=True)`.
+
+    The form before `Layout`, `make_plan(model, mesh, rules, precision=..., microbatches=...)`,
+    still works for this release, with a DeprecationWarning.
     """
+    layout, mesh = step_layout("make_plan", layout, mesh, deprecated)
+    mesh = step_mesh(layout, mesh, abstract=True)
+    rules, microbatches, grad_accum = layout.rules, layout.microbatches, layout.grad_accum
+    schedule, virtual, stage_remat = layout.schedule, layout.virtual, layout.stage_remat
+    _check_remat(model, layout)
     if collectives not in COLLECTIVES:
         raise ShardingError(
             f"build_step: collectives={collectives!r}; choose 'explicit' (jit of shard_map, every "
             "collective derived from the rules) or 'compiler' (plain jit, XLA's partitioner places them).")
-    if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
-        raise ShardingError(
-            f"build_step: grad_accum={grad_accum!r}, but it counts the micro-batches a step accumulates gradients "
-            "over. Fix: an integer >= 1 (1: no accumulation).")
-    policy = precision_policy(precision)
+    policy = layout.policy
     rules.check_mesh(mesh)
     sizes = mesh_shape(mesh)
 
@@ -270,7 +276,7 @@ def make_plan(model, mesh: Mesh | AbstractMesh, rules: Rules, *, loss_fn=None, p
     if stages and microbatches is None:
         microbatches = default_microbatches
     given = dict(microbatches=microbatches, schedule=schedule, virtual=virtual, stage_remat=stage_remat)
-    given = ", ".join(f"{k}={v!r}" for k, v in given.items() if v is not None)
+    given = ", ".join(f"Layout.{k}={v!r}" for k, v in given.items() if v is not None)
     if collectives == "compiler":
         _check_compiler_step(rules, stages, sizes, given, policy)
     adopt_array_shardings(model)  # (the optimizer's state is laid out as its params)
@@ -294,12 +300,75 @@ def make_plan(model, mesh: Mesh | AbstractMesh, rules: Rules, *, loss_fn=None, p
     _check_experts(plan)
     if plan.fp8 and rules.collective_matmul and plan.sequence_parallel:
         raise ShardingError(
-            f"build_step: precision 'fp8' with rules {rules.name!r}: the collective matmuls' rings (sp-overlap) compute "
+            f"build_step: Layout.precision 'fp8' with rules {rules.name!r}: the collective matmuls' rings (sp-overlap) compute "
             "in bf16 and have no FP8 form. Fix: drop sp-overlap (tp+sp gathers and reduce-scatters as whole "
             "collectives) or use precision 'mixed'.")
     if rules.zero == 2 and collectives == "explicit":
         _check_one_zero_dim(rows)
     return plan
+
+
+OLD_OPTIONS = ("precision", "microbatches", "schedule", "virtual", "stage_remat", "grad_accum")  # Layout fields now
+
+
+def step_layout(where: str, layout, mesh, deprecated: dict) -> tuple[Layout, Mesh | AbstractMesh | None]:
+    """(the Layout, the mesh given) of a call to `where` (`build_step`, `make_plan`, ...): a Layout
+    or its line; or, the form before Layout (deprecated, one release), a mesh, Rules and options."""
+    if isinstance(layout, (Mesh, AbstractMesh)):
+        old_mesh, rules = layout, mesh
+        unknown = sorted(set(deprecated) - set(OLD_OPTIONS))
+        if unknown:
+            raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
+        if not isinstance(rules, Rules):
+            raise LayoutError(f"{where}(model, ..., mesh, rules): rules is a {type(rules).__name__}, not jshard.Rules. "
+                              f"Fix: {where}(model, ..., jshard.Layout.of(rules, mesh), mesh).")
+        fields = {k: v for k, v in deprecated.items() if v is not None}
+        warnings.warn(f"{where}(..., mesh, rules{''.join(f', {k}=...' for k in fields)}) is deprecated: pass one "
+                      f"jshard.Layout, {where}(..., jshard.Layout.of(rules, mesh{''.join(f', {k}=...' for k in fields)}), "
+                      "mesh)", DeprecationWarning, stacklevel=3)
+        return Layout.of(rules, mesh_shape(old_mesh), **fields), old_mesh
+    if deprecated:
+        name = sorted(deprecated)[0]
+        if name in OLD_OPTIONS:
+            raise TypeError(f"{where}(): {name}= is a field of the layout. Fix: jshard.Layout(..., {name}=...).")
+        raise TypeError(f"{where}() got an unexpected keyword argument {name!r}")
+    return Layout.coerce(layout), mesh
+
+
+def step_mesh(layout: Layout, mesh: Mesh | AbstractMesh | None = None, abstract: bool = False) -> Mesh | AbstractMesh:
+    """The mesh a step of `layout` runs on: `mesh` where given (the layout's sizes, where it names
+    any, must be its), else the layout's over this process's devices (`jshard.make_mesh`; with no
+    devices, an AbstractMesh, where `abstract`)."""
+    if mesh is None:
+        sizes = dict(layout.mesh)
+        if not abstract:
+            return make_mesh(**sizes)
+        if -1 in sizes.values():
+            raise LayoutError(f"Layout.mesh {layout.mesh_text}: a mesh with no devices needs every size; -1 takes "
+                              "the devices left. Fix: give that axis its size.")
+        return abstract_mesh(**sizes)
+    shape = {a: n for a, n in mesh_shape(mesh).items() if n != 1}
+    named = {a: n for a, n in layout.mesh if n != -1}
+    wild = len(named) < len(layout.mesh)
+    if layout.mesh and (any(shape.get(a, 1) != n for a, n in named.items()) or (not wild and set(shape) - set(named))):
+        raise LayoutError(f"Layout.mesh {layout.mesh_text} is not the mesh given ({format_mesh(shape) or 'one device'}). "
+                          "Fix: the same sizes in both, or leave the layout's mesh empty (it then takes the mesh's).")
+    return mesh
+
+
+def _check_remat(model, layout: Layout) -> None:
+    """A layout's remat is the model's: a jshard decoder sets it in its config, which must agree."""
+    if layout.remat is None:
+        return
+    config = getattr(model, "config", None)
+    if not hasattr(config, "remat"):
+        raise LayoutError(f"Layout.remat={layout.remat!r}: this model ({type(model).__name__}) has no config.remat; "
+                          "its activation checkpointing is its own (nnx.remat in its forward). Fix: leave "
+                          "Layout.remat unset (None).")
+    if config.remat != layout.remat:
+        raise LayoutError(f"Layout.remat={layout.remat!r}, but the model was built with remat={config.remat!r}. "
+                          f"Fix: build it from dataclasses.replace(config, remat={layout.remat!r}), or leave "
+                          "Layout.remat unset.")
 
 
 def _is_stacked(leaf) -> bool:
@@ -352,12 +421,12 @@ def _check_compiler_step(rules: Rules, stages, sizes, given: str, policy: Precis
             f"build_step(collectives='compiler'): rules {rules.name!r} split layers over "
             f"{'+'.join(stages)}={math.prod(sizes[a] for a in stages)}, a pipeline, and the "
             "compiler-placed step does not pipeline. Fix: use the explicit step (build_step(..., "
-            "collectives='explicit', microbatches=M)), or pick a preset without pp / give stage size 1.")
+            "collectives='explicit'), Layout.microbatches=M), or pick a preset without pp / give stage size 1.")
     if policy is not None and (policy.master is not None or policy.param != np.float32):
         raise ShardingError(
-            f"build_step(collectives='compiler'): precision {policy.name!r} holds params in "
+            f"build_step(collectives='compiler'): Layout.precision {policy.name!r} holds params in "
             f"{policy.param.name}{' with an fp32 master' if policy.master else ''}, but the compiler-placed step "
-            "holds them as the model does. Fix: precision 'fp32' or 'bf16', or the explicit step.")
+            "holds them as the model does. Fix: Layout.precision 'fp32' or 'bf16', or the explicit step.")
 
 
 def _schedule(rules: Rules, mesh, stages, given: str, loss_fn, microbatches, schedule, virtual,
@@ -382,9 +451,9 @@ def _schedule(rules: Rules, mesh, stages, given: str, loss_fn, microbatches, sch
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ShardingError(
             f"build_step: rules {rules.name!r} split layers over {stages[0]}={size}, "
-            f"which pipelines them: it needs microbatches=M >= 1 (got {microbatches!r}) and a "
+            f"which pipelines them: it needs Layout.microbatches=M >= 1 (got {microbatches!r}) and a "
             "jshard.models.StagedLoss that says where the stack of layers starts and ends "
-            "(jshard.models.gpt_loss and mlp_loss are). Fix: build_step(..., microbatches=4).")
+            "(jshard.models.gpt_loss and mlp_loss are). Fix: Layout(..., microbatches=4).")
     pipeline.check_stage_remat(stage_remat or "none")
     context = rules.context_axes(mesh)
     if context and rules.context_attention == "ring":

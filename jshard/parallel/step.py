@@ -55,12 +55,12 @@ from jshard import nn, vma
 from jshard.parallel import pipeline
 from jshard.parallel.compiled import CompiledStep
 from jshard.parallel.model_state import ModelState, sync_batch_norms
-from jshard.parallel.plan import Plan, make_plan
+from jshard.layout import Layout
+from jshard.parallel.plan import Plan, make_plan, step_layout, step_mesh
 from jshard.parallel.state import (PlannedStep, TrainState, accumulate, lower, over_batch_shards, over_micro_batches,
                                    split_loss)
 from jshard.placement import Report, adopt_array_shardings
-from jshard.precision import Precision
-from jshard.rules import Rules, ShardingError, layout_of
+from jshard.rules import ShardingError, layout_of
 
 
 def _layouts(spec_tree) -> list[nn.Layout]:
@@ -496,26 +496,36 @@ def _constant_keys(jaxpr) -> bool:
     return False
 
 
-def build_step(model, tx, loss_fn, mesh: Mesh | AbstractMesh, rules: Rules, microbatches: int | None = None,
-               schedule: str | None = None, virtual: int | None = None, collectives: str = "explicit",
-               precision: Precision | str | None = None, stage_remat: str | None = None, abstract: bool = False,
-               has_aux: bool = False, grad_accum: int = 1):
-    """A sharded train step for `model` under `rules` on `mesh`; `.state` holds its start.
+def build_step(model, tx, loss_fn, layout: Layout | str | Mesh | AbstractMesh, mesh: Mesh | AbstractMesh | None = None,
+               *, collectives: str = "explicit", abstract: bool = False, has_aux: bool = False, **deprecated):
+    """A sharded train step for `model` laid out as `layout`; `.state` holds its start.
+
+        step = build_step(model, optax.adamw(3e-4), gpt_loss, "zero3+tp fsdp=4,tensor=2 accum=2 precision=mixed")
+
+    `layout` (`jshard.Layout`, or its line) holds everything about the layout: the strategy
+    (a preset's name or a `Rules`), the mesh sizes, the pipeline's schedule, micro-batches,
+    virtual chunks and stage remat, the precision and its gradient reduction, and gradient
+    accumulation. `mesh`: where given (an `AbstractMesh`, or devices this machine does not have,
+    where `abstract`), the step runs on it and the layout's sizes, where it names any, must be
+    its; else `jshard.make_mesh` of the layout's sizes over this process's devices (an
+    `AbstractMesh` of them where `abstract`). The form before `Layout`,
+    `build_step(model, tx, loss_fn, mesh, rules, microbatches=..., precision=..., ...)`, still
+    works for this release with a DeprecationWarning.
 
     `collectives` picks who places the collectives:
 
     - "explicit" (the default): a `ShardedStep`, `jax.jit(jax.shard_map(...))` with every
       collective derived from the rules (counted, textbook bytes). Rules that split
-      `layers` over a stage axis pipeline the step over `microbatches` micro-batches with
-      `schedule` (gpipe, the default; 1f1b; interleaved, with `virtual` model chunks per
-      device, default 2; zb-h1); `loss_fn` must then be a `jshard.models.StagedLoss`.
-      `stage_remat` says what a stage keeps from F to its backward: "none" (the default)
+      `layers` over a stage axis pipeline the step over `Layout.microbatches` micro-batches with
+      `Layout.schedule` (gpipe, the default; 1f1b; interleaved, with `Layout.virtual` model chunks
+      per device, default 2; zb-h1); `loss_fn` must then be a `jshard.models.StagedLoss`.
+      `Layout.stage_remat` says what a stage keeps from F to its backward: "none" (the default)
       keeps each segment's residuals, "full" only the stage input, recomputing the forward.
     - "compiler": a `CompiledStep` (`compiled.py`), plain `jax.jit` with the same layouts
       and XLA's partitioner inserting the collectives. Any model with named params, any
-      Flax layer; no pipeline, so no `microbatches`, `schedule` or `virtual`.
+      Flax layer; no pipeline, so no micro-batches, schedule or virtual chunks.
 
-    `precision` (`jshard.precision`: 'fp32', 'bf16', 'mixed' or a `Precision`) sets the
+    `Layout.precision` (`jshard.precision`: 'fp32', 'bf16', 'mixed' or a `Precision`) sets the
     dtype the step holds params in, reduces gradients in, and whether an fp32 master copy
     sits in the optimizer's layout ('mixed'); None keeps the params as the model holds them. Its
     compute dtype is what the layers compute in where they set none (`jshard.nn.compute_dtype`: a
@@ -525,7 +535,7 @@ def build_step(model, tx, loss_fn, mesh: Mesh | AbstractMesh, rules: Rules, micr
     the step returns `state, (loss, metrics)` (and `loss` / `value_and_grad` the pair), each
     metric averaged over the batch shards as the loss is. Not under a pipeline.
 
-    `grad_accum` = k: gradient accumulation inside the step. It takes a batch of k times the rows
+    `Layout.grad_accum` = k: gradient accumulation inside the step. It takes a batch of k times the rows
     (k divides each batch shard's rows) and cuts each device's rows into k micro-batches, which
     a `lax.scan` runs one after the other (activations of one micro-batch alive at a time); their
     gradients add up in the precision's reduction dtype (fp32 under 'mixed'; else the params'),
@@ -540,7 +550,7 @@ def build_step(model, tx, loss_fn, mesh: Mesh | AbstractMesh, rules: Rules, micr
       tensor, sequence, context and expert parallelism's activation collectives;
     - under a pipeline each micro-batch runs the whole schedule (its `microbatches` and its
       bubble): a step takes k × microbatches micro-batches per batch shard. Fewer bubbles for the
-      same batch: raise `microbatches` instead (1f1b's memory does not grow with it).
+      same batch: raise `Layout.microbatches` instead (1f1b's memory does not grow with it).
 
     The explicit step's micro-batch i is rows i·m .. (i+1)·m - 1 of each batch shard (m = its
     rows / k); the compiler-placed step scans the same micro-batches, where XLA places the
@@ -553,13 +563,16 @@ def build_step(model, tx, loss_fn, mesh: Mesh | AbstractMesh, rules: Rules, micr
     this machine does not have (`jax.experimental.topologies`). `model` may then come from
     `nnx.eval_shape`.
 
+    `Layout.remat` is the model's own (a jshard decoder's `config.remat`; the step checks they
+    agree) and `Layout.micro_batch_size` the batch's: the step takes the batch it is given.
+
     Every input is checked first, once (`plan.make_plan`; the step's `.plan`). Both steps have
     the same surface (`.state`, `step(state, batch)`, `shard_batch`, `model`, `value_and_grad`,
     `lower`, ...), so `jshard.train` and user code take either.
     """
-    plan = make_plan(model, mesh, rules, loss_fn=loss_fn, precision=precision, microbatches=microbatches,
-                     schedule=schedule, virtual=virtual, stage_remat=stage_remat, collectives=collectives,
-                     has_aux=has_aux, grad_accum=grad_accum)
+    layout, mesh = step_layout("build_step", layout, mesh, deprecated)
+    plan = make_plan(model, layout, step_mesh(layout, mesh, abstract), loss_fn=loss_fn, collectives=collectives,
+                     has_aux=has_aux)
     return step_from_plan(plan, model, tx, loss_fn, abstract)
 
 

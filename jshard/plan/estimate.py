@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jshard import metrics
-from jshard.mesh import STANDARD_AXES as AXES, abstract_mesh
+from jshard.layout import Layout
+from jshard.mesh import STANDARD_AXES as AXES
 from jshard.models import DecoderConfig, decoder
 from jshard.parallel.pipeline import STAGE_REMAT, compile_program, work as pipeline_work
 from jshard.parallel.plan import Plan, make_plan
@@ -38,8 +39,7 @@ from jshard.plan import physics
 from jshard.plan.counts import attention_widths, column_outputs, fp8_cast_widths, input_projections, mlp_widths
 from jshard.moe import capacity
 from jshard.nn import attention_implementation, compute_dtype, query_tile
-from jshard.precision import Precision
-from jshard.rules import Rules, ShardingError, preset
+from jshard.rules import ShardingError
 
 GiB = 2**30
 
@@ -196,11 +196,10 @@ RING_BLOCK_FP32 = 4  # ring attention: fp32 (query tile × keys) arrays its back
 # --- the model's params, placed by the rules ----------------------------------------
 
 
-def step_plan(config: DecoderConfig, sizes: dict[str, int], rules: Rules, precision=None, **pipeline) -> Plan:
+def step_plan(config: DecoderConfig, layout: Layout) -> Plan:
     """The decoder's step plan, the step's own (`parallel.plan.make_plan`, with its checks), from
-    abstract shapes on an abstract mesh: no memory is allocated, no device is needed. `pipeline`:
-    microbatches, schedule, virtual, stage_remat as `build_step` takes them."""
-    return make_plan(_abstract_decoder(config), abstract_mesh(**sizes), rules, precision=precision, **pipeline)
+    abstract shapes on an abstract mesh (the layout's): no memory is allocated, no device is needed."""
+    return make_plan(_abstract_decoder(config), layout)
 
 
 @functools.cache
@@ -213,12 +212,10 @@ _program = functools.cache(compile_program)
 
 
 @functools.cache
-def _cached_plan(config: DecoderConfig, sizes: tuple, strategy: str, precision, microbatches, schedule, virtual,
-                 stage_remat, grad_accum) -> Plan:
-    """`step_plan` of a preset, kept: a search estimates one plan under many batch and remat
-    choices, which the plan does not depend on (the params and their layouts do not change)."""
-    return step_plan(config, dict(sizes), preset(strategy), precision, microbatches=microbatches, schedule=schedule,
-                     virtual=virtual, stage_remat=stage_remat, grad_accum=grad_accum)
+def _cached_plan(config: DecoderConfig, layout: Layout) -> Plan:
+    """`step_plan`, kept: a search estimates one plan under many batch and remat choices, which
+    the plan does not depend on (the params and their layouts do not change)."""
+    return step_plan(config, layout)
 
 
 def shards(layout, sizes: dict[str, int], skip=frozenset()) -> int:
@@ -577,18 +574,36 @@ def sends(schedule) -> tuple[int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class PlanInput:
+    """What the planner estimates: a model, its layout (`jshard.Layout`, whole), the hardware and
+    the rows a step trains on. The layout's remat is the model's where it gives one (`model`);
+    `batch_size`, where given, replaces the layout's rows per micro-batch."""
+
     config: DecoderConfig
-    sizes: dict  # mesh axis -> size (standard axes not given: 1)
-    strategy: str = "dp"
-    schedule: str | None = None
-    microbatches: int | None = None
-    virtual: int | None = None
-    micro_batch_size: int = 1  # rows per micro-batch per data shard
+    layout: Layout
     hardware: Hardware = HARDWARE["h100"]
-    precision: Precision | str | None = None  # `jshard.precision`; None: the model's params as they are
-    stage_remat: str | None = None  # a pipeline stage keeps its residuals (None, "none") or recomputes ("full")
-    batch_size: int | None = None  # rows per step over every data shard and micro-batch (`jshard train`'s); replaces micro_batch_size
-    grad_accum: int = 1  # forward-backward passes a step accumulates before its optimizer update
+    batch_size: int | None = None  # rows per step over every data shard and micro-batch (`jshard train`'s)
+
+    def __post_init__(self):
+        object.__setattr__(self, "layout", Layout.coerce(self.layout))
+
+    @property
+    def model(self) -> DecoderConfig:
+        """The model as the layout runs it: its remat the layout's, where the layout sets one."""
+        remat = self.layout.remat
+        return self.config if remat is None else dataclasses.replace(self.config, remat=remat)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return self.layout.sizes
+
+    strategy = property(lambda self: self.layout.strategy)
+    schedule = property(lambda self: self.layout.schedule)
+    microbatches = property(lambda self: self.layout.microbatches)
+    virtual = property(lambda self: self.layout.virtual)
+    micro_batch_size = property(lambda self: self.layout.micro_batch_size)
+    stage_remat = property(lambda self: self.layout.stage_remat)
+    grad_accum = property(lambda self: self.layout.grad_accum)
+    precision = property(lambda self: self.layout.policy)
 
 
 def _link(axes: str, sizes: dict[str, int], hw: Hardware) -> tuple[float, str]:
@@ -704,12 +719,14 @@ def pipeline_activations(program, config: DecoderConfig, chunk_layers: int, per_
 
 def estimate(plan: PlanInput) -> dict:
     """Everything `jshard plan` prints, as one JSON-able dict (see the module docstring)."""
-    config, hw = plan.config, plan.hardware
-    sizes = {a: 1 for a in AXES} | dict(plan.sizes)  # standard axes not given: size 1
-    step = _cached_plan(dataclasses.replace(config, remat="none"), tuple(sizes.items()), plan.strategy, plan.precision,
-                        plan.microbatches, plan.schedule, plan.virtual, plan.stage_remat, plan.grad_accum)
-    step.check_batch(plan.batch_size, config.seq_len, rows_flag="--batch-size", seq_flag="--seq-len",
-                     accum_flag="--grad-accum" if plan.grad_accum > 1 else None)
+    config, hw = plan.model, plan.hardware
+    sizes = plan.sizes
+    if -1 in sizes.values():
+        raise ShardingError(f"Layout.mesh {plan.layout.mesh_text}: the planner has no devices to fill '-1' from. "
+                            "Fix: give every axis its size.")
+    step = _cached_plan(dataclasses.replace(config, remat="none"),
+                        dataclasses.replace(plan.layout, remat=None, micro_batch_size=1))
+    step.check_batch(plan.batch_size, config.seq_len, rows_name="PlanInput.batch_size", seq_name="DecoderConfig.seq_len")
     config = computed(config, step)
     rules, schedule, stage_remat, params = step.rules, step.schedule, step.stage_remat, step.params
     batch_axes, data_shards, context, cp = step.batch_axes, step.data_shards, step.context_axes, step.context_shards
@@ -722,12 +739,12 @@ def estimate(plan: PlanInput) -> dict:
     stages = schedule.stages if schedule else 1
     n_devices = math.prod(sizes.values())
     if step.fp8 and hw.fp8_peak_flops is None:
-        raise ShardingError(f"--precision fp8: {hw.name} has no FP8 tensor cores (Hopper and later do). "
-                            "Fix: --precision mixed, or --hardware h100 / h200.")
+        raise ShardingError(f"Layout.precision fp8: {hw.name} has no FP8 tensor cores (Hopper and later do). "
+                            "Fix: Layout.precision mixed, or PlanInput.hardware h100 / h200.")
     try:
         attention = attention_implementation(config.attention, config.dtype, config.head_dim, hw.platform)
     except ValueError as e:  # cudnn asked of a profile or dtype it cannot run on
-        raise ShardingError(f"--attention {config.attention}: {e}") from None
+        raise ShardingError(f"DecoderConfig.attention {config.attention}: {e}") from None
     flash = attention == "cudnn"
     if cp > 1:  # attention is jshard's own, not the model's kernel: the ring keeps no scores (each
         # block's are recomputed in its backward); "gather" keeps each local query's scores over

@@ -23,8 +23,9 @@ import itertools
 import math
 
 from jshard.layout import Layout
-from jshard.mesh import STANDARD_AXES, default_mesh
+from jshard.mesh import default_mesh
 from jshard.plan.estimate import Hardware, PlanInput, estimate
+from jshard.placement import format_bytes
 from jshard.rules import ShardingError, preset
 
 FAMILIES = tuple(base + tensor + pipe for base in ("dp", "zero1", "fsdp", "dp+zero1", "dp+fsdp")
@@ -43,9 +44,7 @@ class Candidate:
 
     @property
     def layout(self) -> Layout:
-        p = self.plan
-        return Layout.of(p.strategy, p.sizes, remat=p.config.remat, micro_batch_size=p.micro_batch_size,
-                         grad_accum=p.grad_accum, schedule=p.schedule, microbatches=p.microbatches, virtual=p.virtual)
+        return self.plan.layout
 
     @property
     def label(self) -> str:
@@ -75,9 +74,10 @@ def _refusal(config, sizes: dict[str, int], hw: Hardware) -> str | None:
     return None
 
 
-def layouts(config, devices: int, hw: Hardware, batch_size: int, precision, families=FAMILIES,
-            remats=REMAT) -> list[PlanInput]:
-    """Every layout to estimate (module docstring), before memory is known."""
+def layouts(config, devices: int, hw: Hardware, batch_size: int, precision: str | None = None, reduce: str | None = None,
+            families=FAMILIES, remats=REMAT) -> list[PlanInput]:
+    """Every layout to estimate (module docstring), before memory is known; each at `precision`
+    (a `jshard.precision` name) with gradients reduced in `reduce` (None: the precision's)."""
     out = []
     for family in families:
         axes = tuple(default_mesh(preset(family), devices))
@@ -89,35 +89,55 @@ def layouts(config, devices: int, hw: Hardware, batch_size: int, precision, fami
             if batch_size % shards:
                 continue
             rows, stages = batch_size // shards, sizes.get("stage", 1)
-            full = {a: 1 for a in STANDARD_AXES} | sizes
             for remat, mb in itertools.product(remats, (2**i for i in range(int(math.log2(rows)) + 1))):
                 if rows % mb:
                     continue
-                model = dataclasses.replace(config, remat=remat)
-                common = dict(config=model, sizes=full, strategy=family, micro_batch_size=mb, hardware=hw,
-                              precision=precision)
+                common = dict(remat=remat, micro_batch_size=mb, precision=precision, reduce=reduce)
                 if stages == 1:
-                    out.append(PlanInput(**common, grad_accum=rows // mb))
+                    out.append(PlanInput(config, Layout.of(family, sizes, **common, grad_accum=rows // mb), hw))
                     continue
                 m = rows // mb
                 for schedule in SCHEDULES:
                     virtual = 2 if schedule == "interleaved" else None
                     if m < stages or (virtual and config.layers < stages * virtual):
                         continue
-                    out.append(PlanInput(**common, schedule=schedule, microbatches=m, virtual=virtual))
+                    out.append(PlanInput(config, Layout.of(family, sizes, **common, schedule=schedule, microbatches=m,
+                                                           virtual=virtual), hw))
     return out
 
 
-def search(config, devices: int, hw: Hardware, batch_size: int, precision, **within) -> list[Candidate]:
+def search(config, devices: int, hw: Hardware, batch_size: int, precision: str | None = None, reduce: str | None = None,
+           **within) -> list[Candidate]:
     """Every layout estimated, best first: those that fit by predicted step time, then the rest."""
     done = []
-    for plan in layouts(config, devices, hw, batch_size, precision, **within):
+    for plan in layouts(config, devices, hw, batch_size, precision, reduce, **within):
         try:
             done.append(Candidate(plan, estimate(plan)))
         except (ShardingError, ValueError) as e:  # a layout the step refuses: kept, with why
             done.append(Candidate(plan, refused=str(e).splitlines()[0]))
     return sorted(done, key=lambda c: (c.estimate is None or not c.estimate["fits"],
                                        c.estimate["predicted_step_s"] if c.estimate else math.inf))
+
+
+def pick(config, devices: int, hw: Hardware, batch_size: int, precision: str | None = None, reduce: str | None = None,
+         remat: str = "none") -> tuple[Candidate, str]:
+    """`--strategy auto`'s layout: the search's first that fits at the run's own `remat`, and a line
+    saying what was picked, of how many. Where none fits, one error naming the smallest and what
+    to change."""
+    found = search(config, devices, hw, batch_size, precision, reduce, remats=(remat,))
+    fits = [c for c in found if c.estimate and c.estimate["fits"]]
+    if not fits:
+        least = min((c for c in found if c.estimate), key=lambda c: c.estimate["memory_bytes_per_device"]["total"],
+                    default=None)
+        raise ShardingError(
+            f"Layout.strategy auto: no layout of {devices} {hw.name} devices fits this model and {batch_size} rows a "
+            f"step at Layout.remat {remat}" + (f" (the smallest, {least.label}, needs "
+            f"{format_bytes(least.estimate['memory_bytes_per_device']['total'])})" if least else " (every one refused)")
+            + ". Fix: Layout.remat full, fewer rows a step (PlanInput.batch_size), or more devices.")
+    best = fits[0]
+    return best, (f"{best.label}: the first of {len(fits)} layouts that fit ({len(found)} planned on the {hw.name} "
+                  f"profile; jshard plan --search ranks them all), predicted {best.estimate['predicted_step_s'] * 1e3:.1f} "
+                  "ms a step")
 
 
 def bottleneck(est: dict) -> str:

@@ -17,7 +17,8 @@ import optax
 from flax import nnx
 
 from jshard import hlo
-from jshard.mesh import STANDARD_AXES, default_mesh, format_mesh, make_mesh, mesh_shape
+from jshard.layout import Layout
+from jshard.mesh import default_mesh, format_mesh, make_mesh, mesh_shape
 from jshard.models import LLAMA_SIZES, DecoderConfig, GPTConfig, LlamaConfig, decoder, gpt_loss
 from jshard.parallel.pipeline import compile_program
 from jshard.parallel.state import abstract_batch
@@ -170,11 +171,11 @@ def validate_one(strategy: str, microbatches, schedule, remat: str, mesh: str = 
     rules = preset(strategy)
     shape = example_mesh(strategy, len(devices)) if mesh == "example" else default_mesh(rules, len(devices))
     mesh = make_mesh(devices, **shape)
-    sizes = {a: 1 for a in STANDARD_AXES} | mesh_shape(mesh)
-    est = estimate(PlanInput(config, sizes, strategy, schedule, microbatches, micro_batch_size=rows,
-                             hardware=HARDWARE[hardware], precision=policy, stage_remat=stage_remat))
-    step = build_step(nnx.eval_shape(lambda: decoder(config, nnx.Rngs(0))), optax.adamw(1e-3), gpt_loss, mesh, rules,
-                      microbatches=microbatches, schedule=schedule, precision=policy, stage_remat=stage_remat, abstract=True)
+    layout = Layout.of(rules, mesh, schedule=schedule, microbatches=microbatches, micro_batch_size=rows,
+                       precision=policy, stage_remat=stage_remat)
+    est = estimate(PlanInput(config, layout, HARDWARE[hardware]))
+    step = build_step(nnx.eval_shape(lambda: decoder(config, nnx.Rngs(0))), optax.adamw(1e-3), gpt_loss, layout, mesh,
+                      abstract=True)
     batch = abstract_batch(step.plan, (est["tokens_per_step"] // config.seq_len, config.seq_len + 1), jnp.int32)
     lowered = step.lower(step.state, batch)
     compiled = lowered.compile()
