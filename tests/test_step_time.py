@@ -200,10 +200,12 @@ def test_train_strategy_auto_trains_the_pick(capsys):
 def test_bench_search_measures_the_layouts_it_ranks(tmp_path, capsys):
     out = tmp_path / "search.json"
     assert main(["bench", "search", "--model", "tiny", "--seq-len", "16", "--batch-size", "8", "--count", "2",
-                 "--repeats", "1", "--json", str(out)]) == 0
+                 "--repeats", "1", "--rounds", "3", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     ranks = [r["rank"] for r in result["rows"]]
     assert ranks[0] == 1 and ranks[-1] == result["fit"] and all(r["measured_s"] > 0 for r in result["rows"])
+    # a layout's time is the median of its rounds', each round timing every layout in turn
+    assert all(len(r["rounds_s"]) == 3 and r["measured_s"] == sorted(r["rounds_s"])[1] for r in result["rows"])
     assert -1 <= result["spearman"] <= 1 and "Spearman rank correlation" in capsys.readouterr().out
 
 

@@ -327,7 +327,10 @@ def add_search(benches) -> None:
     add("--batch-size", type=flags.positive_int, default=32, help="rows a step (default: 32)")
     flags.add_precision(parser, "fp32")
     add("--count", type=flags.positive_int, default=12, help="layouts measured, spread over the ranking (default: 12)")
-    add("--repeats", type=flags.positive_int, default=5, help="timed steps of each; the median is reported (default: 5)")
+    add("--repeats", type=flags.positive_int, default=3, help="timed steps of a layout a round; the fastest is kept "
+        "(default: 3)")
+    add("--rounds", type=flags.positive_int, default=3, help="rounds, each timing every layout in turn; a layout's "
+        "time is the median of its rounds' (default: 3)")
     flags.add_json(parser)
     flags.add_fake_devices(parser)
     parser.set_defaults(run=run_search)
@@ -341,6 +344,7 @@ def run_search(args) -> int:
         raise FlagError(f"the planner has no profile of a {jax.devices()[0].device_kind}: nothing to rank against")
     config = flags.built_model(args, "small")
     flags.precision_of(args)  # (its one line, for a reduction without a precision)
-    result = bench_search.run(config, hw, args.batch_size, args.precision, args.grad_reduce, args.count, args.repeats)
+    result = bench_search.run(config, hw, args.batch_size, args.precision, args.grad_reduce, args.count, args.repeats,
+                              args.rounds)
     write_json(args.json, result)
     return 0
