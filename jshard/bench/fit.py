@@ -58,23 +58,23 @@ def report(names: list[str], plans: list[PlanInput], measured: np.ndarray) -> st
 
 # --- fake CPU devices: the host's constants -------------------------------------------------
 
-HOST_FIELDS = ("op_s", "tick_s")
+HOST_FIELDS = ("matmul_efficiency", "tick_s", "call_s")
 
 
-def host_features(plans: list[PlanInput]) -> tuple[np.ndarray, np.ndarray]:
-    """(X, fixed): per layout its program's ops and pipeline ticks (the step is linear in their
-    costs, `estimate.host_step_seconds`), and the seconds of the rest (its compute at the host's
-    peak), which the fit leaves as they are."""
-    rows, fixed = [], []
+def host_features(plans: list[PlanInput]) -> np.ndarray:
+    """Per layout the three things its step is linear in (`estimate.host_step_seconds`): its
+    compute at the host's peak (matmul efficiency 1), its pipeline ticks, and its ZeRO-3
+    collectives counted per other member of their groups."""
+    rows = []
     for p in plans:
-        est = estimate(dataclasses.replace(p, hardware=dataclasses.replace(p.hardware, op_s=0.0, tick_s=0.0)))
-        rows.append([est["host"]["ops"], est["host"]["ticks"]])
-        fixed.append(est["predicted_step_s"])
-    return np.array(rows, dtype=float), np.array(fixed)
+        bare = dataclasses.replace(p.hardware, matmul_efficiency=1.0, tick_s=0.0, call_s=0.0)
+        est = estimate(dataclasses.replace(p, hardware=bare))
+        rows.append([est["predicted_step_s"], est["host"]["ticks"], est["host"]["zero3_member_calls"]])
+    return np.array(rows, dtype=float)
 
 
 def fit_host(plans: list[PlanInput], measured: np.ndarray) -> dict:
     """The CPU profile's `HOST_FIELDS` by least squares over measured layouts (`jshard bench
-    search --json` rows)."""
-    x, fixed = host_features(plans)
-    return dict(zip(HOST_FIELDS, np.linalg.lstsq(x, measured - fixed, rcond=None)[0]))
+    search --json` rows): the compute's coefficient is 1 / the host's matmul efficiency."""
+    compute, tick_s, call_s = np.linalg.lstsq(host_features(plans), measured, rcond=None)[0]
+    return dict(matmul_efficiency=1 / compute, tick_s=tick_s, call_s=call_s)

@@ -267,7 +267,7 @@ def add_fit(benches) -> None:
                                 description=inspect.cleandoc(fit.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", metavar="RUNS.json", help="measured steps: {\"runs\": [{\"plan_command\", \"result\": {\"step_s\"}}]}, "
                                                           "e.g. docs/results/bench-step-h100-jax0.11.2-2026-11-27.json; or a "
-                                                          "`bench search --json` result: the CPU profile's op_s and tick_s")
+                                                          "`bench search --json` result: the CPU profile's matmul_efficiency, tick_s and call_s")
     parser.set_defaults(run=run_fit)
 
 
@@ -309,7 +309,7 @@ def run_fit(args) -> int:
         plans = bench_search.plans_of(result, HARDWARE[result["profile"]])
         fitted = fit.fit_host(plans, np.array([r["measured_s"] for r in result["rows"]]))
         print(f"# fitted over {len(plans)} layouts of {args.runs}: "
-              + ", ".join(f"{k} = {v:.3g} s" for k, v in fitted.items()))
+              + ", ".join(f"{k} = {v:.3g}" for k, v in fitted.items()))
         return 0
     print(fit.report(*measured_plans(args.runs)))
     return 0

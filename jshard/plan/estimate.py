@@ -75,23 +75,26 @@ class Hardware:
     # A GPU step's memory-bound work between its GEMMs, as bytes of HBM traffic (below).
     elementwise_layer_bytes: float = ELEMENTWISE_LAYER_BYTES
     elementwise_logit_bytes: float = ELEMENTWISE_LOGIT_BYTES
-    # Fake CPU devices (`platform` "cpu") share one host: what each op and each collective call
-    # costs the host beyond its FLOPs and bytes (`host_step_seconds`).
-    op_s: float = 0.0
+    # Fake CPU devices (`platform` "cpu") share one host: what a pipeline tick and a ZeRO-3 gather
+    # or scatter (per other device of its group: a rendezvous of their threads) cost the host
+    # beyond its FLOPs (`host_step_seconds`).
     tick_s: float = 0.0
+    call_s: float = 0.0
 
 
 # Datasheets (SXM parts; NVLink 4 = 450 GB/s each way, 400 Gb/s InfiniBand NIC per GPU).
 # cpu: this repository's 2-core host (README: a measured 206 GFLOP/s), threads as "links".
+# The CPU profile's host constants (`bench fit` of a `bench search --json` result)
+CPU_HOST = dict(matmul_efficiency=0.732, tick_s=1.88e-3, call_s=5.63e-5)
 HARDWARE = {
     "h100": Hardware("h100", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, 8, fp8_peak_flops=1979e12),
     "h200": Hardware("h200", 989e12, 141e9, 4.8e12, 450e9, 50e9, 8, fp8_peak_flops=1979e12),
     "a100": Hardware("a100", 312e12, 80 * GiB, 2.04e12, 300e9, 25e9, 8),
-    # op_s, tick_s: fitted (`bench.fit.fit_host`) to `jshard bench search` of the small GPT on 8 fake
-    # devices of this 2-core host (jax 0.12.0.1), checked on the small Llama (docs/planning.md).
-    "cpu": Hardware("cpu", 0.206e12, 16 * GiB, 20e9, 10e9, 10e9, 8, matmul_efficiency=1.0, platform="cpu",
-                    op_s=2.06e-5, tick_s=6.0e-4,
-                    fp8_peak_flops=0.206e12),
+    # matmul_efficiency, tick_s, call_s: fitted (`bench.fit.fit_host`) to `jshard bench search` of
+    # the small GPT on 8 fake devices of this 2-core host (jax 0.12.0.1, timed in rounds), checked
+    # on the small Llama (docs/planning.md).
+    "cpu": Hardware("cpu", 0.206e12, 16 * GiB, 20e9, 10e9, 10e9, 8, matmul_efficiency=CPU_HOST["matmul_efficiency"],
+                    platform="cpu", tick_s=CPU_HOST["tick_s"], call_s=CPU_HOST["call_s"], fp8_peak_flops=0.206e12),
 }
 # A device's kind, as JAX names it, to its profile (the parts the profiles describe).
 KINDS = {"H100": "h100", "H200": "h200", "A100": "a100"}
@@ -827,7 +830,8 @@ def estimate(plan: PlanInput) -> dict:
     for (kind, axes), nbytes in sorted(comm.items()):
         n = math.prod(sizes[a] for a in axes.split("+"))
         bw, where = _link(axes, sizes, hw)
-        count = calls(kind, axes, nbytes, step, layers_local, m * accum, schedule and sum(sends(schedule)) * accum)
+        count = calls(kind, axes, nbytes, step, layers_local, m * accum, schedule and sum(sends(schedule)) * accum,
+                      hw.platform)
         t = count * physics.collective_seconds(kind, nbytes / count, n, where, bw, _nodes(axes, sizes, hw))
         times[(kind, axes)] = t
         rows_out.append(dict(kind=kind, axes=axes, group=n, bytes=int(nbytes), calls=count, link=where, seconds=t))
@@ -866,8 +870,13 @@ def estimate(plan: PlanInput) -> dict:
               + t_cp_exposed + max(0.0, t_dp + t_zero + t_pp + t_ring - t_compute))
     host = None
     if hw.platform == "cpu":
-        host = host_work(config, step, m * accum, schedule.ticks * accum if schedule else 0)
-        step_s = host_step_seconds(terms, host, hw, n_devices)
+        host = host_work(step, rows_out, schedule.ticks * accum if schedule else 0)
+        # XLA:CPU: a layer's recompute (remat) measured to cost the host a quarter to a third of its
+        # FLOPs (+8-12% a step for +33% FLOPs at remat full: docs/planning.md): not counted
+        host_terms = terms if config.remat == "none" else compute_terms(
+            dataclasses.replace(config, remat="none"), step, hw, rows, local_seq, m * accum, layers_local, tensor, sp,
+            attention, optimizer_traffic, stage_recompute=bool(schedule) and stage_remat == "full")
+        step_s = host_step_seconds(host_terms, host, hw, n_devices)
     mfu = flops_model / (step_s * n_devices * peak)
 
     warnings = []
@@ -969,29 +978,35 @@ def scheduled_step_seconds(est: dict, overlapped: dict[tuple[str, str], float]) 
 
 
 # AdamW's ops on one param per step (its moments, their corrections, the decay and update).
-OPTIMIZER_OPS = 12
 
 
-def host_work(config: DecoderConfig, step: Plan, passes: int, ticks: int) -> dict:
-    """What fake CPU devices' program costs their host beyond its FLOPs: its ops, each dispatched
-    once for all the devices (a layer's forward and backward `physics.KERNELS_PER_LAYER`, every
-    layer every pass, the optimizer's `OPTIMIZER_OPS` a param), and a pipeline's ticks."""
-    return dict(ops=physics.KERNELS_PER_LAYER * config.layers * passes + OPTIMIZER_OPS * len(step.params),
-                ticks=ticks)
+def host_work(step: Plan, collectives: list[dict], ticks: int) -> dict:
+    """What fake CPU devices' program costs their host beyond its FLOPs: a pipeline's ticks, and
+    ZeRO-3's gathers and scatters (XLA:CPU's, one a param: `calls`), each counted once per other
+    device of its group, whose threads must all reach it on the host's few cores. (TP's and SP's
+    collectives, of activations inside a layer, measured to add nothing: docs/planning.md.)"""
+    zero = set(step.zero_axes) if step.rules.zero == 3 else set()
+    members = sum(c["calls"] * (c["group"] - 1) for c in collectives
+                  if c["kind"] in ("all-gather", "reduce-scatter") and set(c["axes"].split("+")) <= zero)
+    return dict(ticks=ticks, zero3_member_calls=members)
 
 
 def host_step_seconds(terms: dict, host: dict, hw: Hardware, devices: int) -> float:
     """A step of fake CPU devices: they share the host's cores, so the host runs every device's
     compute (the step costs their sum; an idle pipeline stage costs nothing: no bubble), plus
-    `op_s` an op and `tick_s` a pipeline tick (`host_work`; measured: `jshard bench search`)."""
-    return devices * sum(terms.values()) + host["ops"] * hw.op_s + host["ticks"] * hw.tick_s
+    `tick_s` a pipeline tick and `call_s` per ZeRO-3 collective and other member (`host_work`;
+    measured: `jshard bench search`)."""
+    return devices * sum(terms.values()) + host["ticks"] * hw.tick_s + host["zero3_member_calls"] * hw.call_s
 
 
-def calls(kind: str, axes: str, nbytes: float, step: Plan, layers: int, passes: int, sends: int | None) -> int:
+def calls(kind: str, axes: str, nbytes: float, step: Plan, layers: int, passes: int, sends: int | None,
+          platform: str = "gpu") -> int:
     """How many collectives of (kind, axes) a step runs, each paying its latency: scalar
     all-reduces one each, a layer's TP, CP and EP ones every pass (forward and backward), ZeRO-3's
     gathers and scatters per layer every pass, the pipeline's sends, and gradient reductions
-    combined into `XLA_GPU_COMBINE_BYTES` buffers."""
+    combined into `XLA_GPU_COMBINE_BYTES` buffers. XLA:CPU combines none: ZeRO-3 gathers (twice:
+    forward, backward) and scatters each param of each layer every pass, and ZeRO-1/2 reduce and
+    gather each param once (counted in its programs: docs/planning.md)."""
     group = set(axes.split("+"))
     if kind == "all-reduce" and nbytes < 4096:  # scalars, each its own call: the loss, FP8 scales
         return max(1, int(nbytes // 4))
@@ -1000,7 +1015,13 @@ def calls(kind: str, axes: str, nbytes: float, step: Plan, layers: int, passes: 
     if step.stage_axis and group == {step.stage_axis} and kind == "collective-permute":
         return max(1, sends or 1)
     if step.rules.zero == 3 and group <= set(step.zero_axes):
+        if platform == "cpu":
+            stacked = sum(1 for p in step.params if p.names[:1] == ("layers",))
+            per_pass = stacked * layers + len(step.params) - stacked
+            return max(1, (2 if kind == "all-gather" else 1) * per_pass * passes)
         return max(1, (2 if kind == "all-gather" else 1) * layers * passes)
+    if platform == "cpu" and kind in ("all-gather", "reduce-scatter"):
+        return len(step.params)
     return max(1, math.ceil(nbytes / XLA_GPU_COMBINE_BYTES))
 
 
