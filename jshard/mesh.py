@@ -126,17 +126,31 @@ ZERO3_COLLECTIVES_IN_FLIGHT = 4
 TRITON_GEMM_OPTION = "xla_gpu_enable_triton_gemm"
 
 
-def use_gpu_xla_flags(compiling_for_gpu: bool = False) -> bool:
-    """For commands: set `GPU_XLA_FLAGS` when JAX will run on a GPU (or, `compiling_for_gpu`,
-    XLA's GPU compiler compiles for one here: `jshard compile`) and XLA_FLAGS is unset.
+def flag_name(flag: str) -> str:
+    """'--xla_gpu_enable_latency_hiding_scheduler=true' -> 'xla_gpu_enable_latency_hiding_scheduler'."""
+    return flag.lstrip("-").split("=", 1)[0]
 
-    A user's own XLA_FLAGS (even empty) are left exactly as they are. XLA reads the flags
-    once, when its backends start, so call this before any JAX computation. True if set.
+
+def use_gpu_xla_flags(compiling_for_gpu: bool = False) -> list[str]:
+    """For commands: add `GPU_XLA_FLAGS` to XLA_FLAGS when JAX will run on a GPU (or,
+    `compiling_for_gpu`, XLA's GPU compiler compiles for one here: `jshard compile`), flag by
+    flag: a flag the user's XLA_FLAGS already sets keeps the user's value, and the user's other
+    flags (a dump folder, a device count, NCCL's) stay beside jshard's. XLA reads the flags once,
+    when its backends start, so call this before any JAX computation. Returns the flags added.
     """
-    if "XLA_FLAGS" in os.environ or not (compiling_for_gpu or _gpu_expected()):
-        return False
-    os.environ["XLA_FLAGS"] = " ".join(GPU_XLA_FLAGS)
-    return True
+    if not (compiling_for_gpu or _gpu_expected()):
+        return []
+    given = os.environ.get("XLA_FLAGS", "").split()
+    mine = {flag_name(f) for f in given}
+    added = [f for f in GPU_XLA_FLAGS if flag_name(f) not in mine]
+    if added:
+        os.environ["XLA_FLAGS"] = " ".join(given + added)
+    return added
+
+
+def xla_flags_line() -> str:
+    """The XLA flags in effect, as commands print them: XLA_FLAGS, or 'none'."""
+    return os.environ.get("XLA_FLAGS", "").strip() or "none"
 
 
 def runs_on_cpu() -> bool:

@@ -44,7 +44,7 @@ from jshard.checkpoint import CheckpointError, Checkpoints
 from jshard.config import MODEL_FIELDS, model_config
 from jshard.distributed import axes_across_processes, initialize, is_main_process
 from jshard.mesh import (fake_device_count, mesh_shape, mesh_sizes, use_fake_cpu_devices_unless_accelerated,
-                         use_gpu_xla_flags)
+                         use_gpu_xla_flags, xla_flags_line)
 from jshard.metrics import PROFILE_STEPS, MetricsFile, device_memory, device_peak, flops_per_token
 from jshard.nn import attention_implementation
 from jshard.models import SIZES, DecoderConfig, decoder, gpt_loss
@@ -234,7 +234,7 @@ def _model_identity(model: DecoderConfig) -> dict:
 def set_up(config: TrainConfig) -> Setup:
     """Check every input and the checkpoint dir; raises before any device work."""
     _check_values(config)
-    use_gpu_xla_flags()  # on GPUs, unless XLA_FLAGS is set: before JAX starts its backends
+    use_gpu_xla_flags()  # on GPUs, beside the user's XLA_FLAGS (theirs win): before JAX starts its backends
     initialize()  # a multi-process run (jshard launch, srun, mpirun): join it; one process: nothing
     use_fake_cpu_devices_unless_accelerated(fake_device_count(config.fake_devices, FAKE_DEVICES))
     overrides = {f: getattr(config, f) for f in MODEL_FIELDS + ("attention",) if getattr(config, f) is not None}
@@ -463,7 +463,8 @@ def _setup_lines(p: Setup, abstract_model, abstract_opt) -> list[str]:
         f"model       {m.family} {c.model}: {m.layers} layers, embed {m.embed}, {m.heads} heads"
         f"{f' ({m.kv_heads} kv)' if hasattr(m, 'kv_heads') else ''}, mlp {m.mlp}, "
         f"{_fmt_count(count)} params, vocab {m.vocab}" + _experts_line(m),
-        f"devices     {jax.device_count()} × {jax.devices()[0].device_kind}, mesh {mesh}" + _processes(p.mesh),
+        f"devices     {jax.device_count()} × {jax.devices()[0].device_kind}, mesh {mesh}" + _processes(p.mesh)
+        + (f"; XLA_FLAGS {xla_flags_line()}" if jax.devices()[0].platform == "gpu" else ""),
         f"strategy    {p.rules.name} (ZeRO stage {p.rules.zero}){pipeline}" + (f"; {p.auto}" if p.auto else ""),
         f"per device  {_fmt_count(per_device)} params ({format_bytes(per_device * held)} in {p.precision.param.name} "
         f"of {format_bytes(count * held)}), {master}optimizer state {format_bytes(opt.bytes_per_device)} of "

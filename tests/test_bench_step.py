@@ -80,13 +80,18 @@ def test_gpu_xla_flags_are_known_to_this_xla():
     assert not _xla_starts("--xla_gpu_no_such_flag=true")
 
 
-def test_gpu_xla_flags_only_on_gpu_and_never_over_the_users(monkeypatch):
+def test_gpu_xla_flags_only_on_gpu_beside_the_users_whose_values_win(monkeypatch):
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     assert not mesh.use_gpu_xla_flags()  # the suite runs on CPU
     assert "XLA_FLAGS" not in os.environ
     monkeypatch.setattr(mesh, "_gpu_expected", lambda: True)
-    assert mesh.use_gpu_xla_flags()
+    assert mesh.use_gpu_xla_flags() == list(mesh.GPU_XLA_FLAGS)
     assert os.environ["XLA_FLAGS"] == " ".join(mesh.GPU_XLA_FLAGS)
-    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/mine")
-    assert not mesh.use_gpu_xla_flags()
-    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/mine"
+    assert mesh.use_gpu_xla_flags() == []  # a second call adds nothing
+    # an unrelated flag of the user's keeps jshard's beside it; one jshard sets keeps the user's value
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/mine --xla_gpu_enable_pipelined_all_gather=false")
+    added = mesh.use_gpu_xla_flags()
+    assert "--xla_gpu_enable_pipelined_all_gather=true" not in added and len(added) == len(mesh.GPU_XLA_FLAGS) - 1
+    assert os.environ["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/mine", "--xla_gpu_enable_pipelined_all_gather=false",
+                                                *added]
+    assert mesh.xla_flags_line() == os.environ["XLA_FLAGS"]

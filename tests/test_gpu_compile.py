@@ -276,3 +276,30 @@ def test_collective_matmuls_run_their_permutes_beside_matmuls_at_8b(tmp_path):
     kinds = {row["kind"] for row in result["compared"]["bytes"] if row["compiled"] > 2**30}
     assert kinds == {"collective-permute"}, result["compared"]["bytes"]
     assert result["compiled"]["overlap_in_loops"]["collective-permute"] >= 0.85, result["compiled"]["overlap_in_loops"]
+
+
+def _compile_in_a_process(xla_flags: str | None, tmp_path: Path, name: str) -> tuple[dict, str]:
+    """`jshard compile` of the small GPT under fsdp=8 in a fresh process (XLA reads XLA_FLAGS
+    once, at start-up), with `xla_flags` as the user's XLA_FLAGS (None: unset)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | ({"XLA_FLAGS": xla_flags} if xla_flags else {})
+    out = tmp_path / f"{name}.json"
+    done = subprocess.run([sys.executable, "-m", "jshard.cli", "compile", "--model", "small", "--strategy", "fsdp",
+                           "--mesh", "fsdp=8", "--target", "h100x8", "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(out.read_text())["compiled"], done.stdout
+
+
+def test_a_users_unrelated_xla_flag_keeps_jshards_and_the_overlap(tmp_path):
+    """A flag of the user's own (a dump folder) used to switch all of jshard's GPU flags off: now
+    they are added beside it, and the compiled program overlaps its ZeRO-3 collectives as without it."""
+    plain, _ = _compile_in_a_process(None, tmp_path, "plain")
+    mine, printed = _compile_in_a_process(f"--xla_dump_to={tmp_path / 'dump'}", tmp_path, "mine")
+    assert mine["overlap"] == plain["overlap"] and mine["overlap_in_loops"] == plain["overlap_in_loops"]
+    assert plain["overlap"]["all-gather"] > 0.3, plain["overlap"]  # pipelined gathers, beside the matmuls
+    line = next(line for line in printed.splitlines() if line.startswith("XLA_FLAGS in effect: "))
+    assert f"--xla_dump_to={tmp_path / 'dump'}" in line and all(f in line for f in jshard.mesh.GPU_XLA_FLAGS)

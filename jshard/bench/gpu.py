@@ -243,7 +243,7 @@ def table(result: dict) -> str:
 
 if __name__ == "__main__":  # `compile_deviceless`'s worker: CASE TARGET SEQ ROWS OUT.json, JAX on the CPU
     name, target_name, seq, rows, out = sys.argv[1:]
-    use_gpu_xla_flags(compiling_for_gpu=True)  # unless the run's own XLA_FLAGS came with the environment
+    use_gpu_xla_flags(compiling_for_gpu=True)  # beside the run's own XLA_FLAGS (a flag it sets keeps its value)
     aot.use_cpu_for_jax()
     case = next(c for c in CASES + DRY_CASES if case_name(c) == name)
     pathlib.Path(out).write_text(json.dumps(deviceless_program(case, aot.target(target_name), int(seq), int(rows)),

@@ -24,8 +24,8 @@ One run, on the same devices:
                        the measured matmul peak
 
 On a CPU the default model is `tiny` and there is no datasheet: MFU is against the measured
-matmul peak only. On a GPU jshard sets its XLA flags (`jshard.mesh.GPU_XLA_FLAGS`) unless
-XLA_FLAGS is set, and the defaults are a ~1B-parameter GPT at seq-len 2048 in bf16.
+matmul peak only. On a GPU jshard adds its XLA flags (`jshard.mesh.GPU_XLA_FLAGS`) to XLA_FLAGS,
+a flag the user sets keeping the user's value, and the defaults are a ~1B-parameter GPT at seq-len 2048 in bf16.
 """
 
 from __future__ import annotations

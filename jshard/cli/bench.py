@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import math
-import os
 import re
 
 import jax
@@ -16,8 +15,8 @@ from jshard.bench import collectives, fit, gpu, kernels, pipeline, step, strateg
 from jshard.bench import search as bench_search
 from jshard.cli import flags
 from jshard.config import FlagError, model_config, write_json
-from jshard.mesh import (GPU_XLA_FLAGS, fake_device_count, mesh_sizes, use_fake_cpu_devices_unless_accelerated,
-                         use_gpu_xla_flags)
+from jshard.mesh import (fake_device_count, mesh_sizes, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags,
+                         xla_flags_line)
 from jshard.metrics import PROFILE_STEPS
 from jshard.plan.estimate import HARDWARE, hardware_of
 from jshard.parallel.schedules import SCHEDULES
@@ -177,11 +176,11 @@ def mesh_of(args) -> dict[str, int]:
 
 def run_step(args) -> int:
     # Both before JAX starts: XLA reads its flags, and the CPU its device count, only then.
-    xla_flags = "set by jshard: " + " ".join(GPU_XLA_FLAGS) if use_gpu_xla_flags() else None
+    added = use_gpu_xla_flags()
     sizes = mesh_of(args)
     if -1 not in sizes.values() and math.prod(sizes.values()) > 1:
         use_fake_cpu_devices_unless_accelerated(math.prod(sizes.values()))
-    xla_flags = xla_flags or (f"XLA_FLAGS={os.environ['XLA_FLAGS']!r}" if os.environ.get("XLA_FLAGS") else "none")
+    xla_flags = xla_flags_line() + (f" ({len(added)} of them jshard's)" if added else "")
     result = step.measure(sizes, args.strategy, *_platform_defaults(args, jax.devices()[0].platform), args.repeats,
                           args.profile, args.grad_accum)
     print(step.report(result, xla_flags))

@@ -12,7 +12,7 @@ from jshard import aot
 from jshard.cli import flags
 from jshard.cli.plan import auto_layout, plan_input
 from jshard.config import FlagError, write_json
-from jshard.mesh import use_gpu_xla_flags
+from jshard.mesh import use_gpu_xla_flags, xla_flags_line
 from jshard.models import decoder, gpt_loss
 from jshard.plan.estimate import HARDWARE, estimate, report, scheduled_step_seconds
 from jshard.train import AUTO
@@ -60,6 +60,7 @@ def run(args) -> int:
     devices = f"{target.hosts} × {target.per_host} × {HARDWARE[target.hardware].name.upper()}"
     scheduled = scheduled_step_seconds(est, program.overlapped_share())
     print(aot.report(program, est, devices, scheduled))
+    print(f"XLA_FLAGS in effect: {xla_flags_line()}")
     if args.hlo:
         with open(args.hlo, "w") as f:
             f.write(program.hlo)
