@@ -479,7 +479,7 @@ def _check_experts(plan: Plan) -> None:
         raise ShardingError(
             f"build_step: rules {name!r} split experts over {'+'.join(plan.expert_axes)}, but no param of the model has "
             "an 'experts' dim: there are no experts to place. Fix: a model with a mixture of experts (jshard.moe.MoE, "
-            "e.g. --model moe-tiny), or a preset without ep (its devices then split the batch: use 'data').")
+            "e.g. jshard.models.SIZES['moe-tiny']), or a preset without ep (its devices then split the batch: use 'data').")
     if has_experts and plan.context_axes:
         raise ShardingError(
             f"build_step: rules {name!r} split each sequence over {'+'.join(plan.context_axes)} (context "
