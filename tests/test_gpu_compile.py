@@ -223,9 +223,10 @@ def test_a_layer_keeps_no_more_than_megatrons_count_and_what_the_plan_says():
     assert planned == pytest.approx(kept, rel=0.05)
 
 
-def test_zero3_without_tensor_parallelism_keeps_4_collectives_in_flight(monkeypatch):
-    """`Plan.xla_options`: the one per-program XLA option (`mesh.ZERO3_COLLECTIVES_IN_FLIGHT`),
-    for GPU programs of ZeRO-3 steps without a tensor axis only; XLA_FLAGS that set it win."""
+def test_zero_steps_without_tensor_parallelism_get_their_own_xla_options(monkeypatch):
+    """`Plan.xla_options`, per program: 4 collectives in flight (`mesh.ZERO3_COLLECTIVES_IN_FLIGHT`)
+    for ZeRO-3 steps without a tensor axis, and Triton GEMMs off for ZeRO-2/3 ones without it;
+    XLA_FLAGS that set them win."""
     model = nnx.eval_shape(lambda: decoder(VALIDATION_MODELS["llama"], nnx.Rngs(0)))
     devices = aot.target_devices(aot.target("h100x8"))
 
@@ -233,10 +234,12 @@ def test_zero3_without_tensor_parallelism_keeps_4_collectives_in_flight(monkeypa
         return make_plan(model, jshard.Layout.of(strategy, sizes), jshard.make_mesh(devices, **sizes)).xla_options
 
     in_flight = {"xla_gpu_experimental_parallel_collective_overlap_limit": 4}
-    assert options("zero3", fsdp=8) == in_flight
+    no_triton = {"xla_gpu_enable_triton_gemm": False}  # ZeRO-2/3's scatters beside cuBLAS matmuls, no tensor axis
+    assert options("zero3", fsdp=8) == in_flight | no_triton
     assert options("dp+zero3+tp", data=2, fsdp=2, tensor=2) == {} and options("dp", data=8) == {}
-    assert options("zero2", fsdp=8) == {}
-    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_experimental_parallel_collective_overlap_limit=2")
+    assert options("zero2", fsdp=8) == no_triton and options("zero1", fsdp=8) == {}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_experimental_parallel_collective_overlap_limit=2 "
+                                    "--xla_gpu_enable_triton_gemm=true")  # the user's flags win
     assert options("zero3", fsdp=8) == {}
 
 
@@ -264,6 +267,15 @@ def test_zero3_gathers_the_next_layer_while_this_one_computes_at_8b(tmp_path):
     assert result["compared"]["bytes_exact"]
     in_loops = result["compiled"]["overlap_in_loops"]
     assert in_loops["all-gather"] >= 0.9, in_loops
+
+
+def test_zero3_scatters_each_layers_gradients_beside_matmuls_under_full_remat(tmp_path):
+    """Under `fsdp=8` with full remat, every byte the layer loop reduce-scatters has a matmul
+    between start and done: Triton GEMMs off for this program (`Plan.xla_options`; 54% with them
+    on). (Without remat XLA:GPU overlaps 0% of them either way: docs/gpu-compile.md.)"""
+    result = compile_8b("--strategy fsdp --mesh fsdp=8 --remat full", tmp_path)
+    in_loops = result["compiled"]["overlap_in_loops"]
+    assert in_loops["reduce-scatter"] >= 0.95 and in_loops["all-gather"] >= 0.9, in_loops
 
 
 def test_collective_matmuls_run_their_permutes_beside_matmuls_at_8b(tmp_path):

@@ -131,7 +131,12 @@ class Plan:
         compute an FP8 product's dequantized operands in bf16 (on an H100 too: 158 ms a step
         against 133 with them off, docs/benchmarks.md), and the dot merger off, which joins
         products of one input (a Llama's q and kv), each weight at its own scale, into one
-        bf16 GEMM (on the H100: 11 of 15 products FP8 with it on)."""
+        bf16 GEMM (on the H100: 11 of 15 products FP8 with it on). Where ZeRO-2/3 reduce-scatter the
+        gradients inside the backward with no tensor axis, Triton GEMMs off too: XLA:GPU then
+        schedules each layer's reduce-scatter beside the next layer's weight-gradient matmuls
+        (Llama 3.1 8B on fsdp=8, bf16: 52% -> 91% of the reduce-scattered bytes overlapped, 100%
+        in the layer loop; zero2: 75% -> 91%); under tensor parallelism it does not help
+        (dp+fsdp+tp bf16: 62% -> 23%), so there they stay on (docs/gpu-compile.md)."""
         if self.platform != "gpu":
             return {}
         flags, options = os.environ.get("XLA_FLAGS", ""), {}
@@ -140,9 +145,15 @@ class Plan:
         if (self.rules.collective_matmul and self.sequence_parallel) or self.fp8:
             disabled = m[1] if (m := re.search(r"--xla_disable_hlo_passes=(\S+)", flags)) else ""
             options["xla_disable_hlo_passes"] = ",".join(filter(None, (disabled, "dot-merger")))
-        if self.fp8 and TRITON_GEMM_OPTION not in flags:
+        if (self.fp8 or self.scatters_without_tensor_axes) and TRITON_GEMM_OPTION not in flags:
             options[TRITON_GEMM_OPTION] = False
         return options
+
+    @property
+    def scatters_without_tensor_axes(self) -> bool:
+        """Whether ZeRO-2/3 reduce-scatter each layer's gradients inside the backward, with no
+        tensor axis: where XLA:GPU's cuBLAS GEMMs let those scatters run beside matmuls."""
+        return self.rules.zero >= 2 and bool(self.zero_axes) and not self.tensor_axes
 
     @property
     def sequence_parallel(self) -> bool:
