@@ -225,19 +225,21 @@ def test_a_layer_keeps_no_more_than_megatrons_count_and_what_the_plan_says():
 
 def test_zero_steps_without_tensor_parallelism_get_their_own_xla_options(monkeypatch):
     """`Plan.xla_options`, per program: 4 collectives in flight (`mesh.ZERO3_COLLECTIVES_IN_FLIGHT`)
-    for ZeRO-3 steps without a tensor axis, and Triton GEMMs off for ZeRO-2/3 ones without it;
+    for ZeRO-3 steps without a tensor axis, and Triton GEMMs off for those in bf16 compute;
     XLA_FLAGS that set them win."""
     model = nnx.eval_shape(lambda: decoder(VALIDATION_MODELS["llama"], nnx.Rngs(0)))
     devices = aot.target_devices(aot.target("h100x8"))
 
-    def options(strategy: str, **sizes):
-        return make_plan(model, jshard.Layout.of(strategy, sizes), jshard.make_mesh(devices, **sizes)).xla_options
+    def options(strategy: str, precision: str = "bf16", **sizes):
+        layout = jshard.Layout.of(strategy, sizes, precision=precision)
+        return make_plan(model, layout, jshard.make_mesh(devices, **sizes)).xla_options
 
     in_flight = {"xla_gpu_experimental_parallel_collective_overlap_limit": 4}
-    no_triton = {"xla_gpu_enable_triton_gemm": False}  # ZeRO-2/3's scatters beside cuBLAS matmuls, no tensor axis
+    no_triton = {"xla_gpu_enable_triton_gemm": False}  # ZeRO-3's scatters beside cuBLAS matmuls, no tensor axis
     assert options("zero3", fsdp=8) == in_flight | no_triton
     assert options("dp+zero3+tp", data=2, fsdp=2, tensor=2) == {} and options("dp", data=8) == {}
-    assert options("zero2", fsdp=8) == no_triton and options("zero1", fsdp=8) == {}
+    assert options("zero2", fsdp=8) == {} and options("zero1", fsdp=8) == {}
+    assert options("zero3", "fp32", fsdp=8) == in_flight  # fp32 compute keeps XLA's Triton GEMMs
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_experimental_parallel_collective_overlap_limit=2 "
                                     "--xla_gpu_enable_triton_gemm=true")  # the user's flags win
     assert options("zero3", fsdp=8) == {}

@@ -32,6 +32,7 @@ import re
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
@@ -131,12 +132,12 @@ class Plan:
         compute an FP8 product's dequantized operands in bf16 (on an H100 too: 158 ms a step
         against 133 with them off, docs/benchmarks.md), and the dot merger off, which joins
         products of one input (a Llama's q and kv), each weight at its own scale, into one
-        bf16 GEMM (on the H100: 11 of 15 products FP8 with it on). Where ZeRO-2/3 reduce-scatter the
-        gradients inside the backward with no tensor axis, Triton GEMMs off too: XLA:GPU then
-        schedules each layer's reduce-scatter beside the next layer's weight-gradient matmuls
-        (Llama 3.1 8B on fsdp=8, bf16: 52% -> 91% of the reduce-scattered bytes overlapped, 100%
-        in the layer loop; zero2: 75% -> 91%); under tensor parallelism it does not help
-        (dp+fsdp+tp bf16: 62% -> 23%), so there they stay on (docs/gpu-compile.md)."""
+        bf16 GEMM (on the H100: 11 of 15 products FP8 with it on). Where ZeRO-3 reduce-scatters the
+        gradients inside the backward with no tensor axis (bf16 compute), Triton GEMMs off too:
+        XLA:GPU then schedules each layer's reduce-scatter beside the next layer's weight-gradient
+        matmuls (Llama 3.1 8B on fsdp=8, bf16: 52% -> 91% of the reduce-scattered bytes
+        overlapped, 100% in the layer loop); under tensor parallelism it does not help (dp+fsdp+tp
+        bf16: 62% -> 23%), so there they stay on (`scatters_without_tensor_axes`, docs/gpu-compile.md)."""
         if self.platform != "gpu":
             return {}
         flags, options = os.environ.get("XLA_FLAGS", ""), {}
@@ -151,9 +152,12 @@ class Plan:
 
     @property
     def scatters_without_tensor_axes(self) -> bool:
-        """Whether ZeRO-2/3 reduce-scatter each layer's gradients inside the backward, with no
-        tensor axis: where XLA:GPU's cuBLAS GEMMs let those scatters run beside matmuls."""
-        return self.rules.zero >= 2 and bool(self.zero_axes) and not self.tensor_axes
+        """Whether ZeRO-3 reduce-scatters each layer's gradients inside the backward, with no tensor
+        axis, in bf16 compute: where XLA:GPU's cuBLAS GEMMs let those scatters run beside matmuls.
+        (ZeRO-2's program grew 3.4x with them on the validation Llama: its GEMMs' split-K
+        partials; there, and in fp32 compute, XLA keeps its Triton GEMMs.)"""
+        return (self.rules.zero == 3 and bool(self.zero_axes) and not self.tensor_axes
+                and self.compute is not None and np.dtype(self.compute) == np.dtype(jnp.bfloat16))
 
     @property
     def sequence_parallel(self) -> bool:
