@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jshard.mesh import STANDARD_AXES
+from jshard.mesh import STANDARD_AXES, mesh_shape
 from jshard.precision import Precision, precision
 from jshard.rules import Rules, ShardingError, preset
 
@@ -100,7 +100,7 @@ class Layout:
     def of(cls, strategy: str | Rules, sizes, **fields) -> Layout:
         """From mesh sizes as a dict, or a mesh's (a `jax.sharding.Mesh` or `AbstractMesh`): axes of
         size 1 left out, mesh order kept."""
-        sizes = dict(sizes.shape) if hasattr(sizes, "axis_names") else sizes
+        sizes = mesh_shape(sizes) if hasattr(sizes, "axis_names") else sizes
         return cls(strategy, tuple((a, n) for a, n in sizes.items() if n != 1), **fields)
 
     @classmethod

@@ -51,6 +51,7 @@ from jshard.models import SIZES, DecoderConfig, decoder, gpt_loss
 from jshard.models.stack import REMAT_POLICIES
 from jshard.layout import Layout
 from jshard.parallel import Plan, ShardedStep, TrainState, make_plan
+from jshard.parallel.plan import step_mesh
 from jshard.parallel.step import step_from_plan
 from jshard.parallel.pipeline import STAGE_REMAT
 from jshard.placement import describe, format_bytes
@@ -267,7 +268,7 @@ def set_up(config: TrainConfig) -> Setup:
         config, auto = _auto_layout(config, dataclasses.replace(model, seq_len=seq_len))
     layout = config.layout(mesh_sizes(config.mesh, jshard.preset(config.strategy), jax.device_count()))
     # The step's plan, on the model's shapes: every check of the strategy, mesh and batch, once.
-    plan = make_plan(nnx.eval_shape(lambda: decoder(model, nnx.Rngs(0))), layout, jshard.make_mesh(**dict(layout.mesh)),
+    plan = make_plan(nnx.eval_shape(lambda: decoder(model, nnx.Rngs(0))), layout, step_mesh(layout),
                      loss_fn=gpt_loss, default_microbatches=PIPELINE_MICROBATCHES)
     plan.check_batch(config.batch_size, seq_len, rows_name="TrainConfig.batch_size", seq_name="TrainConfig.seq_len",
                      name_accum=True)
