@@ -275,6 +275,15 @@ def test_cpu_host_constants_are_the_fit_of_the_measured_gpt_search():
         cpu.matmul_efficiency, cpu.tick_s, cpu.call_s]
 
 
+@pytest.mark.fast
+def test_spearman_gives_tied_values_their_mean_rank():
+    """Ties share the mean of their ranks (the textbook form): [1, 2, 2, 3] ranks 0, 1.5, 1.5, 3,
+    so against [4, 3, 2, 1] the correlation is -0.9487 whichever order the tie came in."""
+    assert list(bench_search.ranks([1.0, 2.0, 2.0, 3.0])) == [0.0, 1.5, 1.5, 3.0]
+    for b in ([4, 3, 2, 1], [4, 2, 3, 1]):
+        assert math.isclose(bench_search.spearman([1.0, 2.0, 2.0, 3.0], b), -3 / math.sqrt(10), rel_tol=1e-12)
+
+
 @pytest.mark.parametrize("name, model, least", [
     ("bench-search-small-8cpu-jax0.12.0.1-2026-11-27-rounds-2.json", "small", 0.8),  # the same layouts, timed again
     ("bench-search-llama-small-8cpu-jax0.12.0.1-2026-11-27-rounds.json", "llama-small", 0.8),  # not fitted on

@@ -52,10 +52,19 @@ def spread(ranked: list, count: int) -> list:
     return [ranked[round(i * (len(ranked) - 1) / (count - 1))] for i in range(count)]
 
 
+def ranks(values) -> np.ndarray:
+    """Each value's rank from 0, tied values sharing the mean of their ranks (the planner ties
+    layouts that differ only in what it does not charge: their order is not its prediction)."""
+    values = np.asarray(values)
+    order = np.empty(len(values))
+    order[np.argsort(values, kind="stable")] = np.arange(len(values))
+    _, tie, counts = np.unique(values, return_inverse=True, return_counts=True)
+    return (np.bincount(tie, order) / counts)[tie]
+
+
 def spearman(a, b) -> float:
-    """Spearman's rank correlation of two sequences (no ties expected: times are real numbers)."""
-    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
-    return float(np.corrcoef(ra, rb)[0, 1])
+    """Spearman's rank correlation of two sequences: Pearson's of their `ranks`."""
+    return float(np.corrcoef(ranks(a), ranks(b))[0, 1])
 
 
 class Timed:
