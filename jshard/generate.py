@@ -281,6 +281,10 @@ def _imported(directory: str):
         tokenizer = tokenizers.load(directory)
     except (hf.HFError, tokenizers.TokenizerError) as e:
         raise GenerateError(f"--init-from {e}") from None
+    if tokenizer.kind == "bytes" and model.vocab > tokenizer.vocab_size:  # ids past a byte would print as nothing
+        raise GenerateError(f"--init-from {directory}: no {tokenizers.FILE}, and its vocab of {model.vocab} is not "
+                            f"bytes' {tokenizer.vocab_size}: its tokens cannot be read as text. Fix: put the model's "
+                            f"{tokenizers.FILE} in {directory}.")
     return directory, 0, model, tokenizer, {"model": dataclasses.asdict(model), "hf": hf_config["model_type"]}
 
 
@@ -337,20 +341,24 @@ def _rules(c: GenerateConfig) -> jshard.Rules:
     return rules
 
 
-def _mesh(c: GenerateConfig, rules: jshard.Rules, abstract: nnx.Module):
-    """The mesh and plan: --mesh's, else the strategy's default mesh over the most devices whose
-    batch shards split --num-samples (one prompt on 8 devices under dp: one device), since
-    samples are the only thing dp splits. A multi-process run keeps every device (each process
-    must hold part of the mesh)."""
+def _mesh(c: GenerateConfig, rules: jshard.Rules, model: DecoderConfig):
+    """The mesh, plan, model and its abstract module: --mesh's, else the strategy's default mesh
+    over the most devices whose batch shards split --num-samples (one prompt on 8 devices under
+    dp: one device), since samples are the only thing dp splits. A multi-process run keeps every
+    device (each process must hold part of the mesh). An imported model's vocabulary is padded
+    where the mesh splits it unevenly (`Layout.model`); a checkpoint's table is as it was saved."""
     counts = [jax.device_count()]
     if c.mesh is None and jax.process_count() == 1:
         counts = [n for n in range(jax.device_count(), 0, -1) if jax.device_count() % n == 0]
     for n in counts:  # the plan makes every check of the layouts: a dim that does not divide raises
         mesh = jshard.make_mesh(jax.devices()[:n], **mesh_sizes(c.mesh, rules, n))
-        plan = make_plan(abstract, Layout.of(rules, mesh), mesh)
+        layout = Layout.of(rules, mesh)
+        runs = layout.model(model) if c.init_from else model
+        abstract = nnx.eval_shape(lambda: decoder(runs, nnx.Rngs(0)))
+        plan = make_plan(abstract, layout, mesh)
         if c.num_samples % plan.data_shards == 0:
             break
-    return mesh, plan
+    return mesh, plan, runs, abstract
 
 
 def set_up(c: GenerateConfig) -> Setup:
@@ -381,8 +389,7 @@ def set_up(c: GenerateConfig) -> Setup:
     prompt = _prompt(c, tokenizer, model.vocab)
     max_tokens = c.max_tokens or max(1, min(MAX_TOKENS, model.seq_len - len(prompt)))
     check_fits(len(prompt), max_tokens, model.seq_len)
-    abstract = nnx.eval_shape(lambda: decoder(model, nnx.Rngs(0)))
-    mesh, plan = _mesh(c, rules, abstract)
+    mesh, plan, model, abstract = _mesh(c, rules, model)
     if c.num_samples % plan.data_shards:
         raise GenerateError(
             f"--num-samples {c.num_samples} does not split over the {plan.data_shards} batch shards of {rules.name} "

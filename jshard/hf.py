@@ -33,6 +33,7 @@ from flax import nnx
 import numpy as np
 
 from jshard.checkpoint import Checkpoints, model_of
+from jshard.layout import Layout
 from jshard.models import DecoderConfig, GPTConfig, LlamaConfig, decoder
 from jshard.placement import shardings
 
@@ -205,6 +206,9 @@ class Read:
     name: str
     inputs: int | None = None
     transposed: bool = True
+    # (dim, rows): the tensor holds the first `rows` along the param's `dim`, the rest of which is
+    # zeros (a padded vocabulary's table or head; `DecoderConfig.vocab_rows`)
+    padded: tuple[int, int] | None = None
 
     def view(self, tensor: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         """The tensor as the param's `shape`, a view (no copy of a memory map)."""
@@ -215,6 +219,9 @@ class Read:
 
     def stored(self, value: np.ndarray) -> tuple[str, np.ndarray]:
         """(name, tensor as Hugging Face stores it) of the param's `value`: `view` backwards."""
+        if self.padded:
+            dim, rows = self.padded
+            value = value[(slice(None),) * dim + (slice(0, rows),)]
         if self.inputs is None:
             return self.name, value.reshape(-1) if value.ndim > 1 and self.name.endswith("bias") else value
         ins, outs = value.shape[:self.inputs], value.shape[self.inputs:]
@@ -235,13 +242,18 @@ def _layers(n: int, make, prefix="model.layers.") -> Stack:
     return Stack(0, tuple(make(f"{prefix}{i}.") for i in range(n)))
 
 
+def _padded(config: DecoderConfig, dim: int) -> tuple[int, int] | None:
+    """A vocabulary dim's `Read.padded`, where the model pads its vocabulary."""
+    return (dim, config.vocab) if config.vocab_rows != config.vocab else None
+
+
 def weights(config: DecoderConfig) -> dict[tuple[str, ...], Read | Stack]:
     """Every param of `config`'s decoder (its path in `nnx.state`) from Hugging Face tensors."""
     if isinstance(config, GPTConfig):
         return _gpt_weights(config)
     attn, mlp = "self_attn.", "mlp."
     table = {
-        ("token_embed", "embedding"): Read("model.embed_tokens.weight"),
+        ("token_embed", "embedding"): Read("model.embed_tokens.weight", padded=_padded(config, 0)),
         ("final_norm", "scale"): Read("model.norm.weight"),
         ("blocks", "attn_norm", "scale"): _layers(config.layers, lambda p: Read(p + "input_layernorm.weight")),
         ("blocks", "mlp_norm", "scale"): _layers(config.layers, lambda p: Read(p + "post_attention_layernorm.weight")),
@@ -251,7 +263,7 @@ def weights(config: DecoderConfig) -> dict[tuple[str, ...], Read | Stack]:
         ("blocks", "attn", "out", "kernel"): _layers(config.layers, lambda p: Read(p + attn + "o_proj.weight", 2)),
     }
     if not config.tied_head:
-        table[("head", "kernel")] = Read("lm_head.weight", 1)
+        table[("head", "kernel")] = Read("lm_head.weight", 1, padded=_padded(config, 1))
     if config.qkv_bias:
         table[("blocks", "attn", "q", "bias")] = _layers(config.layers, lambda p: Read(p + attn + "q_proj.bias"))
         table[("blocks", "attn", "kv", "bias")] = _layers(config.layers, lambda p: Stack(0, (
@@ -283,7 +295,7 @@ def _gpt_weights(config: GPTConfig) -> dict[tuple[str, ...], Read | Stack]:
         return _layers(config.layers, lambda p: Read(p + suffix, **read), prefix="transformer.h.")
 
     table = {
-        ("token_embed", "embedding"): Read("transformer.wte.weight"),
+        ("token_embed", "embedding"): Read("transformer.wte.weight", padded=_padded(config, 0)),
         ("pos_embed", "embedding"): Read("transformer.wpe.weight"),
         ("final_norm", "scale"): Read("transformer.ln_f.weight"),
         ("final_norm", "bias"): Read("transformer.ln_f.bias"),
@@ -301,7 +313,7 @@ def _gpt_weights(config: GPTConfig) -> dict[tuple[str, ...], Read | Stack]:
         ("blocks", "mlp", "down", "bias"): layers("mlp.c_proj.bias"),
     }
     if not config.tied_head:
-        table[("head", "kernel")] = Read("lm_head.weight", 1)
+        table[("head", "kernel")] = Read("lm_head.weight", 1, padded=_padded(config, 1))
     return table
 
 
@@ -374,6 +386,15 @@ def read_block(node, shape: tuple[int, ...], index: tuple[slice, ...], tensors: 
     index = tuple(slice(*s.indices(n)) for s, n in zip(index, shape))
     if out is None:
         out = np.empty([len(range(n)[s]) for s, n in zip(index, shape)], dtype)
+    if isinstance(node, Read) and node.padded:
+        dim, rows = node.padded
+        out[...] = 0
+        start, stop, _ = index[dim].indices(shape[dim])
+        if start < rows:  # the block's rows that the tensor holds, read as an unpadded param's
+            held = index[:dim] + (slice(start, min(stop, rows)),) + index[dim + 1:]
+            read_block(dataclasses.replace(node, padded=None), shape[:dim] + (rows,) + shape[dim + 1:], held, tensors,
+                       dtype, out[(slice(None),) * dim + (slice(0, min(stop, rows) - start),)])
+        return out
     if isinstance(node, Read):
         tensor = tensors[node.name]
         want = math.prod(shape)
@@ -438,8 +459,10 @@ def _placed(node, target, tensors: Tensors) -> jax.Array:
 
 def from_pretrained(directory: str, mesh, rules, dtype=None) -> nnx.Module:
     """The model of a Hugging Face `directory`, its params read straight into the layout
-    `rules` give them on `mesh` (in `dtype`, default the params' float32)."""
-    config = model_config(read_config(directory), os.path.join(directory, CONFIG))
+    `rules` give them on `mesh` (in `dtype`, default the params' float32); a vocabulary they
+    split unevenly padded (zero rows, never a token)."""
+    # (a vocabulary the layout's split does not divide: the table padded, `Layout.model`)
+    config = Layout.of(rules, mesh).model(model_config(read_config(directory), os.path.join(directory, CONFIG)))
     abstract = nnx.eval_shape(lambda: decoder(config, nnx.Rngs(0)))
     params = nnx.state(abstract, nnx.Param)
     like = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, dtype or p.dtype, sharding=s), params,

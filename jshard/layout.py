@@ -22,15 +22,22 @@ their names are what the line shows.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jshard.mesh import STANDARD_AXES, mesh_shape
 from jshard.precision import Precision, precision
-from jshard.rules import Rules, ShardingError, preset
+from jshard.rules import Rules, ShardingError, axes_of, preset, resolve
 
 # field name -> the key its line uses, and its type
 KEYS = {"remat": ("remat", str), "micro_batch_size": ("mb", int), "grad_accum": ("accum", int),
         "schedule": ("schedule", str), "microbatches": ("m", int), "virtual": ("v", int),
         "stage_remat": ("stage-remat", str), "precision": ("precision", str), "reduce": ("reduce", str)}
+# A vocabulary the layout does not divide is padded to a multiple of this and of the split
+# (Megatron's make-vocab-size-divisible-by): 128 keeps a padded table's shape whatever the
+# tensor size up to 128, so a checkpoint resumes under another.
+VOCAB_MULTIPLE = 128
+# What holds a vocabulary dim: the token table, an untied head, the logits.
+VOCAB_TENSORS = ((("vocab", "embed"), "param"), (("embed", "vocab"), "param"), (("batch", "seq", "vocab"), "activation"))
 
 
 class LayoutError(ShardingError):
@@ -82,6 +89,28 @@ class Layout:
     def sizes(self) -> dict[str, int]:
         """Every standard axis's size (1 where the mesh leaves it out)."""
         return {a: 1 for a in STANDARD_AXES} | dict(self.mesh)
+
+    @property
+    def vocab_split(self) -> int:
+        """Into how many parts the layout splits a vocabulary (its token table, head or logits)."""
+        split = 1
+        for names, kind in VOCAB_TENSORS:
+            try:
+                spec, _ = resolve(self.rules.table(kind), names, (None,) * len(names), self.sizes, "vocab")
+            except ShardingError:  # rules without a vocabulary (a model of another kind): nothing splits one
+                continue
+            split = math.lcm(split, math.prod(self.sizes[a] for a in axes_of(spec[names.index("vocab")])))
+        return split
+
+    def model(self, config):
+        """A decoder's config as this layout runs it: its remat the layout's where the layout sets
+        one; its vocabulary padded (`vocab_multiple`) where the split does not divide its table."""
+        if self.remat is not None:
+            config = dataclasses.replace(config, remat=self.remat)
+        split = self.vocab_split
+        if split > 1 and config.vocab_rows % split:
+            config = dataclasses.replace(config, vocab_multiple=math.lcm(VOCAB_MULTIPLE, split))
+        return config
 
     @property
     def mesh_text(self) -> str:

@@ -240,7 +240,7 @@ def set_up(config: TrainConfig) -> Setup:
     use_fake_cpu_devices_unless_accelerated(fake_device_count(config.fake_devices, FAKE_DEVICES))
     overrides = {f: getattr(config, f) for f in MODEL_FIELDS + ("attention",) if getattr(config, f) is not None}
     if _tokenizer_kind(config) == "bpe" and not config.init_from:  # the model's vocab is the BPE's size: the one it was trained with
-        overrides.setdefault("vocab", _resumed_vocab(config) or tokenizers.BPE_VOCAB)
+        overrides.setdefault("vocab", _resumed(config, "vocab") or tokenizers.BPE_VOCAB)
     policy = precision(config.precision, config.grad_reduce)
     if config.init_from:  # the model the directory's config.json describes
         try:
@@ -267,6 +267,9 @@ def set_up(config: TrainConfig) -> Setup:
     if config.strategy == AUTO:
         config, auto = _auto_layout(config, dataclasses.replace(model, seq_len=seq_len))
     layout = config.layout(mesh_sizes(config.mesh, jshard.preset(config.strategy), jax.device_count()))
+    model = layout.model(model)  # a vocabulary the layout's split does not divide: its table padded,
+    if resumed_multiple := _resumed(config, "vocab_multiple"):  # a resumed run's as its checkpoint's was
+        model = dataclasses.replace(model, vocab_multiple=resumed_multiple)
     # The step's plan, on the model's shapes: every check of the strategy, mesh and batch, once.
     plan = make_plan(nnx.eval_shape(lambda: decoder(model, nnx.Rngs(0))), layout, step_mesh(layout),
                      loss_fn=gpt_loss, default_microbatches=PIPELINE_MICROBATCHES)
@@ -348,16 +351,16 @@ def _tokenizer_kind(config: TrainConfig) -> str:
     return "bpe" if saved else "bytes"
 
 
-def _resumed_vocab(config: TrainConfig) -> int | None:
-    """The vocab of the checkpoint a run resumes (None: none to resume, or unreadable; the
+def _resumed(config: TrainConfig, field: str):
+    """A model field of the checkpoint a run resumes (None: none to resume, or unreadable; the
     checkpoint checks below say why)."""
     if not config.resume:
         return None
     with Checkpoints(config.checkpoint_dir) as checkpoints:
         step = checkpoints.latest_step()
         try:
-            return step and checkpoints.record(step)["model"]["vocab"]
-        except (CheckpointError, KeyError, TypeError):
+            return step and checkpoints.record(step)["model"].get(field)
+        except (CheckpointError, KeyError, TypeError, AttributeError):
             return None
 
 
@@ -463,7 +466,9 @@ def _setup_lines(p: Setup, abstract_model, abstract_opt) -> list[str]:
     lines = [
         f"model       {m.family} {c.model}: {m.layers} layers, embed {m.embed}, {m.heads} heads"
         f"{f' ({m.kv_heads} kv)' if hasattr(m, 'kv_heads') else ''}, mlp {m.mlp}, "
-        f"{_fmt_count(count)} params, vocab {m.vocab}" + _experts_line(m),
+        f"{_fmt_count(count)} params, vocab {m.vocab}"
+        + (f" (table {m.vocab_rows}: padded to split, the pad never a token)" if m.vocab_rows != m.vocab else "")
+        + _experts_line(m),
         f"devices     {jax.device_count()} × {jax.devices()[0].device_kind}, mesh {mesh}" + _processes(p.mesh)
         + (f"; XLA_FLAGS {xla_flags_line()}" if jax.devices()[0].platform == "gpu" else ""),
         f"strategy    {p.rules.name} (ZeRO stage {p.rules.zero}){pipeline}" + (f"; {p.auto}" if p.auto else ""),

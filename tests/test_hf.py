@@ -293,3 +293,96 @@ def test_hf_init_from_trains_on_a_token_file_of_its_ids_and_generates_from_the_r
     np.save(tmp_path / "ids.npy", np.append(ids, 320).astype(np.int32))  # one id past the model's vocab
     with pytest.raises(TrainError, match=r"token id 320 is outside the vocab of .*llama \(320: ids 0..319\)\. Fix: "):
         set_up(dataclasses.replace(config, checkpoint_dir=None))
+
+
+# -- a vocabulary no tensor axis divides: GPT-2's 50257 -----------------------------------------------
+# The fixture is GPT-2 with its released vocabulary (tests/hf/fixtures/gpt2-vocab: one small layer,
+# transformers' loss and greedy tokens, no logits kept). Under a split of the vocab its table is
+# padded to 50304 rows (`Layout.model`), the pad rows zero and their logits `nn.PAD_LOGIT`.
+GPT2_VOCAB, GPT2_TABLE = 50257, 50304
+SPLIT_VOCAB = [("dp", dict(data=8)), ("dp+tp", dict(data=4, tensor=2)), ("dp+tp", dict(data=2, tensor=4)),
+               ("zero3+tp", dict(fsdp=2, tensor=4))]
+
+
+@pytest.mark.parametrize("preset, sizes", SPLIT_VOCAB, ids=[f"{p}-{'x'.join(map(str, s.values()))}" for p, s in SPLIT_VOCAB])
+def test_hf_gpt2_vocabulary_splits_over_the_tensor_axis_at_transformers_loss(preset, sizes):
+    layout = jshard.Layout.of(preset, sizes)
+    model = hf.from_pretrained(fixture("gpt2-vocab"), jshard.make_mesh(**sizes), layout.rules)
+    assert model.token_embed.embedding.shape[0] == (GPT2_TABLE if "tensor" in sizes else GPT2_VOCAB)
+    step = build_step(model, OPTIMIZER, gpt_loss, layout)
+    ref = reference("gpt2-vocab")
+    loss = float(step.loss(step.state, step.shard_batch(np.tile(ref["ids"], (4, 1)))))
+    assert abs(loss - float(ref["loss"])) <= 1e-5 * float(ref["loss"]), (loss, float(ref["loss"]))
+
+
+def padded_gpt2():
+    """The fixture's model with its table padded as a tensor split pads it, on one device."""
+    config = jshard.Layout.of("dp+tp", dict(data=4, tensor=2)).model(hf.model_config(hf.read_config(fixture("gpt2-vocab"))))
+    abstract = nnx.eval_shape(lambda: decoder(config, nnx.Rngs(0)))
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    like = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=one), nnx.state(abstract, nnx.Param))
+    return nnx.merge(nnx.graphdef(abstract), hf.load_params(fixture("gpt2-vocab"), config, like)), config
+
+
+@pytest.mark.fast
+def test_hf_padded_vocabulary_is_never_a_token():
+    """The pad rows read as zeros, their logits PAD_LOGIT; the real logits, the loss and greedy
+    decoding those of the unpadded model (transformers' greedy tokens)."""
+    padded, config = padded_gpt2()
+    plain, _ = imported(fixture("gpt2-vocab"))
+    assert (config.vocab, config.vocab_rows) == (GPT2_VOCAB, GPT2_TABLE)
+    table = np.asarray(padded.token_embed.embedding.get_value())
+    np.testing.assert_array_equal(table[:GPT2_VOCAB], np.asarray(plain.token_embed.embedding.get_value()))
+    assert not table[GPT2_VOCAB:].any()
+    ref = reference("gpt2-vocab")
+    logits = np.asarray(padded(jnp.asarray(ref["ids"])))
+    assert relative_error(logits[..., :GPT2_VOCAB], plain(jnp.asarray(ref["ids"]))) < 1e-6  # (another GEMM's rounding)
+    assert (logits[..., GPT2_VOCAB:] == jshard.nn.PAD_LOGIT).all()
+    assert float(gpt_loss(padded, jnp.asarray(ref["ids"]))) == pytest.approx(float(ref["loss"]), rel=1e-5)
+    mesh = jshard.make_mesh(devices=jax.devices()[:1], data=1)
+    greedy = generate(padded, ref["prompt"], Sampling(max_tokens=16, temperature=0.0), mesh, jshard.preset("dp"))
+    np.testing.assert_array_equal(greedy.tokens[:, :5], ref["greedy"][:, :5])  # (the margin after: 1e-4)
+    # pad rows that would win every draw were their logits not masked (the tied head reads the table)
+    padded.token_embed.embedding.set_value(jnp.asarray(table).at[GPT2_VOCAB:].set(1.0))
+    sampled = generate(padded, ref["prompt"], Sampling(max_tokens=48, temperature=2.0, seed=3), mesh, jshard.preset("dp"))
+    assert sampled.tokens.max() < GPT2_VOCAB
+
+
+def test_hf_gpt2_vocabulary_trains_under_tp_and_exports_unpadded(tmp_path, capsys):
+    """`train --init-from` GPT-2 with a token file under dp+tp: the table padded (said in the
+    set-up), the first loss transformers' on the first batch; resumed under dp it keeps the
+    checkpoint's table; generated from; exported with GPT-2's own 50257 rows, which jshard and
+    transformers read back."""
+    directory = str(tmp_path / "gpt2")
+    shutil.copytree(fixture("gpt2-vocab"), directory)
+    ids = np.random.default_rng(5).integers(0, GPT2_VOCAB, 3000)
+    np.save(tmp_path / "tokens.npy", ids.astype(np.int32))
+    config = TrainConfig(init_from=directory, data=str(tmp_path / "tokens.npy"), strategy="dp+tp", mesh="data=4,tensor=2",
+                         steps=2, batch_size=8, seq_len=23, checkpoint_dir=str(tmp_path / "ck"))
+    setup = set_up(config)
+    first_batch = setup.split.train.rows(range(config.batch_size))
+    setup.checkpoints.close()
+    result = train(config)
+    assert f"vocab {GPT2_VOCAB} (table {GPT2_TABLE}: padded" in capsys.readouterr().out
+    expected = transformers_loss(directory, first_batch, tmp_path)
+    if expected is None:
+        plain, _ = imported(directory)
+        expected = float(gpt_loss(plain, jnp.asarray(first_batch)))
+    assert abs(result.losses[0] - expected) <= 1e-5 * expected, (result.losses[0], expected)
+    resumed = train(dataclasses.replace(config, strategy="dp", mesh="data=8", steps=3, resume=True))
+    assert len(resumed.losses) == 1 and np.isfinite(resumed.losses[0])
+    with pytest.raises(jshard.generate.GenerateError, match=r"no tokenizer.json, and its vocab of 50257 is not bytes' "
+                                                             r"256: .* Fix: put the model's tokenizer.json in "):
+        run_generation(GenerateConfig(None, "ab", init_from=directory))  # (the fixture has none)
+    shutil.copyfile(os.path.join(fixture("gpt2"), hf.TOKENIZER), os.path.join(directory, hf.TOKENIZER))
+    # (a tokenizer of 320 ids reads the prompt): generate's model, imported under tp, is padded as train's
+    generating = jshard.generate.set_up(GenerateConfig(None, "ab", init_from=directory, strategy="dp+tp",
+                                                       mesh="data=2,tensor=4", num_samples=2))
+    assert (generating.model.vocab_rows, generating.abstract.token_embed.embedding.shape[0]) == (GPT2_TABLE,) * 2
+    exported = str(tmp_path / "exported")
+    hf.export_checkpoint(str(tmp_path / "ck"), exported)
+    assert tensors_of(exported)["transformer.wte.weight"].shape == (GPT2_VOCAB, 16)
+    again, again_config = imported(exported)
+    assert again_config == hf.model_config(hf.read_config(directory))
+    assert transformers_loss(exported, first_batch, tmp_path) in (None, pytest.approx(
+        float(gpt_loss(again, jnp.asarray(first_batch))), rel=1e-5))

@@ -36,6 +36,7 @@ LOGITS = ("batch", "seq", "vocab")
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
     vocab: int = 256  # bytes
+    vocab_multiple: int = 1  # the token table's rows, a multiple of this; the pad is never a token (`vocab_rows`)
     seq_len: int = 128  # longest sequence (position embeddings)
     embed: int = 128
     heads: int = 4
@@ -47,6 +48,10 @@ class GPTConfig:
     attention: str = "auto"  # the kernel: auto, xla or cudnn (`nn.attention_implementation`)
     bias: bool = False  # biases on every Linear (GPT-2's)
     norm_epsilon: float = 1e-6  # the LayerNorms' (GPT-2: 1e-5)
+
+    @property
+    def vocab_rows(self) -> int:
+        return nn.padded_vocab(self.vocab, self.vocab_multiple)
 
     @property
     def head_dim(self) -> int:
@@ -62,6 +67,8 @@ class GPTConfig:
         return self.layers * (4 * h * h + 2 * h * self.mlp) + self.vocab * h
 
     def __post_init__(self):
+        if isinstance(self.vocab_multiple, bool) or not isinstance(self.vocab_multiple, int) or self.vocab_multiple < 1:
+            raise ValueError(f"GPTConfig: vocab_multiple={self.vocab_multiple!r} must be an integer >= 1")
         if self.embed % self.heads:
             raise ValueError(f"GPTConfig: embed={self.embed} must divide by heads={self.heads}")
         if self.attention not in nn.ATTENTION:
@@ -143,13 +150,13 @@ class GPT(nnx.Module):
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         self.config = config
         embed = dict(embedding_init=_init(config), dtype=config.dtype, rngs=rngs)
-        self.token_embed = nn.Embed(config.vocab, config.embed, names=("vocab", "embed"), **embed)
+        self.token_embed = nn.Embed(config.vocab_rows, config.embed, names=("vocab", "embed"), **embed)
         self.pos_embed = nn.Embed(config.seq_len, config.embed, names=("seq", "embed"), **embed)
         self.blocks = stack_layers(lambda rngs: Block(config, rngs=rngs), config.layers, rngs, config.remat)
         self.final_norm = nn.LayerNorm(config.embed, epsilon=config.norm_epsilon, dtype=config.dtype)
         if not config.tied_head:
             self.head = nn.Linear(
-                config.embed, config.vocab, in_names="embed", out_names="vocab",
+                config.embed, config.vocab_rows, in_names="embed", out_names="vocab",
                 kernel_init=_init(config), dtype=config.dtype, rngs=rngs, fp8=False,
             )
 
@@ -164,7 +171,8 @@ class GPT(nnx.Module):
     def logits(self, x: jax.Array) -> jax.Array:
         """(batch, seq, vocab) logits of the last block's output."""
         x = self.final_norm(x)
-        return self.token_embed.attend(x, RESIDUAL) if self.config.tied_head else self.head(x, RESIDUAL)
+        logits = self.token_embed.attend(x, RESIDUAL) if self.config.tied_head else self.head(x, RESIDUAL)
+        return nn.without_padded_vocab(logits, self.config.vocab, LOGITS)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Logits (batch, seq, vocab) for int tokens (batch, seq)."""

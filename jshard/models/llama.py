@@ -29,7 +29,7 @@ from flax import nnx
 
 from jshard import moe, nn
 from jshard.moe import MoE
-from jshard.models.gpt import HIDDEN, PER_HEAD, RESIDUAL
+from jshard.models.gpt import HIDDEN, LOGITS, PER_HEAD, RESIDUAL
 from jshard.models.stack import scan_layers, scan_stack, stack_layers
 
 KV = ("batch", "seq", None, "kv_heads", "kv")  # None: the key / value dim
@@ -39,6 +39,7 @@ CACHED = ("batch", "seq", "kv_heads", "kv")  # keys or values of one layer in a 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     vocab: int = 256  # bytes
+    vocab_multiple: int = 1  # the token table's rows, a multiple of this; the pad is never a token (`vocab_rows`)
     seq_len: int = 128  # longest sequence (rotary needs no table; the data and planner read it)
     embed: int = 128
     heads: int = 4
@@ -64,6 +65,10 @@ class LlamaConfig:
     capacity_factor: float | None = 1.25  # slots per expert per row, over k·seq/experts; None: dropless
     balance_loss: float = 0.01  # weight of the router's load-balancing loss (its gradient)
     moe_every: int = 1  # every n-th block has the experts, the others a dense MLP (stacked n at a time)
+
+    @property
+    def vocab_rows(self) -> int:
+        return nn.padded_vocab(self.vocab, self.vocab_multiple)
 
     @property
     def moe_layers(self) -> int:
@@ -93,6 +98,8 @@ class LlamaConfig:
         return self.layers * attention + experts + dense + self.vocab * h
 
     def __post_init__(self):
+        if isinstance(self.vocab_multiple, bool) or not isinstance(self.vocab_multiple, int) or self.vocab_multiple < 1:
+            raise ValueError(f"LlamaConfig: vocab_multiple={self.vocab_multiple!r} must be an integer >= 1")
         if self.rope_scaling is not None:  # (a JSON record gives a list)
             object.__setattr__(self, "rope_scaling", tuple(self.rope_scaling))
         if self.embed % self.heads and not self.head_size:
@@ -270,14 +277,14 @@ class Blocks(nnx.Module):
 class Llama(nnx.Module):
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         self.config = config
-        self.token_embed = nn.Embed(config.vocab, config.embed, names=("vocab", "embed"),
+        self.token_embed = nn.Embed(config.vocab_rows, config.embed, names=("vocab", "embed"),
                                     embedding_init=INIT, dtype=config.dtype, rngs=rngs)
         per_layer = config.blocks_per_layer
         layer = Blocks if per_layer > 1 else Block
         self.blocks = stack_layers(lambda rngs: layer(config, rngs=rngs), config.layers // per_layer, rngs, config.remat)
         self.final_norm = nn.RMSNorm(config.embed, epsilon=config.norm_epsilon, dtype=config.dtype)
         if not config.tied_head:
-            self.head = nn.Linear(config.embed, config.vocab, in_names="embed", out_names="vocab",
+            self.head = nn.Linear(config.embed, config.vocab_rows, in_names="embed", out_names="vocab",
                                   kernel_init=INIT, dtype=config.dtype, rngs=rngs, fp8=False)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
@@ -289,7 +296,8 @@ class Llama(nnx.Module):
     def logits(self, x: jax.Array) -> jax.Array:
         """(batch, seq, vocab) logits of the last block's output."""
         x = self.final_norm(x)
-        return self.token_embed.attend(x, RESIDUAL) if self.config.tied_head else self.head(x, RESIDUAL)
+        logits = self.token_embed.attend(x, RESIDUAL) if self.config.tied_head else self.head(x, RESIDUAL)
+        return nn.without_padded_vocab(logits, self.config.vocab, LOGITS)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Logits (batch, seq, vocab) for int tokens (batch, seq)."""

@@ -37,7 +37,8 @@ One module per idea, lower first (none imports a higher one, nor anything above 
   between them recomputed in backward (`recomputed`, `gelu`, `swiglu`);
 - `attn.py`: the kernel choice (`attention_implementation`, `attention`, `xla_attention`) and the KV
   cache (`KVCache`, `cached_attention`);
-- `losses.py`: `cross_entropy` and the losses a layer adds (`with_loss_gradient`,
+- `losses.py`: `cross_entropy`, a padded vocabulary kept out of the logits
+  (`padded_vocab`, `without_padded_vocab`) and the losses a layer adds (`with_loss_gradient`,
   `scaled_losses`).
 """
 
@@ -58,7 +59,7 @@ from jshard.nn.context import (
 )
 from jshard.nn.layers import Embed, LayerNorm, Linear, RMSNorm, gelu, matmul, recomputed, swiglu
 from jshard.nn.layouts import Layout, layout, relayout, relayout_local
-from jshard.nn.losses import cross_entropy, scaled_losses, with_loss_gradient
+from jshard.nn.losses import PAD_LOGIT, cross_entropy, padded_vocab, scaled_losses, with_loss_gradient, without_padded_vocab
 from jshard.nn.params import (
     LocalBlock,
     ShardWithReplica,
@@ -72,11 +73,11 @@ from jshard.nn.step import StepContext, compute_dtype, current_step, in_step, st
 from jshard.rules import manual_axes  # as `nn.manual_axes`, which callers read from here
 
 __all__ = [
-    "ATTENTION", "Embed", "KVCache", "LayerNorm", "Layout", "Linear", "LocalBlock", "QUERY_TILE", "RMSNorm",
+    "ATTENTION", "PAD_LOGIT", "Embed", "KVCache", "LayerNorm", "Layout", "Linear", "LocalBlock", "QUERY_TILE", "RMSNorm",
     "ShardWithReplica", "StepContext", "attention", "attention_implementation", "balanced_order",
     "cached_attention", "check_context_length", "compute_dtype", "context_attention", "context_axes", "cross_entropy",
     "current_step", "gathered_kv_attention", "gathered_layout", "gathers_weights", "gelu", "holds_replicas",
-    "in_step", "input_layout", "laid_out_input", "layout", "manual_axes", "matmul", "param", "positions",
+    "in_step", "input_layout", "laid_out_input", "layout", "manual_axes", "matmul", "padded_vocab", "param", "positions",
     "query_tile", "recomputed", "relayout", "relayout_local", "remat_policy", "ring_attention", "scaled_losses",
-    "split_input", "step_context", "swiglu", "with_loss_gradient", "xla_attention",
+    "split_input", "step_context", "swiglu", "with_loss_gradient", "without_padded_vocab", "xla_attention",
 ]

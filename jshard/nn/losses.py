@@ -66,6 +66,31 @@ _with_loss_gradient.defvjp(_with_loss_fwd, _with_loss_bwd)
 # -- loss -------------------------------------------------------------------------------------
 
 
+# A padded vocabulary's extra logits: exp() of it is 0 in float32 whatever the real logits, and it
+# is finite (no inf - inf = NaN where a loss or a sampler subtracts the largest logit).
+PAD_LOGIT = -1e9
+
+
+def padded_vocab(vocab: int, multiple: int) -> int:
+    """Rows of a token table for `vocab` tokens, rounded up to a multiple of `multiple` (Megatron
+    pads so that the tensor axis divides it; the pad rows are never a token)."""
+    return -(-vocab // multiple) * multiple
+
+
+def without_padded_vocab(logits: jax.Array, vocab: int, names: Sequence[str | None]) -> jax.Array:
+    """`logits` with the columns past `vocab` (a padded table's) at `PAD_LOGIT`: out of every
+    softmax, loss, argmax and sample. Inside a step this device's columns start where its shard
+    of the vocab axes does."""
+    columns = logits.shape[-1]
+    vocab_axes = layout(names)[-1] if in_step() else ()
+    if columns * (lax.axis_size(vocab_axes) if vocab_axes else 1) == vocab:  # no pad: nothing to mask
+        return logits
+    index = lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    if vocab_axes:
+        index = index + lax.axis_index(vocab_axes) * columns
+    return vma.where(index < vocab, logits, jnp.asarray(PAD_LOGIT, logits.dtype))
+
+
 def cross_entropy(logits: jax.Array, labels: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Mean next-token cross-entropy; vocab-parallel where the rules split the last dim.
 

@@ -591,9 +591,8 @@ class PlanInput:
 
     @property
     def model(self) -> DecoderConfig:
-        """The model as the layout runs it: its remat the layout's, where the layout sets one."""
-        remat = self.layout.remat
-        return self.config if remat is None else dataclasses.replace(self.config, remat=remat)
+        """The model as the layout runs it (`Layout.model`: its remat, a padded vocabulary)."""
+        return self.layout.model(self.config)
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -902,7 +901,8 @@ def estimate(plan: PlanInput) -> dict:
                             "formulas (ZB-H1's crossover, the recompute); not validated")
 
     return dict(
-        model=dataclasses.asdict(config) | {"kind": config.family, "dtype": jnp.dtype(config.dtype).name,
+        model=dataclasses.asdict(config) | {"kind": config.family, "vocab_rows": config.vocab_rows,
+                                            "dtype": jnp.dtype(config.dtype).name,
                                             "params": sum(math.prod(p.shape) for p in params)},
         attention=attention, mesh=dict(sizes), strategy=rules.name, schedule=schedule and type(schedule).__name__,
         stage_remat=stage_remat if schedule else None, stage_remat_trade=trade,
@@ -1088,7 +1088,8 @@ def report(est: dict) -> str:
     lines = [
         f"jshard plan: {model['kind']} {model['layers']} layers, embed {model['embed']}, heads {model['heads']}"
         + (f" ({model['kv_heads']} kv)" if "kv_heads" in model else "") + f", mlp {model['mlp']}, "
-        f"vocab {model['vocab']}, seq {model['seq_len']}: {model['params'] / 1e9:.3g} B params"
+        f"vocab {model['vocab']}" + (f" (table padded to {model['vocab_rows']})" if model["vocab_rows"] != model["vocab"] else "")
+        + f", seq {model['seq_len']}: {model['params'] / 1e9:.3g} B params"
         + (f" ({moe['active_params'] / 1e9:.3g} B active)" if moe else "") + f", {model['dtype']}, remat {model['remat']}, "
         f"attention {est['attention']}",
         f"  mesh        {mesh} on {hw['name']} ({hw['gpus_per_node']} per node)",
