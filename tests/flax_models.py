@@ -5,6 +5,7 @@ transformer also stacks its blocks with `jshard.models.stack_layers`, which a pi
 Each entry of `MODELS` gives the model, its loss and fresh random batches for a seed.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -276,87 +277,251 @@ MODELS = {
 }
 
 
-# -- a model in JAX's explicit-sharding style ---------------------------------------------------------
-# Written as JAX's sharding-in-types examples write a decoder: the author's own mesh axes ('fsdp',
-# 'tp'), a table of PartitionSpecs over them, params laid out by initializers' `out_sharding=` or by
-# Flax's sharding metadata, a norm scale `P()`, a constant held as `nnx.data`, and activations laid
-# out in the forward by `out_sharding=`, `reshard` and `with_sharding_constraint`. jshard runs it
-# with `rules.with_mesh_axes(AUTHOR_AXES)`.
-
-AUTHOR_AXES = {"tp": "tensor"}  # the author's 'fsdp' is jshard's already
-
-SHARDING = dict(
-    embedding=jax.P("tp", "fsdp"),  # (vocab, embed)
-    q=jax.P("fsdp", "tp", None),  # (embed, heads, head dim)
-    kv=jax.P(None, "fsdp", "tp", None),  # (k or v, embed, heads, head dim)
-    out=jax.P("tp", None, "fsdp"),  # (heads, head dim, embed)
-    up=jax.P("fsdp", "tp"),  # (embed, mlp)
-    down=jax.P("tp", "fsdp"),  # (mlp, embed)
-    scale=jax.P(),  # (embed,): replicated
-    rows=jax.P("fsdp"),  # an activation: its rows over fsdp, the rest whole
-)
+# -- models in JAX's explicit-sharding style ------------------------------------------------------------
+# Written as JAX's sharding-in-types examples write a decoder: the author's own mesh axes, a table of
+# PartitionSpecs over them (`ShardConfig`), params laid out by initializers' `out_sharding=` or by
+# Flax's sharding metadata, norm scales `P()`, and activations laid out in the forward by
+# `out_sharding=`, `reshard` and `with_sharding_constraint`. jshard runs each with
+# `rules.with_mesh_axes(<its author's axes -> jshard's>)`. The zoo (`ZOO`): a Llama (GQA, rotary,
+# SwiGLU, untied head), a Qwen3 (the same with q/k norms, over other axis names, its forward asking
+# for heads and hidden units split over its tensor axis) and a tied-embedding decoder holding its
+# rotary frequencies as `nnx.data`.
 
 
-def author_mesh():
+@dataclasses.dataclass(frozen=True)
+class ShardConfig:
+    """One author's layout: PartitionSpecs over the author's mesh axes (`axes`), per param and per
+    activation the forward lays out."""
+
+    axes: tuple[str, ...]  # the author's mesh axes, as the author's mesh names them
+    embedding: jax.P  # (vocab, embed)
+    q: jax.P  # (embed, heads, head dim)
+    k: jax.P  # (embed, kv heads, head dim); v's too
+    kv: jax.P  # (k or v, embed, kv heads, head dim): both in one param
+    out: jax.P  # (heads, head dim, embed)
+    up: jax.P  # (embed, mlp); a SwiGLU's gate's too
+    down: jax.P  # (mlp, embed)
+    head: jax.P  # (embed, vocab): an untied head
+    rows: jax.P  # the residual stream (batch, seq, embed): rows over the batch's axis, the rest whole
+    heads: jax.P  # queries, keys and values (batch, seq, heads, head dim)
+    hidden: jax.P  # the MLP's hidden units (batch, seq, mlp)
+    scale: jax.P = jax.P()  # a norm's scale, (embed,) or (head dim,): replicated
+
+    @classmethod
+    def over(cls, fsdp: str, tp: str, split_activations: bool = False) -> "ShardConfig":
+        """FSDP and Megatron columns/rows over axes the author calls `fsdp` and `tp`; with
+        `split_activations` the forward asks for heads and hidden units split over `tp` too (else
+        it restates the rows' layout)."""
+        rows = jax.P(fsdp)
+        return cls((fsdp, tp), embedding=jax.P(tp, fsdp), q=jax.P(fsdp, tp, None), k=jax.P(fsdp, tp, None),
+                   kv=jax.P(None, fsdp, tp, None), out=jax.P(tp, None, fsdp), up=jax.P(fsdp, tp),
+                   down=jax.P(tp, fsdp), head=jax.P(fsdp, tp), rows=rows,
+                   heads=jax.P(fsdp, None, tp, None) if split_activations else rows,
+                   hidden=jax.P(fsdp, None, tp) if split_activations else rows)
+
+
+SHARDING = ShardConfig.over("fsdp", "tp")  # the Llama's and the tied decoder's
+AUTHOR_AXES = {"tp": "tensor"}  # onto jshard's: the author's 'fsdp' is jshard's already
+QWEN3_SHARDING = ShardConfig.over("data", "model", split_activations=True)  # Flax's guide's axis names
+QWEN3_AXES = {"data": "fsdp", "model": "tensor"}  # (the author's 'data' splits weights too: jshard's fsdp)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    vocab: int = 64
+    embed: int = 32
+    heads: int = 16  # query heads
+    kv_heads: int = 8  # fewer than heads: grouped-query attention (a tensor axis of 8 splits both)
+    head_dim: int = 8
+    mlp: int = 64
+    layers: int = 2
+
+
+def author_mesh(sharding: ShardConfig = SHARDING):
     """The author's mesh, on one device: what the model is built and the reference run under."""
-    return jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Explicit,) * 2,
-                         devices=jax.devices()[:1])
+    return jax.make_mesh((1,) * len(sharding.axes), sharding.axes,
+                         axis_types=(jax.sharding.AxisType.Explicit,) * len(sharding.axes), devices=jax.devices()[:1])
 
 
-def _rotary(x, inv_freq):
+def _param(rngs: nnx.Rngs, spec, shape, fan_in: int, metadata: bool = False) -> nnx.Param:
+    """A normal(0, 1/fan_in) param laid out by its initializer's `out_sharding=` (its array carries
+    the layout) or, with `metadata`, by Flax's `out_sharding` metadata."""
+    if metadata:
+        return nnx.Param(jax.random.normal(rngs.params(), shape) / np.sqrt(fan_in), out_sharding=spec)
+    return nnx.Param(jax.random.normal(rngs.params(), shape, out_sharding=spec) / np.sqrt(fan_in))
+
+
+def _scale(sharding: ShardConfig, size: int) -> nnx.Param:
+    return nnx.Param(jnp.ones((size,)), out_sharding=sharding.scale)
+
+
+def rms_norm(x, scale):
+    return x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-6) * scale
+
+
+def rotary_frequencies(head_dim: int, theta: float = 10000.0):
+    return 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+
+
+def rotary(x, inv_freq):
+    """Rotary positions on (batch, seq, heads, head dim)."""
     angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * inv_freq[None, :]
     cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
     x1, x2 = jnp.split(x, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-class ExplicitShardingLM(nnx.Module):
-    """A one-block rotary decoder with a tied head; `hidden`: the layout its MLP asks for (the
-    default restates the rows' layout; P('fsdp', None, 'tp') splits the hidden units)."""
+def causal_attention(q, k, v):
+    """q (batch, seq, heads, head dim); k, v with kv heads <= heads, each serving a group of
+    consecutive query heads (grouped-query attention; multi-head where they are as many)."""
+    b, s, heads, d = q.shape
+    groups = k.shape[2]
+    q = q.reshape(b, s, groups, heads // groups, d)
+    scores = jnp.einsum("bqgrd,bsgd->bgrqs", q, k) / np.sqrt(d)
+    causal = jnp.tril(jnp.ones((s, s), bool))
+    weights = jax.nn.softmax(jnp.where(causal, scores, -1e9))
+    return jnp.einsum("bgrqs,bsgd->bqgrd", weights, v).reshape(b, s, heads, d)
 
-    def __init__(self, rngs: nnx.Rngs, vocab=64, embed=32, heads=4, head_dim=8, mlp=64, hidden=SHARDING["rows"]):
-        def normal(spec, *shape):  # an initializer laying its array out itself
-            return jax.random.normal(rngs.params(), shape, out_sharding=spec) / np.sqrt(shape[-2])
 
-        self.embedding = nnx.Param(normal(SHARDING["embedding"], vocab, embed))
-        self.q = nnx.Param(normal(SHARDING["q"], embed, heads, head_dim))
-        self.kv = nnx.Param(normal(SHARDING["kv"], 2, embed, heads, head_dim))
-        self.out = nnx.Param(jax.random.normal(rngs.params(), (heads, head_dim, embed)) / 8, out_sharding=SHARDING["out"])
-        self.up = nnx.Param(jax.random.normal(rngs.params(), (embed, mlp)) / 6, out_sharding=SHARDING["up"])
-        self.down = nnx.Param(jax.random.normal(rngs.params(), (mlp, embed)) / 8, out_sharding=SHARDING["down"])
-        self.scale = nnx.Param(jnp.ones((embed,)), out_sharding=SHARDING["scale"])
-        self.inv_freq = nnx.data(1.0 / 10000 ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-        self.hidden = hidden
+def swiglu(x, gate, up, down, sharding: ShardConfig):
+    hidden = jax.nn.silu(jnp.einsum("bsd,df->bsf", x, gate, out_sharding=sharding.hidden))
+    hidden = hidden * jnp.einsum("bsd,df->bsf", x, up, out_sharding=sharding.hidden)
+    return jnp.einsum("bsf,fd->bsd", hidden, down, out_sharding=sharding.rows)
 
-    def lay_out(self, x, spec):
-        return jax.sharding.reshard(x, spec)
 
-    def norm(self, x):
-        return x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-6) * self.scale[...]
+class LlamaBlock(nnx.Module):
+    """Pre-norm grouped-query attention with rotary positions, and a SwiGLU MLP."""
+
+    def __init__(self, config: DecoderConfig, sharding: ShardConfig, rngs: nnx.Rngs, metadata: bool):
+        c, s = config, sharding
+        param = functools.partial(_param, rngs, metadata=metadata)
+        self.attention_norm = _scale(s, c.embed)
+        self.q = param(s.q, (c.embed, c.heads, c.head_dim), c.embed)
+        self.k = param(s.k, (c.embed, c.kv_heads, c.head_dim), c.embed)
+        self.v = param(s.k, (c.embed, c.kv_heads, c.head_dim), c.embed)
+        self.out = param(s.out, (c.heads, c.head_dim, c.embed), c.heads * c.head_dim)
+        self.mlp_norm = _scale(s, c.embed)
+        self.gate = param(s.up, (c.embed, c.mlp), c.embed)
+        self.up = param(s.up, (c.embed, c.mlp), c.embed)
+        self.down = param(s.down, (c.mlp, c.embed), c.mlp)
+        self.sharding = sharding
+
+    def queries_and_keys(self, q, k):
+        return q, k
+
+    def __call__(self, x, inv_freq):
+        s = self.sharding
+        h = rms_norm(x, self.attention_norm[...])
+        q, k, v = (jnp.einsum("bsd,dhk->bshk", h, w[...], out_sharding=s.heads) for w in (self.q, self.k, self.v))
+        q, k = self.queries_and_keys(q, k)
+        attention = causal_attention(rotary(q, inv_freq), rotary(k, inv_freq), v)
+        x = jax.sharding.reshard(x + jnp.einsum("bqhk,hkd->bqd", attention, self.out[...], out_sharding=s.rows), s.rows)
+        return x + swiglu(rms_norm(x, self.mlp_norm[...]), self.gate[...], self.up[...], self.down[...], s)
+
+
+class Qwen3Block(LlamaBlock):
+    """The same, each query and key head RMS-normalised before the rotation (scales `P()`)."""
+
+    def __init__(self, config: DecoderConfig, sharding: ShardConfig, rngs: nnx.Rngs, metadata: bool):
+        super().__init__(config, sharding, rngs, metadata)
+        self.q_norm, self.k_norm = _scale(sharding, config.head_dim), _scale(sharding, config.head_dim)
+
+    def queries_and_keys(self, q, k):
+        return rms_norm(q, self.q_norm[...]), rms_norm(k, self.k_norm[...])
+
+
+class LlamaLM(nnx.Module):
+    """A Llama: a list of blocks, a final norm, an untied head. Its params laid out by their
+    initializers (`metadata=False`), over the author's ('fsdp', 'tp')."""
+
+    block = LlamaBlock
+
+    def __init__(self, rngs: nnx.Rngs, config: DecoderConfig = DecoderConfig(), sharding: ShardConfig = SHARDING,
+                 metadata: bool = False):
+        c, s = config, sharding
+        self.embedding = _param(rngs, s.embedding, (c.vocab, c.embed), 1, metadata)
+        self.layers = nnx.List([self.block(c, s, rngs, metadata) for _ in range(c.layers)])
+        self.norm = _scale(s, c.embed)
+        self.head = _param(rngs, s.head, (c.embed, c.vocab), c.embed, metadata)
+        self.head_dim, self.sharding = c.head_dim, s
+
+    def embed(self, tokens):
+        return self.embedding[...].at[tokens].get(out_sharding=self.sharding.rows)
 
     def __call__(self, tokens):
-        rows = SHARDING["rows"]
+        x = self.embed(tokens)
+        inv_freq = rotary_frequencies(self.head_dim)
+        for layer in self.layers:
+            x = layer(x, inv_freq)
+        return jnp.einsum("bsd,dv->bsv", rms_norm(x, self.norm[...]), self.head[...], out_sharding=self.sharding.rows)
+
+
+class Qwen3LM(LlamaLM):
+    """A Qwen3: q/k norms; its params laid out by Flax metadata, over the author's ('data', 'model');
+    its forward asks for heads and hidden units split over 'model', its embedding looked up in
+    `auto_axes`."""
+
+    block = Qwen3Block
+
+    def __init__(self, rngs: nnx.Rngs, config: DecoderConfig = DecoderConfig(), sharding: ShardConfig = QWEN3_SHARDING,
+                 metadata: bool = True):
+        super().__init__(rngs, config, sharding, metadata)
+
+    def embed(self, tokens):
+        # JAX's way for an op whose layout it cannot infer: computed over Auto axes, then laid out.
+        return jax.sharding.auto_axes(lambda table: table[tokens], out_sharding=self.sharding.rows)(self.embedding[...])
+
+
+class ExplicitShardingLM(nnx.Module):
+    """A one-block rotary decoder with a tied head, k and v in one param (4 KV heads for 8 query
+    heads), a plain SiLU MLP, its rotary frequencies a constant held as `nnx.data`, its residual
+    stream laid out by a NamedSharding on the author's mesh."""
+
+    def __init__(self, rngs: nnx.Rngs, vocab=64, embed=32, heads=8, kv_heads=4, head_dim=8, mlp=64):
+        s = SHARDING
+        self.embedding = _param(rngs, s.embedding, (vocab, embed), embed)
+        self.q = _param(rngs, s.q, (embed, heads, head_dim), embed)
+        self.kv = _param(rngs, s.kv, (2, embed, kv_heads, head_dim), embed)
+        self.out = _param(rngs, s.out, (heads, head_dim, embed), heads * head_dim, metadata=True)
+        self.up = _param(rngs, s.up, (embed, mlp), embed, metadata=True)
+        self.down = _param(rngs, s.down, (mlp, embed), mlp, metadata=True)
+        self.scale = _scale(s, embed)
+        self.inv_freq = nnx.data(rotary_frequencies(head_dim))
+        self.rows = jax.NamedSharding(jax.sharding.get_abstract_mesh(), SHARDING.rows)  # on the author's mesh
+
+    def lay_out(self, x):
+        return jax.sharding.reshard(x, self.rows)
+
+    def __call__(self, tokens):
+        rows = SHARDING.rows
         x = self.embedding[...].at[tokens].get(out_sharding=rows)
-        h = self.norm(x)
-        q = _rotary(jnp.einsum("bsd,dhk->bshk", h, self.q[...], out_sharding=rows), self.inv_freq)
+        h = rms_norm(x, self.scale[...])
+        q = rotary(jnp.einsum("bsd,dhk->bshk", h, self.q[...], out_sharding=rows), self.inv_freq)
         k, v = (jnp.einsum("bsd,dhk->bshk", h, w, out_sharding=rows) for w in self.kv[...])
-        scores = jnp.einsum("bqhk,bshk->bhqs", q, _rotary(k, self.inv_freq)) / np.sqrt(q.shape[-1])
-        causal = jnp.tril(jnp.ones((tokens.shape[1],) * 2, bool))
-        attention = jnp.einsum("bhqs,bshk->bqhk", jax.nn.softmax(jnp.where(causal, scores, -1e9)), v)
+        attention = causal_attention(q, rotary(k, self.inv_freq), v)
         x = jax.sharding.reshard(x + jnp.einsum("bqhk,hkd->bqd", attention, self.out[...], out_sharding=rows), rows)
-        up = jnp.einsum("bsd,df->bsf", self.norm(x), self.up[...], out_sharding=self.hidden)
-        x = self.lay_out(x + jnp.einsum("bsf,fd->bsd", jax.nn.silu(up), self.down[...], out_sharding=rows), rows)
-        return jnp.einsum("bsd,vd->bsv", self.norm(x), self.embedding[...], out_sharding=rows)
+        up = jnp.einsum("bsd,df->bsf", rms_norm(x, self.scale[...]), self.up[...], out_sharding=rows)
+        x = self.lay_out(x + jnp.einsum("bsf,fd->bsd", jax.nn.silu(up), self.down[...], out_sharding=rows))
+        return jnp.einsum("bsd,vd->bsv", rms_norm(x, self.scale[...]), self.embedding[...], out_sharding=rows)
 
 
 class ConstrainedLM(ExplicitShardingLM):
     """The same, laying out its residual stream as a model for an Auto mesh does."""
 
-    def lay_out(self, x, spec):
-        return jax.lax.with_sharding_constraint(x, spec)
+    def lay_out(self, x):
+        return jax.lax.with_sharding_constraint(x, self.rows)
 
 
-def explicit_sharding_lm(rngs: nnx.Rngs, model=ExplicitShardingLM, **kwargs):
+def explicit_sharding_lm(rngs: nnx.Rngs, model=ExplicitShardingLM, sharding: ShardConfig = SHARDING, **kwargs):
     """The model built as its author builds it: under the author's mesh (initializers' `out_sharding=`)."""
-    with jax.set_mesh(author_mesh()):
+    with jax.set_mesh(author_mesh(sharding)):
         return model(rngs, **kwargs)
+
+
+# name: (the model as its author builds it, from an nnx.Rngs; its author's layout; its author's axes -> jshard's)
+ZOO = {
+    "llama": (functools.partial(explicit_sharding_lm, model=LlamaLM), SHARDING, AUTHOR_AXES),
+    "qwen3": (functools.partial(explicit_sharding_lm, model=Qwen3LM, sharding=QWEN3_SHARDING), QWEN3_SHARDING,
+              QWEN3_AXES),
+    "tied": (explicit_sharding_lm, SHARDING, AUTHOR_AXES),
+}

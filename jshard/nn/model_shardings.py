@@ -2,10 +2,11 @@
 
 A model written in JAX's explicit-sharding style asks for layouts over its author's mesh axes:
 `out_sharding=P(...)` on `jnp` / `lax` / `jax.random` / Flax calls, `jax.sharding.reshard`,
-`jax.lax.with_sharding_constraint`. Inside a jshard step the mesh is jshard's (its axes renamed
-by `Rules.model_axes`) and JAX refuses those requests with a raw ValueError (an axis it does not
-have; an axis that is Auto or Manual, not Explicit). Where JAX refuses one inside a step, jshard
-meets it instead:
+`jax.lax.with_sharding_constraint`, `jax.sharding.auto_axes(f, out_sharding=...)`. Inside a jshard
+step the mesh is jshard's (its axes renamed by `Rules.model_axes`) and JAX refuses those requests
+with a raw ValueError (an axis it does not have; an axis that is Auto or Manual, not Explicit; a
+NamedSharding on the author's mesh) or, for `auto_axes` from Manual axes, a NotImplementedError.
+Where JAX refuses one inside a step, jshard meets it instead:
 
 - the compiler-placed step (plain `jax.jit`, Auto axes): `reshard` and
   `with_sharding_constraint` become sharding constraints on the renamed axes, honoured by XLA;
@@ -14,11 +15,13 @@ meets it instead:
 - the explicit step (`shard_map`, every axis manual): a request that restates the local layout
   (the only axes of size > 1 it names are the batch axes, on dim 0: the rows each device holds)
   is dropped; one that asks for another (a dim split over `tensor`, where the step computes
-  plain layers on whole values) is one `ShardingError` naming the call site and the fix.
+  plain layers on whole values) is one `ShardingError` naming the call site and the fix;
+- `auto_axes`: its function runs as it is (locally, or placed by XLA), its `out_sharding` met as an
+  `out_sharding=` on an op.
 
 JAX binds these functions by name in many modules (`from ... import canonicalize_sharding`), so
 `install` rebinds every such name to a wrapper that calls JAX's own first and steps in only on its
-ValueError inside a step: outside one, and for every request JAX accepts, nothing changes.
+error inside a step: outside one, and for every request JAX accepts, nothing changes.
 """
 
 from __future__ import annotations
@@ -103,17 +106,39 @@ def _canonicalize_sharding(original, _, sharding, api_name, *args, **kwargs):
 
 
 def _constraint(original, name, x, shardings, *args, **kwargs):
-    try:
-        return original(x, shardings, *args, **kwargs)
-    except ValueError:
-        if active_rules() is None:
-            raise
+    # (JAX's `reshard` to a NamedSharding on another mesh, the author's, moves the value onto it,
+    # unrefused: inside a step that leaves a value no later op accepts, so jshard steps in first)
+    axes = jax.sharding.get_abstract_mesh().axis_names
+    if active_rules() is None or not any(isinstance(s, jax.sharding.NamedSharding) and s.mesh.axis_names != axes
+                                         for s in jax.tree.leaves(shardings, is_leaf=_is_sharding)):
+        try:
+            return original(x, shardings, *args, **kwargs)
+        except ValueError:
+            if active_rules() is None:
+                raise
     if manual_axes():
         for sharding in jax.tree.leaves(shardings, is_leaf=_is_sharding):
             _check_local(sharding, name)
         return x
     return _jax_functions["with_sharding_constraint"](x, jax.tree.map(lambda s: _translated(_spec_of(s)), shardings,
                                                      is_leaf=_is_sharding))
+
+
+def _auto_axes_mesh(original, _, axes, axis_type, api_name, *args, **kwargs):
+    """`auto_axes`' switch to Auto axes for its function (JAX's `_get_new_mesh`): JAX refuses it from
+    Manual axes and for a NamedSharding on the author's mesh. Inside a step jshard runs the function
+    as it is (`None`: no switch) and treats its `out_sharding` as an `out_sharding=` on an op."""
+    try:
+        return original(axes, axis_type, api_name, *args, **kwargs)
+    except (ValueError, KeyError, NotImplementedError):
+        if active_rules() is None or api_name != "auto_axes":
+            raise
+    for sharding in jax.tree.leaves(kwargs.get("shardings", args[0] if args else None), is_leaf=_is_sharding):
+        if manual_axes():
+            _check_local(sharding, "out_sharding= of auto_axes")
+        else:
+            _translated(_spec_of(sharding))
+    return None
 
 
 def install() -> None:
@@ -127,7 +152,10 @@ def install() -> None:
         for name, original, handler in (
                 ("canonicalize_sharding", sharding_impls.canonicalize_sharding, _canonicalize_sharding),
                 ("reshard", pjit.reshard, _constraint),
-                ("with_sharding_constraint", pjit.with_sharding_constraint, _constraint)):
+                ("with_sharding_constraint", pjit.with_sharding_constraint, _constraint),
+                ("_get_new_mesh", getattr(pjit, "_get_new_mesh", None), _auto_axes_mesh)):
+            if original is None:
+                continue
             _jax_functions[name] = original  # (JAX 0.12's canonicalize_sharding is a cache object: no __name__)
             _wrappers[id(original)] = functools.partial(handler, original, name)
     for name, module in list(sys.modules.items()):
