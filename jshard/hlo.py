@@ -125,20 +125,25 @@ def _executions(blocks: dict[str, list[str]], entry: str) -> dict[str, int]:
 _PROGRAM_OP = re.compile(r'"stablehlo\.(?P<kind>all_reduce|all_gather|reduce_scatter|all_to_all|collective_permute)"')
 _PROGRAM_TYPES = re.compile(r"[)>]\s*:\s*\((?P<operands>[^)]*)\)\s*->\s*(?P<results>.*)$")
 _TENSOR = re.compile(r"tensor<(?P<dims>(?:\d+x)*)(?P<dtype>[a-z]+\d*(?:[A-Z]+\d*)*)>")  # f32, bf16, f8E4M3FN
+_SPLIT_COUNT = re.compile(r"split_count = (?P<n>\d+)")
 
 
 def program_dtypes(program_text: str) -> dict[tuple[str, int], set[str]]:
     """{(kind, elements of K): the dtypes the program gives such buffers}, from StableHLO text."""
     found: dict[tuple[str, int], set[str]] = collections.defaultdict(set)
-    kind = None
+    kind, parts = None, 1
     for line in program_text.splitlines():
         if m := _PROGRAM_OP.search(line):
             kind = m["kind"].replace("_", "-")
+            parts = int(n["n"]) if kind == "all-to-all" and (n := _SPLIT_COUNT.search(line)) else 1
         if kind and (types := _PROGRAM_TYPES.search(line)):
             # K: the operand of a reduce-scatter, the result of the others (module docstring)
             for t in _TENSOR.finditer(types["operands" if kind == "reduce-scatter" else "results"]):
                 elements = math.prod(int(d) for d in t["dims"].split("x") if d)
-                found[kind, elements].add({"i1": "pred"}.get(t["dtype"], t["dtype"].lower()))
+                dtype = {"i1": "pred"}.get(t["dtype"], t["dtype"].lower())
+                found[kind, elements].add(dtype)
+                if parts > 1:  # XLA:CPU sends an all-to-all's parts as buffers of their own
+                    found[kind, elements // parts].add(dtype)
             kind = None
     return found
 

@@ -141,9 +141,10 @@ def test_zero3_mixed_bytes_are_the_planners(zero3_mixed):
 
 def test_mixed_moves_weights_and_gradients_in_bf16(zero3_mixed):
     """XLA:CPU would widen these to f32; the GPU program keeps ZeRO-3's gathers and
-    reduce-scatters in bf16 (the loss's scalar all-reduce stays f32)."""
+    reduce-scatters in bf16, and the lookup's rows (its all-to-all, `nn.Embed`; its ids gathered
+    as int32; the loss's scalar all-reduce stays f32)."""
     moved = {(c["kind"], d) for c in zero3_mixed.collectives if c["bytes"] > 4 for d in c["bytes_by_dtype"]}
-    assert moved == {("all-gather", "bf16"), ("reduce-scatter", "bf16")}
+    assert moved == {("all-gather", "bf16"), ("reduce-scatter", "bf16"), ("all-to-all", "bf16"), ("all-gather", "s32")}
 
 
 def test_zero3_gathers_overlap_matmuls_inside_the_layer_scan(zero3_mixed):

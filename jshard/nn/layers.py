@@ -158,28 +158,57 @@ class Linear(nnx.Module):
         return y + b
 
 
+def lookup_axes(names, ids_names) -> tuple[str, ...]:
+    """The ZeRO axes an embedding table (`names`: vocab, embed) of a step could be looked up over
+    without gathering it (`Embed`): those that split its embed dim alone and the ids' batch;
+    () where the table is gathered whole (ZeRO-1/2, or another layout)."""
+    vocab, embed = layout(names, "param")
+    kept_vocab, kept_embed = gathered_layout(names)
+    zero = tuple(a for a in embed if a not in kept_embed)
+    batch = input_layout(ids_names)[0]
+    if not zero or vocab != kept_vocab or not set(zero) <= set(batch):
+        return ()
+    return zero
+
+
 class Embed(nnx.Module):
-    """Rows of a (vocab, embed)-named table; vocab-parallel where the rules split the vocab."""
+    """Rows of a (vocab, embed)-named table; vocab-parallel where the rules split the vocab.
+    `tied`: the table is a head's too (`attend`), which gathers it under ZeRO-3 anyway."""
 
     def __init__(self, num_embeddings: int, features: int, *, names=("vocab", "embed"), rngs: nnx.Rngs,
-                 embedding_init=nnx.initializers.normal(0.02), dtype=None, param_dtype=jnp.float32):
-        self.names, self.dtype = tuple(names), dtype
+                 embedding_init=nnx.initializers.normal(0.02), dtype=None, param_dtype=jnp.float32, tied: bool = False):
+        self.names, self.dtype, self.tied = tuple(names), dtype, tied
         self.embedding = nnx.Param(
             embedding_init(rngs.params(), (num_embeddings, features), param_dtype), **named(*self.names)
         )
 
     def __call__(self, ids: jax.Array, ids_names: Sequence[str | None], out_names: Sequence[str | None]) -> jax.Array:
-        """Rows for int `ids`; inside a step `ids` arrive split over the batch axes only."""
-        table = param(self.embedding, compute_dtype(self.dtype))
+        """Rows for int `ids`; inside a step `ids` arrive split over the batch axes only.
+
+        Under ZeRO-3 the table is not gathered where its ZeRO axes split its embed dim and the
+        batch (FSDP's), it is no head's, and this device has fewer tokens than table rows: the
+        ids are gathered (4 bytes a token), each device looks up every one of its group's tokens
+        in its own columns, and an all-to-all hands each its own tokens' rows whole, (N-1)/N of
+        tokens × embed, not (N-1)/N of the table; the all-to-all's transpose brings each device
+        its columns' gradient of every token, summed where it lives (no reduce-scatter)."""
+        dtype = compute_dtype(self.dtype)
         if not in_step():
-            return constrain(jnp.take(table, ids, axis=0), out_names)
+            return constrain(jnp.take(param(self.embedding, dtype), ids, axis=0), out_names)
         ids = split_input(ids, ids_names)
         vocab_axes, embed_axes = gathered_layout(self.names)
+        columns = () if self.tied else lookup_axes(self.names, ids_names)
+        table = held(self.embedding, dtype) if columns else param(self.embedding, dtype)
+        if columns and ids.size >= table.shape[0]:  # as many tokens as rows: the table's gather moves less
+            columns, table = (), param(self.embedding, dtype)
+        if columns:  # the group's tokens, in the order the all-to-all below splits them back
+            ids = lax.all_gather(ids, columns, axis=0, tiled=True)
         rows = table.shape[0]  # this device holds rows [first, first + rows)
         local = ids - (lax.axis_index(vocab_axes) * rows if vocab_axes else 0)
         inside = (local >= 0) & (local < rows)
         table, local = vma.match(table, local)
         out = vma.where(inside[..., None], jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0), 0)
+        if columns:
+            out = lax.all_to_all(out, columns, 0, out.ndim - 1, tiled=True)
         return relayout_local(out, input_layout(ids_names) + (embed_axes,), layout(out_names), vocab_axes)
 
     def attend(self, x: jax.Array, x_names: Sequence[str | None]) -> jax.Array:

@@ -137,7 +137,10 @@ class Activations:
     # Once per step, the backward of one layer (recomputed under remat) beside what the layers
     # keep: a multiple of what a layer keeps without remat, by remat policy.
     backward: dict[str, float]
-    logits: float  # the cross-entropy's float32 copies of the logits (per token and vocab entry ÷ tensor)
+    # The loss's logits (per token and vocab entry ÷ tensor, in 4-byte units): XLA:GPU keeps the bf16
+    # logits and writes their bf16 gradient (`nn.token_losses`: 2 · 2 bytes, measured on the 8B at two
+    # vocabularies, 0.5 with them sharing a slot); XLA:CPU's, fitted at vocab 256, overstates a large one.
+    logits: float
     # A pipeline tick's residual record (one micro-batch's chunk), as a share of one: copied out of
     # its slot buffer (1) or read in place (0). XLA:CPU copies it under JAX 0.10 and not 0.12
     # (measured; 0.5 between the two), XLA:GPU copies it. ZB-H1's W ticks read their crossover
@@ -166,7 +169,7 @@ ACTIVATIONS = {
                        combine=0.0, backward={"none": 0.0, "selective": 0.37, "full": 2.0}, logits=6.0, record=0.5,
                        stage_recompute=1.0),
     "gpu": Activations(h_replicated=4.0, attention=1.0, mlp=1.0, scores=0.94, xla_attention=0.5, h_sp_whole=2.0,
-                       combine=1.0, backward={"none": 1.0, "selective": 1.0, "full": 0.5}, logits=1.5, record=1.0,
+                       combine=1.0, backward={"none": 1.0, "selective": 1.0, "full": 0.5}, logits=0.5, record=1.0,
                        stage_recompute=1.45),
 }
 # Under remat the same on both compilers:
@@ -323,13 +326,15 @@ def folded_norms(plan: Plan) -> frozenset[str]:
 
 
 def param_traffic(plan: Plan, remat: bool = False, tied_head: bool = True, combined: bool = False,
-                  folded: frozenset[str] = frozenset(), scale_reductions: int = 1) -> dict:
+                  folded: frozenset[str] = frozenset(), scale_reductions: int = 1, looked_up: bool = False) -> dict:
     """{(kind, axes): bytes} of the gradient and weight collectives, per device per step.
 
     ZeRO-3 gathers each param forward and reduce-scatters its gradient; the layer stack's
     kernels and norm scales are gathered again in backward (the remat policy frees them; under
-    `remat`, every stacked param, biases too, as the layer's forward runs again), the tied token
-    embedding's gradient is reduce-scattered once per use (lookup and head). ZeRO-1/2
+    `remat`, every stacked param, biases too, as the layer's forward runs again); the token
+    table, `looked_up` without a gather (`lookup_axes`), is neither gathered nor scattered; a
+    tied table's gradient is reduce-scattered once per use (lookup and head; XLA:GPU,
+    `combined`, sums them first). ZeRO-1/2
     reduce-scatter each gradient and gather the new params (ZeRO-2 per use, inside backward).
     What is left of the batch axes all-reduces the gradient in its optimizer layout.
     Under a pipeline, params on every stage (embeddings, final norm) sum over the stage axis:
@@ -350,8 +355,10 @@ def param_traffic(plan: Plan, remat: bool = False, tied_head: bool = True, combi
         # (a batch axis that splits the param, as `expert` an expert's weights: its gradient
         # is whole there already, each device having computed with every row sent to it)
         reduced = tuple(a for a in plain if not any(a in axes for axes in p.param))
-        tied = p.path.startswith("token_embed") and tied_head and plan.rules.zero >= 2
-        if in_param:
+        table = p.path.startswith("token_embed")
+        # a tied table's two gradients (lookup, head), each scattered; XLA:GPU sums them first (`combined`)
+        tied = table and tied_head and plan.rules.zero >= 2 and not combined
+        if in_param and not (table and looked_up):  # (ZeRO-3's lookup: the table neither gathered nor scattered)
             size = p.gathered_bytes // shards(p.param, sizes, skip=in_param)
             # (a norm's scale: the norm's backward runs it again, `nn.recomputed`; its bias it does not read)
             again = p.stacked_kernel or (p.names[:1] == ("layers",) and (remat or p.path.endswith("norm/scale")))
@@ -376,6 +383,33 @@ def param_traffic(plan: Plan, remat: bool = False, tied_head: bool = True, combi
         if on_every_stage:
             _add(out, "all-reduce", (stage_axis,), p.reduce_bytes // shards(p.opt, sizes))
     return out
+
+
+def lookup_axes(config: DecoderConfig, plan: Plan, tokens: int) -> tuple[str, ...]:
+    """The ZeRO axes the token table is looked up over without gathering it, for a call of the
+    model on `tokens` local tokens (`nn.Embed`): under ZeRO-3, those that split its embed dim
+    alone and the batch, where the table is no head's and has more local rows than `tokens`."""
+    table = next((p for p in plan.params if p.path.startswith("token_embed")), None)
+    if plan.rules.zero != 3 or table is None or config.tied_head:
+        return ()
+    zero, batch = set(plan.zero_axes), {a for a in plan.batch_axes if plan.mesh_sizes[a] > 1}
+    vocab, embed = table.param
+    axes = tuple(a for a in embed if a in zero)
+    fewer = tokens < config.vocab_rows // shards((vocab,), plan.mesh_sizes)
+    return axes if axes and fewer and not zero & set(vocab) and set(axes) <= batch else ()
+
+
+def lookup_traffic(config: DecoderConfig, plan: Plan, axes: tuple[str, ...], tokens: int) -> dict:
+    """{(kind, axes): bytes} of ZeRO-3's lookup without the table over `axes` (`lookup_axes`) of
+    `tokens` local tokens a step: the group's int32 ids gathered, and the looked-up rows
+    all-to-all'd to their devices (tokens × embed, its columns over the other axes if any),
+    forward and, its transpose, backward."""
+    if not axes:
+        return {}
+    table = next(p for p in plan.params if p.path.startswith("token_embed"))
+    columns = config.embed // shards((table.param[1],), plan.mesh_sizes, skip=set(axes))
+    return {("all-gather", axes): shards((axes,), plan.mesh_sizes) * tokens * 4,
+            ("all-to-all", axes): 2 * tokens * columns * jnp.dtype(config.dtype).itemsize}
 
 
 def tensor_traffic(config: DecoderConfig, params, rows: int, seq: int, layers_run: int, sp: bool,
@@ -526,13 +560,15 @@ def computed(config: DecoderConfig, plan: Plan) -> DecoderConfig:
     return dataclasses.replace(config, dtype=compute_dtype(config.dtype, plan.compute))
 
 
-def traffic(config: DecoderConfig, plan: Plan, rows: int, seq: int, platform: str = "cpu", accum: int = 1) -> dict:
+def traffic(config: DecoderConfig, plan: Plan, rows: int, seq: int, platform: str = "cpu", accum: int = 1,
+            call_rows: int | None = None) -> dict:
     """{(kind, axes): bytes} per device per step, but the pipeline's sends: params (gradients
     summed over the batch and context axes), TP / SP over `rows` local sequences of this
     device's seq / context tokens through this stage's layers, context parallelism's
     attention, and the loss's all-reduces; as the compiler for `platform` combines them.
     `accum` passes accumulate before the update: what moves per pass moves `accum` times
-    (`per_pass`), the gradient reductions after the last pass once."""
+    (`per_pass`), the gradient reductions after the last pass once. `call_rows`: the rows of one
+    call of the model (a pipeline's micro-batch; default `rows`), which decide ZeRO-3's lookup."""
     config = computed(config, plan)
     params, sizes, stage_axis, context = plan.params, plan.mesh_sizes, plan.stage_axis, plan.context_axes
     batch_axes = plan.batch_axes
@@ -541,19 +577,22 @@ def traffic(config: DecoderConfig, plan: Plan, rows: int, seq: int, platform: st
     # reading it; all-reduces a pipeline's shared params over the batch and stage axes at once,
     # and under SP the final norm's over the batch and tensor axes. XLA:CPU does each separately.
     folded = folded_norms(plan) if platform == "gpu" else frozenset()
-    comm = param_traffic(plan, remat=config.remat != "none", tied_head=config.tied_head and platform == "cpu",
-                         combined=platform == "gpu", folded=folded, scale_reductions=2 if platform == "gpu" else 1)
+    local_seq = seq // shards((context,), sizes)
+    lookup = lookup_axes(config, plan, (call_rows or rows) * local_seq)
+    comm = param_traffic(plan, remat=config.remat != "none", tied_head=config.tied_head, combined=platform == "gpu",
+                         folded=folded, scale_reductions=2 if platform == "gpu" else 1, looked_up=bool(lookup))
     comm = {key: nbytes * (accum if per_pass(plan, *key) else 1) for key, nbytes in comm.items()}
     rows *= accum
     layers_run = stage_layers_run(config, plan)
     sp, tensor = plan.sequence_parallel, plan.tensor_axes
-    local_seq = seq // shards((context,), sizes)
     ring = shards((tensor,), sizes) if plan.rules.collective_matmul and sp else 0
     for key, nbytes in tensor_traffic(config, params, rows, local_seq, layers_run, sp, tensor, platform == "gpu",
                                       folded, ring).items():
         _add(comm, *key, nbytes)
     for key, nbytes in context_traffic(config, rows, seq, layers_run, context, sizes, shards((tensor,), sizes),
                                        plan.rules.context_attention).items():
+        _add(comm, *key, nbytes)
+    for key, nbytes in lookup_traffic(config, plan, lookup, rows * local_seq).items():
         _add(comm, *key, nbytes)
     for key, nbytes in expert_traffic(config, params, rows, seq, layers_run, tuple(a for a in batch_axes if sizes[a] > 1),
                                       plan.expert_axes, tensor, sp, ring).items():
@@ -796,7 +835,7 @@ def estimate(plan: PlanInput) -> dict:
 
     # communication
     stage_axis = step.stage_axis
-    comm = traffic(config, step, rows * m, config.seq_len, hw.platform, plan.grad_accum)
+    comm = traffic(config, step, rows * m, config.seq_len, hw.platform, plan.grad_accum, call_rows=rows)
     if schedule:
         a_mb = rows * local_seq * config.embed * jnp.dtype(config.dtype).itemsize
         forward, backward = sends(schedule)
@@ -845,7 +884,9 @@ def estimate(plan: PlanInput) -> dict:
     t_dp = t_of(lambda k, a: k == "all-reduce" and set(a.split("+")) <= plain) if plain else 0.0
     t_pp = t_of(lambda k, a: a == stage_axis)
     t_cp = t_of(lambda k, a: a == "+".join(context) and k != "all-reduce") if cp > 1 else 0.0
-    t_ep = t_of(lambda k, a: k == "all-to-all")
+    # ZeRO-3's lookup of the token table (`lookup_axes`): the other all-to-all, over the ZeRO axes
+    t_lookup = t_of(lambda k, a: k == "all-to-all" and set(a.split("+")) <= zero) if rules.zero == 3 else 0.0
+    t_ep = t_of(lambda k, a: k == "all-to-all") - t_lookup
     bubble = schedule.bubble_fraction_of_step if schedule else 0.0
     ratios = {
         "dp": t_dp / (t_compute * 2 / 3) if t_dp else None,  # the gradient all-reduce hides behind backward
@@ -857,7 +898,8 @@ def estimate(plan: PlanInput) -> dict:
         if cp > 1 and rules.context_attention == "ring" else None,
     }
     # TP sits on the critical path (each block waits for its reduction), and so do EP's
-    # all-to-alls (the experts wait for their rows, the rows for the experts' outputs); the
+    # all-to-alls (the experts wait for their rows, the rows for the experts' outputs) and the
+    # lookup's (the first layer waits for its rows, the table's gradient for theirs); the
     # others overlap compute and show only where they are longer than it.
     # The ring's sends overlap attention only: what the ratio leaves of them is exposed.
     t_cp_exposed = t_cp * max(0.0, 1 - 1 / ratios["cp"]) if t_cp and rules.context_attention == "ring" else t_cp
@@ -865,7 +907,7 @@ def estimate(plan: PlanInput) -> dict:
     # beside a partial matmul (91% of their bytes in the compiled H100 program, docs/gpu-compile.md).
     t_ring = t_of(lambda k, a: k == "collective-permute" and a == "+".join(tensor_axes)) if rules.collective_matmul else 0.0
     # The optimizer runs once, after the pipeline drains: the bubble stretches the rest.
-    step_s = ((t_compute - terms["optimizer"]) / (1 - bubble) + terms["optimizer"] + t_tp - t_ring + t_ep
+    step_s = ((t_compute - terms["optimizer"]) / (1 - bubble) + terms["optimizer"] + t_tp - t_ring + t_ep + t_lookup
               + t_cp_exposed + max(0.0, t_dp + t_zero + t_pp + t_ring - t_compute))
     host = None
     if hw.platform == "cpu":
@@ -1010,6 +1052,8 @@ def calls(kind: str, axes: str, nbytes: float, step: Plan, layers: int, passes: 
     group = set(axes.split("+"))
     if kind == "all-reduce" and nbytes < 4096:  # scalars, each its own call: the loss, FP8 scales
         return max(1, int(nbytes // 4))
+    if kind == "all-to-all" and step.rules.zero == 3 and group <= set(step.zero_axes):  # the lookup's: forward, backward
+        return 2 * passes
     if group == set(step.tensor_axes) or group == set(step.context_axes) or kind == "all-to-all":
         return max(1, 4 * layers * passes)
     if step.stage_axis and group == {step.stage_axis} and kind == "collective-permute":
