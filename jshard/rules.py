@@ -277,11 +277,14 @@ def _unknown_axes(table, sizes: dict[str, int], label: str) -> list[str]:
 
 
 def raise_problems(problems: list[str]) -> None:
+    """Every problem found, as one line: the first whole (what, where, the fix), then where the
+    others are (`where: what` each; most are the same problem of another param)."""
     if len(problems) == 1:
         raise ShardingError(problems[0])
     if problems:
-        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
-        raise ShardingError(f"{len(problems)} sharding problems:\n- " + "\n- ".join(shown))
+        others = [p.split(": ", 1)[0] for p in problems[1:]]
+        shown = ", ".join(others[:8]) + (f" and {len(others) - 8} more" if len(others) > 8 else "")
+        raise ShardingError(f"{problems[0]} ({len(problems)} sharding problems; the others at {shown})")
 
 
 def resolve(table, names, shape, sizes, where):

@@ -231,7 +231,7 @@ def test_bf16_matches_fp32_on_one_device():
 
 @pytest.mark.parametrize("fields, preset, sizes, error, match", [
     (dict(experts=2), "dp+ep", dict(data=2, expert=4), ShardingError,
-     r"'blocks/mlp/gate_up/kernel'.*dim 1 \('experts', size 2\).*expert=4"),
+     r"'blocks/mlp/(gate_up|down)/kernel'.*dim 1 \('experts', size 2\).*expert=4"),
     (dict(experts=0), "dp+ep", dict(data=2, expert=4), ShardingError, "no param of the model has an 'experts' dim.*moe-tiny"),
     (dict(), "dp+cp", dict(data=2, context=4), ShardingError, "mixture of experts.*Fix: a preset without cp"),
     (dict(experts=2, top_k=3), None, None, ValueError, "top_k=3 must be between 1 and experts=2"),

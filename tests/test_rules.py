@@ -242,7 +242,7 @@ def test_all_problems_reported_at_once():
     with pytest.raises(ShardingError) as e:
         jshard.specs(bad, MESH_222, jshard.preset("dp+fsdp+tp"))
     msg = str(e.value)
-    assert "sharding problems" in msg
+    assert "sharding problems; the others at param '" in msg and "\n" not in msg and msg.count("Fix:") == 1, msg
     for path in ("blocks/attn/qkv/kernel", "blocks/attn/out/kernel"):
         assert path in msg
 
