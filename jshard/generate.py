@@ -45,6 +45,7 @@ from jshard.mesh import (fake_device_count, format_mesh, mesh_shape, mesh_sizes,
                          use_gpu_xla_flags)
 from jshard.models import DecoderConfig, decoder
 from jshard.parallel.plan import make_plan
+from jshard.rules import ShardingError
 
 FAKE_DEVICES = 1  # one prompt needs no split; give more to try dp or tp on a CPU
 MAX_TOKENS = 200  # when --max-tokens is not given, or fewer where the model's seq_len ends first
@@ -343,22 +344,33 @@ def _rules(c: GenerateConfig) -> jshard.Rules:
 
 def _mesh(c: GenerateConfig, rules: jshard.Rules, model: DecoderConfig):
     """The mesh, plan, model and its abstract module: --mesh's, else the strategy's default mesh
-    over the most devices whose batch shards split --num-samples (one prompt on 8 devices under
-    dp: one device), since samples are the only thing dp splits. A multi-process run keeps every
-    device (each process must hold part of the mesh). An imported model's vocabulary is padded
-    where the mesh splits it unevenly (`Layout.model`); a checkpoint's table is as it was saved."""
+    over the most devices that split the model (4 heads under tp on 8 devices: 4) and whose batch
+    shards split --num-samples (one prompt on 8 devices under dp: one device), since samples are
+    the only thing dp splits. A multi-process run keeps every device (each process must hold part
+    of the mesh). An imported model's vocabulary is padded where the mesh splits it unevenly
+    (`Layout.model`); a checkpoint's table is as it was saved."""
     counts = [jax.device_count()]
     if c.mesh is None and jax.process_count() == 1:
         counts = [n for n in range(jax.device_count(), 0, -1) if jax.device_count() % n == 0]
+    found, refused = None, None
     for n in counts:  # the plan makes every check of the layouts: a dim that does not divide raises
         mesh = jshard.make_mesh(jax.devices()[:n], **mesh_sizes(c.mesh, rules, n))
         layout = Layout.of(rules, mesh)
         runs = layout.model(model) if c.init_from else model
         abstract = nnx.eval_shape(lambda: decoder(runs, nnx.Rngs(0)))
-        plan = make_plan(abstract, layout, mesh)
+        try:
+            plan = make_plan(abstract, layout, mesh)
+        except ShardingError as e:  # a default mesh the model does not split: a smaller one may
+            if len(counts) == 1:
+                raise
+            refused = refused or e
+            continue
+        found = mesh, plan, runs, abstract
         if c.num_samples % plan.data_shards == 0:
             break
-    return mesh, plan, runs, abstract
+    if found is None:
+        raise refused
+    return found
 
 
 def set_up(c: GenerateConfig) -> Setup:

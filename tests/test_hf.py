@@ -379,6 +379,9 @@ def test_hf_gpt2_vocabulary_trains_under_tp_and_exports_unpadded(tmp_path, capsy
     generating = jshard.generate.set_up(GenerateConfig(None, "ab", init_from=directory, strategy="dp+tp",
                                                        mesh="data=2,tensor=4", num_samples=2))
     assert (generating.model.vocab_rows, generating.abstract.token_embed.embedding.shape[0]) == (GPT2_TABLE,) * 2
+    # tp's default mesh over 8 devices splits 4 heads 8 ways: generate takes the 4 devices that split them
+    generating = jshard.generate.set_up(GenerateConfig(None, "ab", init_from=directory, strategy="tp"))
+    assert generating.mesh.devices.size == 4 and generating.model.vocab_rows == GPT2_TABLE
     exported = str(tmp_path / "exported")
     hf.export_checkpoint(str(tmp_path / "ck"), exported)
     assert tensors_of(exported)["transformer.wte.weight"].shape == (GPT2_VOCAB, 16)

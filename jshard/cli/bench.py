@@ -9,6 +9,7 @@ import math
 import re
 
 import jax
+import numpy as np
 
 import jshard
 from jshard.bench import collectives, fit, gpu, kernels, pipeline, step, strategies
@@ -276,7 +277,6 @@ def measured_plans(path: str) -> tuple[list[str], list, "np.ndarray"]:
     import json
     import shlex
 
-    import numpy as np
 
     from jshard.cli import plan as plan_command
 
@@ -296,7 +296,6 @@ def measured_plans(path: str) -> tuple[list[str], list, "np.ndarray"]:
 def run_fit(args) -> int:
     import json
 
-    import numpy as np
 
     try:
         with open(args.runs) as f:
