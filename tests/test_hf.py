@@ -168,6 +168,21 @@ def transformers_loss(directory: str, ids: np.ndarray, tmp_path) -> float | None
     return json.loads(out.stdout.strip().splitlines()[-1])["loss"]
 
 
+def trained_from_hf(config: TrainConfig, tmp_path):
+    """(set-up, result, first batch, expected first loss) of `train(config)`, an `--init-from` run:
+    the expected loss transformers' on the run's first batch (with JSHARD_HF_PYTHON; else the
+    imported model's on one device, whose logits the tests above hold to transformers')."""
+    setup = set_up(config)
+    first_batch = setup.split.train.rows(range(config.batch_size))
+    setup.checkpoints.close()
+    result = train(config)
+    expected = transformers_loss(config.init_from, first_batch, tmp_path)
+    if expected is None:
+        model, _ = imported(config.init_from)
+        expected = float(gpt_loss(model, jnp.asarray(first_batch)))
+    return setup, result, first_batch, expected
+
+
 def test_hf_train_init_from_fine_tunes_and_exports(tmp_path, capsys):
     """`jshard train --init-from` under dp+fsdp+tp starts from the imported weights: its first
     loss is transformers' on that batch (with JSHARD_HF_PYTHON; else the imported model's on
@@ -177,15 +192,8 @@ def test_hf_train_init_from_fine_tunes_and_exports(tmp_path, capsys):
     shutil.copytree(fixture("llama"), directory)
     config = TrainConfig(init_from=directory, strategy="dp+fsdp+tp", steps=20, batch_size=8,
                          checkpoint_dir=str(tmp_path / "ck"))
-    setup = set_up(config)
-    first_batch = setup.split.train.rows(range(config.batch_size))
-    setup.checkpoints.close()
-    result = train(config)
+    _, result, first_batch, expected = trained_from_hf(config, tmp_path)
     assert f"weights     from {directory}" in capsys.readouterr().out
-    expected = transformers_loss(directory, first_batch, tmp_path)
-    if expected is None:
-        model, _ = imported(directory)
-        expected = float(gpt_loss(model, jnp.asarray(first_batch)))
     assert abs(result.losses[0] - expected) <= 1e-4 * expected, (result.losses[0], expected)
     assert result.losses[-1] < result.losses[0] - 0.5
     exported = str(tmp_path / "exported")
@@ -276,15 +284,8 @@ def test_hf_init_from_trains_on_a_token_file_of_its_ids_and_generates_from_the_r
     np.save(tmp_path / "ids.npy", ids.astype(np.int32))
     config = TrainConfig(init_from=directory, data=str(tmp_path / "ids.npy"), strategy="dp", mesh="data=8", steps=1,
                          batch_size=8, seq_len=23, checkpoint_dir=str(tmp_path / "ck"))
-    setup = set_up(config)
-    first_batch = setup.split.train.rows(range(config.batch_size))
-    setup.checkpoints.close()
+    setup, result, first_batch, expected = trained_from_hf(config, tmp_path)
     assert setup.data.tokenizer_identity["kind"] == "bpe" and setup.data.max_id == ids.max()
-    result = train(config)
-    expected = transformers_loss(directory, first_batch, tmp_path)
-    if expected is None:
-        model, _ = imported(directory)
-        expected = float(gpt_loss(model, jnp.asarray(first_batch)))
     assert abs(result.losses[0] - expected) <= 1e-4 * expected, (result.losses[0], expected)
     assert os.path.exists(tmp_path / "ck" / hf.TOKENIZER)
     capsys.readouterr()
@@ -359,15 +360,8 @@ def test_hf_gpt2_vocabulary_trains_under_tp_and_exports_unpadded(tmp_path, capsy
     np.save(tmp_path / "tokens.npy", ids.astype(np.int32))
     config = TrainConfig(init_from=directory, data=str(tmp_path / "tokens.npy"), strategy="dp+tp", mesh="data=4,tensor=2",
                          steps=2, batch_size=8, seq_len=23, checkpoint_dir=str(tmp_path / "ck"))
-    setup = set_up(config)
-    first_batch = setup.split.train.rows(range(config.batch_size))
-    setup.checkpoints.close()
-    result = train(config)
+    _, result, first_batch, expected = trained_from_hf(config, tmp_path)
     assert f"vocab {GPT2_VOCAB} (table {GPT2_TABLE}: padded" in capsys.readouterr().out
-    expected = transformers_loss(directory, first_batch, tmp_path)
-    if expected is None:
-        plain, _ = imported(directory)
-        expected = float(gpt_loss(plain, jnp.asarray(first_batch)))
     assert abs(result.losses[0] - expected) <= 1e-5 * expected, (result.losses[0], expected)
     resumed = train(dataclasses.replace(config, strategy="dp", mesh="data=8", steps=3, resume=True))
     assert len(resumed.losses) == 1 and np.isfinite(resumed.losses[0])

@@ -108,9 +108,7 @@ def _canonicalize_sharding(original, _, sharding, api_name, *args, **kwargs):
 def _constraint(original, name, x, shardings, *args, **kwargs):
     # (JAX's `reshard` to a NamedSharding on another mesh, the author's, moves the value onto it,
     # unrefused: inside a step that leaves a value no later op accepts, so jshard steps in first)
-    axes = jax.sharding.get_abstract_mesh().axis_names
-    if active_rules() is None or not any(isinstance(s, jax.sharding.NamedSharding) and s.mesh.axis_names != axes
-                                         for s in jax.tree.leaves(shardings, is_leaf=_is_sharding)):
+    if active_rules() is None or not _on_another_mesh(shardings):
         try:
             return original(x, shardings, *args, **kwargs)
         except ValueError:
@@ -122,6 +120,13 @@ def _constraint(original, name, x, shardings, *args, **kwargs):
         return x
     return _jax_functions["with_sharding_constraint"](x, jax.tree.map(lambda s: _translated(_spec_of(s)), shardings,
                                                      is_leaf=_is_sharding))
+
+
+def _on_another_mesh(shardings) -> bool:
+    """Whether any of `shardings` is a NamedSharding on a mesh other than the current one (the author's)."""
+    axes = jax.sharding.get_abstract_mesh().axis_names
+    return any(isinstance(s, jax.sharding.NamedSharding) and s.mesh.axis_names != axes
+               for s in jax.tree.leaves(shardings, is_leaf=_is_sharding))
 
 
 def _auto_axes_mesh(original, _, axes, axis_type, api_name, *args, **kwargs):
