@@ -56,6 +56,7 @@ NOT_FOR_GENERATION = {
     "sp": ("sp splits the sequence, and a decode step holds one token", "tp"),
     "cp": ("cp splits each sequence over devices, and a decode step holds one token", None),
     "cp-gather": ("cp-gather splits each sequence over devices, and a decode step holds one token", None),
+    "cp-a2a": ("cp-a2a splits each sequence over devices, and a decode step holds one token", None),
 }
 
 

@@ -36,6 +36,10 @@ _ITEMSIZE = {"pred": 1, "bf16": 2, "c64": 8, "c128": 16}  # and f8e4m3fn, f8e5m2
 _WIDENED = {"bf16": "f32", "f8e4m3fn": "f16", "f8e5m2": "f16"}
 _WHILE = re.compile(r"\swhile\(.*body=%(?P<body>[\w.\-]+)")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"')
+_INDUCTION = re.compile(r'"known_induction_variable":\{"tuple_index":"(?P<i>\d+)"')
+_LOOP_PARTS = re.compile(r"\swhile\(%(?P<init>[\w.\-]+)\).*condition=%(?P<condition>[\w.\-]+)")
+_BELOW = re.compile(r"compare\(%[\w.\-]+, %(?P<limit>[\w.\-]+)\), direction=LT")
+_S32 = re.compile(r"^\s*%(?P<name>[\w.\-]+) = s32\[\] (?:constant\((?P<value>-?\d+)\)|copy\(%(?P<source>[\w.\-]+)\))")
 _CALLED = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%(?P<name>[\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
 # XLA prints replica groups in three forms (group size in brackets):
@@ -104,6 +108,32 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
     return blocks, entry
 
 
+def _trips(line: str, blocks: dict[str, list[str]], holder: str) -> int:
+    """How many times the loop on HLO `line` (in computation `holder`) runs its body: XLA's
+    known_trip_count; else, where XLA:GPU peeled the first trip off a loop and left no count (a
+    gradient accumulation's), `i < K` read from its condition from i's start in its init tuple
+    (a constant, through copies), one a trip; else 1."""
+    if t := _TRIPS.search(line):
+        return int(t["n"])
+    parts, index = _LOOP_PARTS.search(line), _INDUCTION.search(line)
+    if not parts or not index:
+        return 1
+
+    def s32(lines, name):  # a scalar's constant value, following copies; None if it is not one
+        found = {m["name"]: m for m in map(_S32.match, lines) if m}
+        while name in found and found[name]["value"] is None:
+            name = found[name]["source"]
+        return int(found[name]["value"]) if name in found else None
+
+    condition = [parts["condition"]] + [m["name"] for line in blocks.get(parts["condition"], []) for m in _CALLED.finditer(line)]
+    limit = next((s32(blocks[c], m["limit"]) for c in condition if c in blocks for line in blocks[c]
+                  if (m := _BELOW.search(line))), None)
+    init = next((line for line in blocks[holder] if re.match(rf"^\s*%{re.escape(parts['init'])} = .* tuple\(", line)), None)
+    operands = re.findall(r"%([\w.\-]+)", init.split(" tuple(", 1)[1]) if init else []
+    start = s32(blocks[holder], operands[int(index["i"])]) if int(index["i"]) < len(operands) else None
+    return limit - start if limit is not None and start is not None and limit > start else 1
+
+
 def _executions(blocks: dict[str, list[str]], entry: str) -> dict[str, int]:
     """How many times each computation runs per program run: loop bodies once per trip."""
     runs: dict[str, int] = collections.Counter({entry: 1})
@@ -112,7 +142,7 @@ def _executions(blocks: dict[str, list[str]], entry: str) -> dict[str, int]:
         name = pending.pop(0)
         for line in blocks[name]:
             loop = _WHILE.search(line)
-            trips = int(t["n"]) if loop and (t := _TRIPS.search(line)) else 1
+            trips = _trips(line, blocks, name) if loop else 1
             called = [m["name"] for m in _CALLED.finditer(line)]
             if branches := _BRANCHES.search(line):
                 called += [n.strip().lstrip("%") for n in branches["names"].split(",")]
@@ -259,7 +289,7 @@ def matmul_flops(hlo_text: str, branch_weights=None) -> float:
         flops = float(own[name])
         for line in blocks[name]:
             loop = _WHILE.search(line)
-            trips = int(t["n"]) if loop and (t := _TRIPS.search(line)) else 1
+            trips = _trips(line, blocks, name) if loop else 1
             if (branches := _BRANCHES.search(line)) and _CONDITIONAL.search(line):
                 names = [n.strip().lstrip("%") for n in branches["names"].split(",")]
                 costs = [total(n) for n in names if n in blocks]

@@ -42,7 +42,7 @@ Kind = Literal["param", "grad", "opt"]
 
 LOGICAL_NAMES = ("batch", "seq", "embed", "mlp", "heads", "kv_heads", "kv", "vocab", "layers", "experts")
 ATTENTION_NAMES = ("batch", "seq", "heads", "kv")  # how attention's queries, keys and values are named
-CONTEXT_ATTENTION = ("ring", "gather")
+CONTEXT_ATTENTION = ("ring", "gather", "a2a")
 ZERO_KINDS = {"opt": 1, "grad": 2, "param": 3}  # lowest ZeRO stage that shards each kind
 
 
@@ -86,7 +86,8 @@ class Rules:
     # strict rules refuse it, as they refuse every unnamed param that the mesh could split.
     strict: bool = False
     # Attention over a `seq` the rules split (context parallelism, `jshard.nn.context_attention`):
-    # "ring" passes keys and values round the axes, "gather" all-gathers them.
+    # "ring" passes keys and values round the axes, "gather" all-gathers them, "a2a" trades the
+    # sequence split for a heads split around attention (all-to-all, DeepSpeed-Ulysses).
     context_attention: str = "ring"
     # Sequence parallelism's gather before a column-parallel matmul and reduce-scatter after a
     # row-parallel one as collective matmuls: ppermute steps beside partial matmuls
@@ -174,14 +175,16 @@ class Rules:
 
     @property
     def zero_axes(self) -> tuple[str, ...]:
-        """Mesh axes that shard both the batch and some param dim that activations keep whole:
-        the ZeRO / FSDP axes, whose weights are gathered to meet the rows. An axis that splits a
-        param dim as it splits the activations of that name (`experts` over `expert`) is where
-        that part of the computation happens: the rows travel to it (all-to-all), not the weight."""
-        batch = {a for name, axes in self.activations if name == "batch" for a in axes}
+        """Mesh axes that shard both the tokens (the batch, or the sequence: context parallelism's
+        devices, like data-parallel ones, hold the same params and sum their gradients) and some
+        param dim that activations keep whole: the ZeRO / FSDP axes, whose weights are gathered to
+        meet the rows. An axis that splits a param dim as it splits the activations of that name
+        (`experts` over `expert`, `heads` over `tensor`) is where that part of the computation
+        happens: the rows travel to it (all-to-all), not the weight."""
+        rows = {a for name, axes in self.activations if name in ("batch", "seq") for a in axes}
         computed_in_place = {a for rule in self.params if rule in self.activations for a in rule[1]}
         return tuple(dict.fromkeys(a for _, axes in self.params for a in axes
-                                   if a in batch and a not in computed_in_place))
+                                   if a in rows and a not in computed_in_place))
 
     @property
     def mesh_axes(self) -> tuple[str, ...]:
@@ -359,9 +362,15 @@ PRESET_PARTS = {
     "pp": "pipeline: the stacked `layers` over `stage`",
     "cp": "context parallel: every activation's seq over `context`, load-balanced; ring attention",
     "cp-gather": "as cp, with attention all-gathering keys and values instead of the ring",
+    "cp-a2a": "as cp, in order; around attention an all-to-all trades the seq split for a heads split "
+              "(DeepSpeed-Ulysses): each device attends over the whole sequence with its heads, "
+              "by the model's kernel (cuDNN's flash on a GPU)",
     "ep": "expert parallel: a mixture of experts' `experts` over `expert`, rows sent to them by all-to-all; "
           "elsewhere the batch over `expert` too",
 }
+
+# The context-parallel parts and the attention each takes (`Rules.context_attention`).
+CONTEXT_PRESETS = {"cp": "ring", "cp-gather": "gather", "cp-a2a": "a2a"}
 
 
 def preset(name: str, strict: bool = False) -> Rules:
@@ -378,9 +387,10 @@ def preset(name: str, strict: bool = False) -> Rules:
         raise ShardingError(f"preset {name!r} names more than one ZeRO stage; pick one")
     overlap = "sp-overlap" in parts
     tp, sp = "tp" in parts or "sp" in parts or overlap, "sp" in parts or overlap
-    if "cp" in parts and "cp-gather" in parts:
-        raise ShardingError(f"preset {name!r} names both cp and cp-gather; pick one")
-    cp = "cp" in parts or "cp-gather" in parts
+    named = [p for p in parts if p in CONTEXT_PRESETS]
+    if len(named) > 1:
+        raise ShardingError(f"preset {name!r} names both {named[0]} and {named[1]}; pick one")
+    cp = bool(named)
 
     # Priority order matters only where two names want one axis: attention activations
     # (batch, seq, heads or kv_heads, kv) give `tensor` to the heads, and seq falls back to
@@ -393,7 +403,8 @@ def preset(name: str, strict: bool = False) -> Rules:
     # laying the buffer out from one to the other is an all-to-all over `expert`.
     experts = [("experts", "expert")] if "ep" in parts else []
     batch = [("batch", batch_axes + ("expert",)), ("batch", batch_axes)] if experts else [("batch", batch_axes)]
-    params = tensor_names + experts + ([("embed", "fsdp")] if zeros else []) + ([("layers", "stage")] if "pp" in parts else [])
+    zero_axes = ("fsdp", "context") if named else "fsdp"
+    params = tensor_names + experts + ([("embed", zero_axes)] if zeros else []) + ([("layers", "stage")] if "pp" in parts else [])
     # Context parallelism splits seq over `context` everywhere; with sequence parallelism the
     # residual stream's seq is split over `tensor` too, within each device's context block,
     # and attention's (whose heads hold `tensor`) falls back to `context` alone.
@@ -403,7 +414,7 @@ def preset(name: str, strict: bool = False) -> Rules:
     replicated = [(n, None) for n in LOGICAL_NAMES]  # every other name: replicated, on purpose
     canonical = "+".join(p for p in PRESET_PARTS if (p in parts and not (p == "sp" and overlap)) or (p == "tp" and tp))
     return Rules(params + replicated, activations + replicated, zero=zeros[0] if zeros else 0, name=canonical,
-                 strict=strict, context_attention="gather" if "cp-gather" in parts else "ring",
+                 strict=strict, context_attention=CONTEXT_PRESETS[named[0]] if named else "ring",
                  collective_matmul=overlap)
 
 

@@ -1,7 +1,7 @@
-"""Context parallelism: the load-balanced layout, ring attention's bytes and memory, bad input.
+"""Context parallelism: the load-balanced layout, ring and all-to-all attention's bytes and memory, bad input.
 
 Parity with one device (loss, gradients, params after 3 AdamW steps) under cp over 2, 4 and 8
-devices, alone and with dp, ZeRO-2/3, TP and SP, ring and all-gather, is test_strategies.py's;
+devices, alone and with dp, ZeRO-2/3, TP and SP, ring, all-gather and all-to-all, is test_strategies.py's;
 with a pipeline, test_pipeline.py's; training as DP does, test_train.py's; per-device memory
 falling with cp at seq 4096, test_examples.py's (examples/context_parallel.py).
 """
@@ -71,15 +71,40 @@ def test_a_model_with_no_sequence_is_refused():
         step.value_and_grad(step.state, step.shard_batch(np.ones((8, 16), np.float32)))
 
 
-def test_a_sequence_that_does_not_cut_into_2n_chunks_is_refused():
-    step = build_step(decoders.make("gpt", 0), OPTIMIZER, gpt_loss, jshard.Layout.of("cp", dict(context=8)))
-    with pytest.raises(jshard.ShardingError, match="into 16 equal chunks; 12 tokens do not divide by 16"):
-        step.value_and_grad(step.state, step.shard_batch(np.ones((2, 13), np.int32)))
+@pytest.mark.parametrize("preset, sizes, tokens, message", [
+    ("cp", dict(context=8), 13, "into 16 equal chunks; 12 tokens do not divide by 16"),
+    ("dp+cp-a2a", dict(data=2, context=4), 11, "into 4 equal chunks; 10 tokens do not divide by 4"),
+    ("cp-a2a", dict(context=8), 17, "splits attention's heads 8 ways; 4 heads a device .* do not divide by 8. Fix: "),
+])
+def test_a_sequence_or_heads_that_do_not_cut_evenly_are_refused(preset, sizes, tokens, message):
+    step = build_step(decoders.make("gpt", 0), OPTIMIZER, gpt_loss, jshard.Layout.of(preset, sizes))
+    with pytest.raises(jshard.ShardingError, match=message):
+        step.value_and_grad(step.state, step.shard_batch(np.ones((2, tokens), np.int32)))
+
+
+def test_all_to_all_repeats_grouped_kv_heads_that_context_does_not_divide():
+    """The Llama's 4 KV heads over tensor=2 leave 2 a device, which context=4 does not divide:
+    each is repeated twice before the all-to-all (its gradient the sum of the copies'), and the
+    gradients are one device's; the all-to-alls move the repeated heads, as the planner says."""
+    batch = np.random.default_rng(4).integers(0, 64, (4, 17))
+    step = build_step(decoders.make("llama", 0), OPTIMIZER, gpt_loss, jshard.Layout.of("cp-a2a+tp", dict(tensor=2, context=4)))
+    assert_context_bytes_are_the_planners(step, decoders.CONFIGS["llama"], batch, "cp-a2a+tp", dict(tensor=2, context=4))
+    assert_gradients_close(step, batch, *one_device_gradients(decoders.make("llama", 0), gpt_loss, batch))
+
+
+def test_planner_memory_under_all_to_all_and_full_remat():
+    """`jshard plan --validate`'s check on the all-to-all's row: memory within 10% of the
+    compiler's, bytes exact (the GPT at seq 64, 8 rows a data shard, on the default mesh)."""
+    from jshard import plan
+
+    r = plan.validate_one("dp+cp-a2a", None, None, "full", "default", "fp32", None, 8, model=plan.VALIDATION_MODELS["gpt"])
+    assert r["comm_predicted"] == r["comm_compiled"] and abs(r["memory_rel_err"]) <= plan.MEMORY_TOLERANCE, r
 
 
 @pytest.mark.parametrize("preset, sizes, message", [
     ("cp+pp", dict(context=4, stage=2), "preset 'pp[+]cp-gather'"),
     ("cp+cp-gather", dict(context=8), "names both cp and cp-gather"),
+    ("cp-a2a+cp", dict(context=8), "names both cp-a2a and cp"),
     ("dp", dict(data=2, context=4), "mesh axis 'context' has size 4, but no rule"),
 ])
 def test_bad_strategies_are_refused_before_placing(preset, sizes, message):

@@ -293,6 +293,28 @@ def test_collective_matmuls_run_their_permutes_beside_matmuls_at_8b(tmp_path):
     assert result["compiled"]["overlap_in_loops"]["collective-permute"] >= 0.85, result["compiled"]["overlap_in_loops"]
 
 
+def test_accumulating_4_micro_batches_at_8b_is_planned(tmp_path):
+    """Gradient accumulation in the H100 program: XLA:GPU peels the first micro-batch off the
+    loop and leaves it no trip count (`hlo._trips` reads it from the loop's condition); every
+    collective's bytes are the planner's (4 passes of gathers and scatters), and memory, with the
+    fp32 sum of the gradients' shards (`accumulated`), within 10%."""
+    result = compile_8b("--strategy fsdp --mesh fsdp=8 --remat full --grad-accum 4 --batch-size 32", tmp_path)
+    compared = result["compared"]
+    assert compared["bytes_exact"] and abs(compared["memory_rel_err"]) <= MEMORY_TOLERANCE, compared
+
+
+@pytest.mark.skipif(not cudnn_installed(), reason="cuDNN is not installed (nvidia-cudnn-cu13)")
+def test_128k_tokens_of_an_8b_fit_8_h100s_under_all_to_all_context_parallelism(tmp_path):
+    """Issue 55's long context: one row of 131072 tokens of Llama 3.1 8B over context=8, ZeRO-3
+    over the context axis, full remat: cuDNN's flash kernel on each device's heads, every
+    collective's bytes the planner's, memory the planner's (within 10%) and inside 80 GB."""
+    result = compile_8b("--strategy zero3+cp-a2a --mesh context=8 --seq-len 131072 --micro-batch-size 1 --remat full",
+                        tmp_path)
+    compared, compiled = result["compared"], result["compiled"]
+    assert compiled["attention"] == "cudnn" and compared["bytes_exact"], compared["bytes"]
+    assert abs(compared["memory_rel_err"]) <= MEMORY_TOLERANCE and compiled["fits"], compared
+
+
 def _compile_in_a_process(xla_flags: str | None, tmp_path: Path, name: str) -> tuple[dict, str]:
     """`jshard compile` of the small GPT under fsdp=8 in a fresh process (XLA reads XLA_FLAGS
     once, at start-up), with `xla_flags` as the user's XLA_FLAGS (None: unset)."""

@@ -115,6 +115,36 @@ def test_loop_trips_and_async_pairs():
     assert hlo.bytes_by_kind(text) == {"all-gather": 6 * 256, "collective-permute": 256}
 
 
+def test_a_loop_xla_peeled_runs_its_body_as_often_as_its_condition_says():
+    """XLA:GPU peels a gradient accumulation's first micro-batch off its loop and leaves the
+    loop no known_trip_count: its trips are read from `i < 3` in its (fused) condition and i's
+    start, 0 through copies, in the init tuple; with the peeled copy, 4 gathers."""
+    gather = ("  %ag = f32[64]{0} all-gather(%x), channel_id=2, replica_groups=mesh['fsdp'=4] {'fsdp'}, "
+              "dimensions={0}\n")
+    text = (
+        "HloModule m, num_partitions=4\n\n"
+        "%body (p: (s32[], f32[64])) -> (s32[], f32[64]) {\n" + gather + "}\n\n"
+        "%fused_compare (param_0: s32[]) -> pred[] {\n"
+        "  %param_0 = s32[] parameter(0)\n"
+        "  %constant_3 = s32[] constant(3)\n"
+        "  ROOT %compare = pred[] compare(%param_0, %constant_3), direction=LT\n"
+        "}\n\n"
+        "%cond (c: (s32[], f32[64])) -> pred[] {\n"
+        "  %i = s32[] get-tuple-element(%c), index=0\n"
+        "  ROOT %below = pred[] fusion(%i), kind=kLoop, calls=%fused_compare\n"
+        "}\n\n"
+        "ENTRY %main (a: f32[64]) -> f32[64] {\n" + gather +
+        "  %zero = s32[] constant(0)\n"
+        "  %copy.1 = s32[] copy(%zero)\n"
+        "  %copy.2 = s32[] copy(%copy.1)\n"
+        "  %t = (s32[], f32[64]) tuple(%copy.2, %a)\n"
+        '  %w = (s32[], f32[64]) while(%t), condition=%cond, body=%body, '
+        'backend_config={"known_induction_variable":{"tuple_index":"0"},"dynamic_variables":[]}\n'
+        "}\n"
+    )
+    assert hlo.bytes_by_kind(text) == {"all-gather": 4 * 256}
+
+
 # -- XLA:GPU's forms: asynchronous starts, mesh axes, what the schedule puts beside them -------
 
 AXES = {"data": 2, "stage": 1, "fsdp": 2, "tensor": 2}

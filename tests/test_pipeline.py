@@ -63,8 +63,10 @@ PIPELINED = [
 _GPT = {(s, "fsdp+tp+pp") for s in SCHEDULES} | {("1f1b", p) for p, *_ in PIPELINED} | {
     ("zb-h1", "zero2+pp"), ("interleaved", "dp+tp+sp+pp")}
 CASES = [("gpt", schedule, *case) for schedule in SCHEDULES for case in PIPELINED if (schedule, case[0]) in _GPT] + [
-    # context parallelism inside the stages (all-gathered K/V: a ring's sends cannot run in one stage's tick)
-    ("llama", "zb-h1", "dp+cp-gather+pp", dict(data=2, context=2, stage=2), 2)]
+    # context parallelism inside the stages (all-gathered K/V or all-to-all heads: a ring's sends cannot run in
+    # one stage's tick)
+    ("llama", "zb-h1", "dp+cp-gather+pp", dict(data=2, context=2, stage=2), 2),
+    ("llama", "1f1b", "dp+cp-a2a+pp", dict(data=2, context=2, stage=2), 2)]
 
 
 @pytest.mark.parametrize("model, schedule, preset, sizes, microbatches", CASES,

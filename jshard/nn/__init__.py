@@ -32,7 +32,7 @@ One module per idea, lower first (none imports a higher one, nor anything above 
   `remat_policy`, `gathers_weights`, `holds_replicas`);
 - `softmax.py`: attention's softmax, keeping only its output for backward (`probabilities`);
 - `context.py`: context parallelism (`split_input`, `positions`, `ring_attention`,
-  `gathered_kv_attention`, `balanced_order`);
+  `gathered_kv_attention`, `all_to_all_attention`, `balanced_order`);
 - `layers.py`: `matmul`, `Linear`, `Embed`, `LayerNorm`, `RMSNorm`, and the elementwise work
   between them recomputed in backward (`recomputed`, `gelu`, `swiglu`);
 - `attn.py`: the kernel choice (`attention_implementation`, `attention`, `xla_attention`) and the KV

@@ -44,10 +44,15 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, choice: str = "auto") ->
     head_dim) keys and values (kv_heads dividing heads: grouped-query), by `choice`'s kernel.
 
     Inside a step whose rules split attention's `seq` (context parallelism), each device holds
-    its load-balanced chunks of the sequence and attends over every device's keys and values:
-    `context_attention`."""
+    chunks of the sequence and attends over every device's keys and values: `context_attention`
+    (which runs this kernel over the whole sequence under all-to-all CP)."""
     if context_axes():
-        return context_attention(q, k, v)
+        return context_attention(q, k, v, lambda q, k, v: whole_sequence_attention(q, k, v, choice))
+    return whole_sequence_attention(q, k, v, choice)
+
+
+def whole_sequence_attention(q: jax.Array, k: jax.Array, v: jax.Array, choice: str) -> jax.Array:
+    """Causal attention over every position of the sequence, by `choice`'s kernel."""
     if attention_implementation(choice, q.dtype, q.shape[-1]) == "cudnn":
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     return xla_attention(q, k, v)

@@ -1,14 +1,20 @@
 """Context parallelism: each sequence split over the mesh axes the rules give attention's `seq`.
 
-Rules that put attention's `seq` on mesh axes (the `cp` preset: `context`) split every
-sequence over them. Causal attention gives later tokens more work, so the split is load-
-balanced, as Megatron's CP: over n devices the sequence is cut into 2n chunks and device i
-holds chunks i and 2n-1-i, one early and one late. Inside a step a sequence is held in that
-order throughout; it is applied where the step's inputs (token ids, labels) are split
-(`split_input`, recorded in the step context's `context_splits`) and read back where
-positions matter (`positions`), and nothing between (the residual stream, the MLP, the
-loss) cares about the order of the tokens. Attention over the split sequence is
-`context_attention`: a ring (`ring_attention`) or all-gathered keys and values.
+Rules that put attention's `seq` on mesh axes (the `cp` presets: `context`) split every
+sequence over them. Inside a step a sequence is held in one order throughout (`held_order`):
+it is applied where the step's inputs (token ids, labels) are split (`split_input`, recorded
+in the step context's `context_splits`) and read back where positions matter (`positions`),
+and nothing between (the residual stream, the MLP, the loss) cares about the order of the
+tokens. Attention over the split sequence is `context_attention`, as the rules choose:
+
+- a ring (`ring_attention`) or all-gathered keys and values (`gathered_kv_attention`): each
+  device's queries over every device's keys. Causal attention gives later tokens more work, so
+  the split is load-balanced, as Megatron's CP: over n devices the sequence is cut into 2n
+  chunks and device i holds chunks i and 2n-1-i, one early and one late (`balanced_order`);
+- all-to-all (`all_to_all_attention`, DeepSpeed-Ulysses): the split traded for one of the
+  heads around attention, which runs over the whole sequence by the model's own kernel
+  (cuDNN's flash kernel on a GPU). Every device then does the same work whatever the order, so
+  device i holds chunk i of n, in order.
 """
 
 from __future__ import annotations
@@ -43,6 +49,18 @@ def check_context_length(length: int, n: int) -> None:
                             f"{length} tokens do not divide by {2 * n}. Fix: a seq-len that is a multiple of {2 * n}.")
 
 
+def held_order(length: int, n: int) -> jax.Array:
+    """The positions of a `length`-token sequence in the order a step holds it over n context
+    devices, device i's block the i-th of n: load-balanced (`balanced_order`), or in order
+    under all-to-all attention."""
+    if active_rules().context_attention != "a2a":
+        return balanced_order(length, n)
+    if length % n:
+        raise ShardingError(f"context parallelism over {n} devices cuts a sequence into {n} equal chunks; "
+                            f"{length} tokens do not divide by {n}. Fix: a seq-len that is a multiple of {n}.")
+    return jnp.arange(length)
+
+
 def balanced_order(length: int, n: int) -> jax.Array:
     """The positions of a `length`-token sequence in the load-balanced order over n devices:
     device i's block (the i-th of n) holds chunks i and 2n-1-i of 2n."""
@@ -60,7 +78,7 @@ def input_layout(names) -> Layout:
 
 def split_input(x: jax.Array, names) -> jax.Array:
     """A step input, which arrives split over the batch axes only, as this device's share under
-    context parallelism: each seq dim's load-balanced chunks (`input_layout`). The identity
+    context parallelism: each seq dim's chunks (`input_layout`, `held_order`). The identity
     outside a step and without context parallelism."""
     if not in_step():
         return x
@@ -70,7 +88,7 @@ def split_input(x: jax.Array, names) -> jax.Array:
             if splits is not None:
                 splits.append(tuple(names))
             n = lax.axis_size(axes)
-            mine = balanced_order(x.shape[dim], n).reshape(n, -1)[lax.axis_index(axes)]
+            mine = held_order(x.shape[dim], n).reshape(n, -1)[lax.axis_index(axes)]
             x = jnp.take(vma.vary(x, axes), mine, axis=dim)
     return x
 
@@ -92,14 +110,44 @@ def positions(x: jax.Array, names, dim: int = 1) -> jax.Array:
     return laid_out_input(jnp.arange(whole), ("seq",), (have,))  # positions as a step input would be
 
 
-def context_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, kernel) -> jax.Array:
     """Causal attention under context parallelism, as the active rules choose (`Rules.context_attention`):
     "ring" passes each device's keys and values round the context axes (`ring_attention`);
-    "gather" all-gathers them (Llama 3's choice: one collective, the whole K/V held at once)."""
+    "gather" all-gathers them (Llama 3's choice: one collective, the whole K/V held at once);
+    "a2a" runs `kernel(q, k, v)`, causal attention over a whole sequence, on a share of the
+    heads (`all_to_all_attention`)."""
     axes = context_axes()
-    if active_rules().context_attention == "gather":
+    choice = active_rules().context_attention
+    if choice == "a2a":
+        return all_to_all_attention(q, k, v, axes, kernel)
+    if choice == "gather":
         return gathered_kv_attention(q, k, v, axes)
     return ring_attention(q, k, v, axes)
+
+
+def check_all_to_all_heads(heads: int, n: int, axes) -> None:
+    """All-to-all CP gives each of its n devices 1/n of a device's `heads`."""
+    if heads % n:
+        raise ShardingError(
+            f"all-to-all context parallelism over {'+'.join(axes)}={n} splits attention's heads {n} ways; "
+            f"{heads} heads a device (the model's over any tensor axes) do not divide by {n}. Fix: a context size that "
+            f"divides {heads}, or the ring (preset 'cp') or all-gathered keys and values ('cp-gather').")
+
+
+def all_to_all_attention(q, k, v, axes, kernel):
+    """DeepSpeed-Ulysses: queries, keys and values all-to-all'd from this device's chunk of the
+    sequence with all its heads to the whole sequence with 1/n of them, `kernel` over those,
+    and its output all-to-all'd back (backward: the same all-to-alls, reversed). Grouped KV
+    heads that n does not divide are repeated first, each as often as makes their count a
+    multiple of n, so that every device's query heads find their KV head beside them."""
+    n, heads, kv_heads = lax.axis_size(axes), q.shape[2], k.shape[2]
+    check_all_to_all_heads(heads, n, axes)
+    repeats = n // math.gcd(kv_heads, n)
+    if repeats > 1:
+        k, v = (jnp.repeat(t, repeats, axis=2) for t in (k, v))
+    to_heads = functools.partial(lax.all_to_all, axis_name=axes, split_axis=2, concat_axis=1, tiled=True)
+    out = kernel(to_heads(q), to_heads(k), to_heads(v))
+    return lax.all_to_all(out, axes, split_axis=1, concat_axis=2, tiled=True)
 
 
 def _scores(q, k, mask):

@@ -229,20 +229,21 @@ class Plan:
                     rows_name: str = "batch size", seq_name: str = "sequence length", name_accum: bool = False) -> None:
         """Whether a global batch of `rows` rows splits over the batch axes, `grad_accum`'s
         micro-batches and a pipeline's, and a sequence of `seq_len` tokens into
-        context parallelism's chunks (two per device, load-balanced) and, on each device,
+        context parallelism's chunks (two per device, load-balanced; one under all-to-all) and, on each device,
         sequence parallelism's (one per tensor shard). The names say what the caller calls
         the two in the error (a config's fields: 'TrainConfig.batch_size'); `name_accum`: the
         error names the accumulation even at 1 (a run whose rows it multiplies)."""
         n = self.context_shards
-        if seq_len is not None and n > 1 and seq_len % (2 * n):
+        chunks = n if self.rules.context_attention == "a2a" else 2 * n
+        if seq_len is not None and n > 1 and seq_len % chunks:
             raise ShardingError(
                 f"{seq_name} {seq_len}: context parallelism over {'×'.join(self.context_axes)} = {n} cuts each "
-                f"sequence into {2 * n} equal chunks (two per device, load-balanced). Fix: a {seq_name} that is a "
-                f"multiple of {2 * n}.")
+                f"sequence into {chunks} equal chunks ({'one per device' if chunks == n else 'two per device, load-balanced'}). "
+                f"Fix: a {seq_name} that is a multiple of {chunks}.")
         sp_axes = [a for a in self.sequence_axes if a not in self.context_axes]
         sp = math.prod(self.mesh_sizes[a] for a in sp_axes)
         if seq_len is not None and sp > 1 and seq_len % (n * sp):
-            multiple = math.lcm(2 * n, n * sp) if n > 1 else sp
+            multiple = math.lcm(chunks, n * sp) if n > 1 else sp
             raise ShardingError(
                 f"{seq_name} {seq_len}: sequence parallelism splits each sequence's tokens "
                 f"{'on a device ' if n > 1 else ''}over {'×'.join(sp_axes)} = {sp}. Fix: a {seq_name} that is a "
@@ -479,7 +480,8 @@ def _schedule(rules: Rules, mesh, stages, given: str, loss_fn, microbatches, sch
             f"build_step: rules {rules.name!r} pipeline the layers over {stages[0]} and pass keys and values "
             f"round a ring over {'+'.join(context)}; a ring's sends cannot run inside one "
             "stage's tick. Fix: all-gather them instead, preset "
-            f"{rules.name.replace('cp', 'cp-gather')!r} (Rules.context_attention='gather').")
+            f"{rules.name.replace('cp', 'cp-gather')!r} (Rules.context_attention='gather'), or trade the split for "
+            f"heads, {rules.name.replace('cp', 'cp-a2a')!r}.")
     return make_schedule(schedule or "gpipe", size, microbatches, virtual)
 
 

@@ -30,7 +30,7 @@ __all__ = ["HARDWARE", "MEMORY_TOLERANCE", "MOE_VALIDATION", "VALIDATION", "VALI
 
 MEMORY_COLOURS = {  # model state in blues and greens, what the step adds in warm colours
     "params": "#4c72b0", "grads": "#64b5cd", "master": "#55a868", "optimizer": "#8fbc8f",
-    "gathered": "#8172b3", "chunk_weights": "#937860", "activations": "#dd8452", "reduction": "#da8bc3",
+    "accumulated": "#a1c9f4", "gathered": "#8172b3", "chunk_weights": "#937860", "activations": "#dd8452", "reduction": "#da8bc3",
     "batch": "#c44e52",
 }
 UNITS = (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))

@@ -39,6 +39,7 @@ from jshard.plan import physics
 from jshard.plan.counts import attention_widths, column_outputs, fp8_cast_widths, input_projections, mlp_widths
 from jshard.moe import capacity
 from jshard.nn import attention_implementation, compute_dtype, query_tile
+from jshard.nn.context import check_all_to_all_heads
 from jshard.rules import ShardingError
 
 GiB = 2**30
@@ -151,6 +152,13 @@ class Activations:
     # activations, this many layers' worth a layer (measured over chunks of 2 and 4 layers), and one
     # layer's backward beside them.
     stage_recompute: float
+    # XLA's attention (not fused, keeping scores) and all-gathered K/V: bytes per score of the one
+    # layer in backward (its fp32 scores, their exponentials and gradients), where they outgrow the
+    # logits the loss's backward has freed by then (below that, at short sequences, the rows above
+    # hold them: they were fitted there). Measured at long sequences (docs/planning.md): XLA:CPU,
+    # one device and cp-gather over 2, 4, 8 at seq 4096, fp32 (10.5-11.2); XLA:GPU, Llama 3.1 8B with
+    # XLA's attention at 8k and under cp-gather at 8k-128k, mixed, full remat (12.0-17.8).
+    score_backward: float
 
 
 # XLA:CPU, fp32: fitted to the `jshard plan --validate` rows (docs/planning.md); XLA:GPU, bf16:
@@ -167,10 +175,10 @@ class Activations:
 ACTIVATIONS = {
     "cpu": Activations(h_replicated=5.1, attention=1.025, mlp=1.2, scores=1.17, xla_attention=0.0, h_sp_whole=2.65,
                        combine=0.0, backward={"none": 0.0, "selective": 0.37, "full": 2.0}, logits=6.0, record=0.5,
-                       stage_recompute=1.0),
+                       stage_recompute=1.0, score_backward=10.7),
     "gpu": Activations(h_replicated=4.0, attention=1.0, mlp=1.0, scores=0.94, xla_attention=0.5, h_sp_whole=2.0,
                        combine=1.0, backward={"none": 1.0, "selective": 1.0, "full": 0.5}, logits=0.5, record=1.0,
-                       stage_recompute=1.45),
+                       stage_recompute=1.45, score_backward=15.0),
 }
 # Under remat the same on both compilers:
 ACT_FULL_REMAT = 1.0  # remat full: each layer keeps its input only
@@ -261,11 +269,15 @@ def grad_bytes(p, plan: Plan) -> int:
 
 def state_bytes(plan: Plan, layers: int, platform: str = "cpu") -> dict[str, int]:
     """Training state per device: params and grads as held, the fp32 master (mixed precision)
-    and Adam's two moments in the optimizer's layout, ZeRO-3's gathered layers (on `platform`)."""
+    and Adam's two moments in the optimizer's layout, ZeRO-3's gathered layers (on `platform`);
+    under gradient accumulation, the sum of the micro-batches' gradients, in the reduction
+    dtype, in the layout backward leaves them (`accumulate`'s carry)."""
     params, sizes = plan.params, plan.mesh_sizes
     return dict(
         params=sum(local(p.bytes, p.param, sizes) for p in params),
         grads=sum(grad_bytes(p, plan) for p in params),
+        accumulated=sum(local(p.reduce_bytes, p.param if plan.rules.zero < 2 else p.opt, sizes) for p in params)
+        if plan.grad_accum > 1 else 0,
         master=sum(local(p.elements * p.master.itemsize, p.opt, sizes) for p in params if p.master),
         optimizer=2 * sum(local(p.elements * p.optimizer_dtype.itemsize, p.opt, sizes) for p in params),
         gathered=gathered_layers_bytes(plan, layers, platform) if plan.rules.zero == 3 and plan.zero_axes else 0,
@@ -297,6 +309,11 @@ def reduction_bytes(plan: Plan) -> int:
 
 
 # --- communication --------------------------------------------------------------------
+
+
+def in_mesh_order(axes) -> list[str]:
+    """Mesh axes in the order of the mesh (as a compiled program's groups name them)."""
+    return sorted(axes, key=AXES.index)
 
 
 def _add(table: dict, kind: str, axes, nbytes: float) -> None:
@@ -362,14 +379,14 @@ def param_traffic(plan: Plan, remat: bool = False, tied_head: bool = True, combi
             size = p.gathered_bytes // shards(p.param, sizes, skip=in_param)
             # (a norm's scale: the norm's backward runs it again, `nn.recomputed`; its bias it does not read)
             again = p.stacked_kernel or (p.names[:1] == ("layers",) and (remat or p.path.endswith("norm/scale")))
-            _add(out, "all-gather", sorted(in_param), size * (2 if again else 1))
+            _add(out, "all-gather", in_mesh_order(in_param), size * (2 if again else 1))
             scattered = p.scattered_bytes // shards(p.param, sizes, skip=in_param)
-            _add(out, "reduce-scatter", sorted(in_param), scattered * (2 if tied else 1))
+            _add(out, "reduce-scatter", in_mesh_order(in_param), scattered * (2 if tied else 1))
             if p.fp8:  # its e4m3 shards share one scale, the max of theirs: a float32 all-reduce a layer
                 layers = p.shape[0] if p.names[:1] == ("layers",) else 1
-                _add(out, "all-reduce", sorted(in_param), 4 * layers * scale_reductions)
+                _add(out, "all-reduce", in_mesh_order(in_param), 4 * layers * scale_reductions)
         elif shards(p.opt, sizes) > shards(p.param, sizes):
-            axes = sorted({a for axes in p.opt for a in axes} - {a for axes in p.param for a in axes})
+            axes = in_mesh_order({a for axes in p.opt for a in axes} - {a for axes in p.param for a in axes})
             _add(out, "all-gather", axes, p.bytes // shards(p.param, sizes))
             _add(out, "reduce-scatter", axes, p.reduce_bytes // shards(p.param, sizes) * (2 if tied else 1))
         on_every_stage = stage_axis and not any(stage_axis in axes for axes in p.param)
@@ -467,24 +484,30 @@ def tensor_traffic(config: DecoderConfig, params, rows: int, seq: int, layers_ru
 def context_traffic(config: DecoderConfig, rows: int, seq: int, layers_run: int, context: tuple[str, ...],
                     sizes: dict[str, int], tensor: int, context_attention: str) -> dict:
     """{(kind, context axes): bytes} of context parallelism's attention for `rows` sequences of
-    `seq` tokens split n ways, through `layers_run` layers (`jshard.nn.ring_attention`).
+    `seq` tokens split n ways, through `layers_run` layers (`jshard.nn.context_attention`).
 
     With B = one device's keys (or values): rows · seq/n · kv_heads/tensor · head_dim in the
     compute dtype, the ring sends K and V on n-1 times forward and n-1 times backward, and their
     gradients, in fp32, n times (home again); "gather" all-gathers K and V (n·B each) and
-    reduce-scatters their gradients. Under remat the forward runs again in backward: the
-    gathers once more; the ring's output and log-sum-exp are its backward's residuals, and XLA
-    runs its sends once (measured). (A stack of one layer, whose scan XLA unrolls, sends K and V
-    n-1 times in all: XLA merges the backward's sends with the forward's; not modelled.)"""
+    reduce-scatters their gradients; "a2a" all-to-alls Q, K, V and the output forward (K and V
+    with their heads repeated as often as n needs), and their gradients backward, each one
+    device's share. Under remat the forward runs again in backward: the gathers and
+    all-to-alls once more; the ring's output and log-sum-exp are its backward's residuals, and
+    XLA runs its sends once (measured). (A stack of one layer, whose scan XLA unrolls, sends K
+    and V n-1 times in all: XLA merges the backward's sends with the forward's; not modelled.)"""
     if not context:
         return {}
     n = shards((context,), sizes)
-    kv_heads = getattr(config, "kv_heads", config.heads)
-    block = rows * (seq // n) * kv_heads // tensor * config.head_dim  # elements of one device's K (or V)
+    kv_heads = getattr(config, "kv_heads", config.heads) // tensor
+    block = rows * (seq // n) * kv_heads * config.head_dim  # elements of one device's K (or V)
     itemsize = jnp.dtype(config.dtype).itemsize
+    forwards = 2 if config.remat != "none" else 1
     out: dict = {}
-    if context_attention == "gather":
-        forwards = 2 if config.remat != "none" else 1
+    if context_attention == "a2a":
+        queries = rows * (seq // n) * config.heads // tensor * config.head_dim
+        shares = 2 * queries + 2 * block * (n // math.gcd(kv_heads, n))  # Q, output; K, V repeated
+        _add(out, "all-to-all", context, layers_run * (forwards + 1) * shares * itemsize)
+    elif context_attention == "gather":
         _add(out, "all-gather", context, layers_run * forwards * 2 * n * block * itemsize)
         _add(out, "reduce-scatter", context, layers_run * 2 * n * block * itemsize)
     else:
@@ -597,8 +620,10 @@ def traffic(config: DecoderConfig, plan: Plan, rows: int, seq: int, platform: st
     for key, nbytes in expert_traffic(config, params, rows, seq, layers_run, tuple(a for a in batch_axes if sizes[a] > 1),
                                       plan.expert_axes, tensor, sp, ring).items():
         _add(comm, *key, nbytes)
-    # The mean loss: over the context axes (the loss's own mean), the batch axes, then the stages.
-    for axes in context, (a for a in batch_axes if sizes[a] > 1), (stage_axis,) if stage_axis else ():
+    # The mean loss: over the context axes (the loss's own mean, each micro-batch's), the batch
+    # axes, then the stages.
+    _add(comm, "all-reduce", context, 4 * accum)
+    for axes in (a for a in batch_axes if sizes[a] > 1), (stage_axis,) if stage_axis else ():
         _add(comm, "all-reduce", tuple(axes), 4)
     return comm
 
@@ -787,7 +812,10 @@ def estimate(plan: PlanInput) -> dict:
     except ValueError as e:  # cudnn asked of a profile or dtype it cannot run on
         raise ShardingError(f"DecoderConfig.attention {config.attention}: {e}") from None
     flash = attention == "cudnn"
-    if cp > 1:  # attention is jshard's own, not the model's kernel: the ring keeps no scores (each
+    if cp > 1 and rules.context_attention == "a2a":
+        check_all_to_all_heads(config.heads // tensor, cp, context)
+    if cp > 1 and rules.context_attention != "a2a":  # attention is jshard's own, not the model's kernel
+        # (all-to-all CP runs the model's, on its share of the heads): the ring keeps no scores (each
         # block's are recomputed in its backward); "gather" keeps each local query's scores over
         # the whole sequence, as XLA's kernel does.
         attention, flash = f"{rules.context_attention} (context parallel)", rules.context_attention == "ring"
@@ -821,6 +849,9 @@ def estimate(plan: PlanInput) -> dict:
         recomputed = backward_working_bytes(config, tensor, sp, flash, act)
         memory["activations"] = int(rows * local_seq * (config.layers * per_token_layer + recomputed + logits))
         in_flight, trade = 1, None
+    if not flash:  # one layer's scores in backward (each local query's over the whole sequence) beyond the freed logits
+        scores = act.score_backward * rows * config.heads // tensor * local_seq * config.seq_len
+        memory["activations"] += max(0, int(scores - rows * local_seq * logits))
     if cp > 1 and rules.context_attention == "ring":
         # The ring's working set, one tile of queries of one block at a time: over the largest
         # block (its own, local_seq keys), scores, probabilities and their two gradients in fp32,
@@ -885,8 +916,10 @@ def estimate(plan: PlanInput) -> dict:
     t_pp = t_of(lambda k, a: a == stage_axis)
     t_cp = t_of(lambda k, a: a == "+".join(context) and k != "all-reduce") if cp > 1 else 0.0
     # ZeRO-3's lookup of the token table (`lookup_axes`): the other all-to-all, over the ZeRO axes
-    t_lookup = t_of(lambda k, a: k == "all-to-all" and set(a.split("+")) <= zero) if rules.zero == 3 else 0.0
-    t_ep = t_of(lambda k, a: k == "all-to-all") - t_lookup
+    t_lookup = t_of(lambda k, a: k == "all-to-all" and set(a.split("+")) <= zero and a != "+".join(context)
+                    ) if rules.zero == 3 else 0.0
+    # All-to-all CP's (`context_attention` "a2a"), like EP's, on the critical path: attention waits for its heads
+    t_ep = t_of(lambda k, a: k == "all-to-all" and a != "+".join(context)) - t_lookup
     bubble = schedule.bubble_fraction_of_step if schedule else 0.0
     ratios = {
         "dp": t_dp / (t_compute * 2 / 3) if t_dp else None,  # the gradient all-reduce hides behind backward
@@ -1052,6 +1085,8 @@ def calls(kind: str, axes: str, nbytes: float, step: Plan, layers: int, passes: 
     group = set(axes.split("+"))
     if kind == "all-reduce" and nbytes < 4096:  # scalars, each its own call: the loss, FP8 scales
         return max(1, int(nbytes // 4))
+    if kind == "all-to-all" and group == set(step.context_axes):  # q, k, v and the output's: forward, backward
+        return max(1, 8 * layers * passes)
     if kind == "all-to-all" and step.rules.zero == 3 and group <= set(step.zero_axes):  # the lookup's: forward, backward
         return 2 * passes
     if group == set(step.tensor_axes) or group == set(step.context_axes) or kind == "all-to-all":
@@ -1152,7 +1187,8 @@ def report(est: dict) -> str:
                      f"routed (the experts' FLOPs ×{moe['slots_per_token'] / moe['top_k']:.3g}); {where} "
                      f"({format_bytes(moe['expert_param_bytes_per_device'], 2)} of expert params)")
     lines.append("memory per device")
-    for key in ("params", "grads", "master", "optimizer", "gathered", "chunk_weights", "activations", "reduction", "batch"):
+    for key in ("params", "grads", "master", "optimizer", "accumulated", "gathered", "chunk_weights", "activations",
+                "reduction", "batch"):
         if mem.get(key):
             lines.append(f"  {key:<14}{format_bytes(mem[key], 2):>12}")
         if key == "optimizer":

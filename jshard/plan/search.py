@@ -3,7 +3,9 @@
 For a model, a device count, a hardware profile and the rows a step trains on (the global batch,
 fixed: it is the optimizer's choice, not the layout's), `layouts` enumerates
 
-    strategy families (`FAMILIES`: data, ZeRO-1/3, with or without TP / SP and a pipeline)
+    strategy families (`FAMILIES`: data, ZeRO-1/3, with or without TP / SP and a pipeline; for
+      rows of `LONG_CONTEXT` tokens or more, also ZeRO-3 with each context-parallel variant,
+      `CONTEXT_FAMILIES`)
     × every way to factor the devices over the family's mesh axes (each axis at least 2)
     × remat (none, selective, full) × rows per micro-batch (powers of two)
     × for a pipeline, the schedule (1F1B, interleaved, ZB-H1), its micro-batches filling the
@@ -11,7 +13,8 @@ fixed: it is the optimizer's choice, not the layout's), `layouts` enumerates
 
 pruned by what a step refuses (TP over more GPUs than a node, or not dividing the heads; more
 stages than layers, uneven splits placed as the step places them; a pipeline with fewer
-micro-batches than stages), then `estimate`s each
+micro-batches than stages; a sequence that the context axis does not cut, or all-to-all CP
+over more devices than each one's heads), then `estimate`s each
 and keeps those that fit in memory. The ranking is by predicted step time (the tokens are the
 same for every layout); each row says what bounds it (`bottleneck`).
 """
@@ -26,10 +29,17 @@ from jshard.layout import Layout
 from jshard.mesh import default_mesh
 from jshard.plan.estimate import Hardware, PlanInput, estimate
 from jshard.placement import format_bytes
-from jshard.rules import ShardingError, preset
+from jshard.rules import CONTEXT_PRESETS, ShardingError, preset
 
 FAMILIES = tuple(base + tensor + pipe for base in ("dp", "zero1", "fsdp", "dp+zero1", "dp+fsdp")
                  for tensor in ("", "+tp", "+sp") for pipe in ("", "+pp"))
+# Context parallelism for long rows: ZeRO-3 (its shards over the context axis too), alone or with
+# data parallelism and SP, by each variant: ring, all-gathered K/V, all-to-all (docs/strategies.md).
+CONTEXT_FAMILIES = tuple(f"{base}{tensor}+{cp}" for base in ("fsdp", "dp+fsdp") for tensor in ("", "+sp")
+                         for cp in CONTEXT_PRESETS)
+# From how many tokens a row the search tries them: Llama 3 trained its long-context stage with CP
+# (and its 8k stage without); below this a row's activations rarely set a step's memory.
+LONG_CONTEXT = 16384
 REMAT = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "interleaved", "zb-h1")
 
@@ -63,14 +73,19 @@ def factorizations(devices: int, axes: tuple[str, ...]) -> list[dict[str, int]]:
     return out
 
 
-def _refusal(config, sizes: dict[str, int], hw: Hardware) -> str | None:
-    tensor, stages = sizes.get("tensor", 1), sizes.get("stage", 1)
+def _refusal(config, sizes: dict[str, int], hw: Hardware, family: str = "") -> str | None:
+    tensor, stages, context = sizes.get("tensor", 1), sizes.get("stage", 1), sizes.get("context", 1)
     if tensor > hw.gpus_per_node:
         return f"tensor={tensor} spans nodes ({hw.gpus_per_node} GPUs a node)"
     if config.heads % tensor or getattr(config, "kv_heads", config.heads) % tensor:
         return f"tensor={tensor} does not divide the heads"
     if config.layers < stages:
         return f"stage={stages} is more than the {config.layers} layers"
+    a2a = family.endswith("cp-a2a")
+    if config.seq_len % (context * (1 if a2a else 2)) or config.seq_len % (context * tensor):
+        return f"context={context} does not cut the sequence into equal chunks"
+    if a2a and (config.heads // tensor) % context:
+        return f"context={context} does not divide each device's {config.heads // tensor} heads"
     return None
 
 
@@ -79,11 +94,13 @@ def layouts(config, devices: int, hw: Hardware, batch_size: int, precision: str 
     """Every layout to estimate (module docstring), before memory is known; each at `precision`
     (a `jshard.precision` name) with gradients reduced in `reduce` (None: the precision's)."""
     out = []
+    if config.seq_len >= LONG_CONTEXT and families is FAMILIES:
+        families = FAMILIES + CONTEXT_FAMILIES
     for family in families:
         axes = tuple(default_mesh(preset(family), devices))
         # (one device: the one layout, unsplit, as plain data parallelism)
         for sizes in factorizations(devices, axes) if devices > 1 else [{}] * (family == "dp"):
-            if _refusal(config, sizes, hw):
+            if _refusal(config, sizes, hw, family):
                 continue
             shards = sizes.get("data", 1) * sizes.get("fsdp", 1)
             if batch_size % shards:

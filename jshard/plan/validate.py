@@ -152,11 +152,11 @@ def compiled_pipeline_permute_bytes(schedule, config: DecoderConfig, rows: int, 
 
 def validate_one(strategy: str, microbatches, schedule, remat: str, mesh: str = "example", precision: str = "fp32",
                  stage_remat: str | None = None, rows: int = 2, devices=None, model=VALIDATION_MODEL,
-                 hardware: str = "cpu") -> dict:
+                 hardware: str = "cpu", grad_accum: int = 1) -> dict:
     """One VALIDATION case on `devices` (default: all): the strategy's example mesh with its
     outermost axis taking the rest, or its default mesh; `model` a GPT's or a Llama's config,
     under `precision` (`jshard.precision`), planned for `hardware` (a `HARDWARE` profile: the
-    devices' kind). The step is built abstractly, so `devices` may be a GPU target's with no GPU
+    devices' kind), accumulating `grad_accum` micro-batches of `rows` rows a data shard. The step is built abstractly, so `devices` may be a GPU target's with no GPU
     here (`jshard.aot.target_devices`): then XLA's GPU compiler compiles it.
 
     Collective bytes are counted in the program's dtypes (`hlo.collectives`). Memory: the
@@ -172,7 +172,7 @@ def validate_one(strategy: str, microbatches, schedule, remat: str, mesh: str = 
     shape = example_mesh(strategy, len(devices)) if mesh == "example" else default_mesh(rules, len(devices))
     mesh = make_mesh(devices, **shape)
     layout = Layout.of(rules, mesh, schedule=schedule, microbatches=microbatches, micro_batch_size=rows,
-                       precision=policy, stage_remat=stage_remat)
+                       precision=policy, stage_remat=stage_remat, grad_accum=grad_accum)
     est = estimate(PlanInput(config, layout, HARDWARE[hardware]))
     step = build_step(nnx.eval_shape(lambda: decoder(config, nnx.Rngs(0))), optax.adamw(1e-3), gpt_loss, layout, mesh,
                       abstract=True)
