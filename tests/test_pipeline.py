@@ -66,7 +66,7 @@ CASES = [("gpt", schedule, *case) for schedule in SCHEDULES for case in PIPELINE
     # context parallelism inside the stages (all-gathered K/V or all-to-all heads: a ring's sends cannot run in
     # one stage's tick)
     ("llama", "zb-h1", "dp+cp-gather+pp", dict(data=2, context=2, stage=2), 2),
-    ("llama", "1f1b", "dp+cp-a2a+pp", dict(data=2, context=2, stage=2), 2)]
+    ("llama", "gpipe", "dp+cp-a2a+pp", dict(data=2, context=2, stage=2), 2)]
 
 
 @pytest.mark.parametrize("model, schedule, preset, sizes, microbatches", CASES,

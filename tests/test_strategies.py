@@ -30,7 +30,7 @@ PLANS = STRATEGIES + [("dp+zero1+tp", dict(data=2, fsdp=2, tensor=2)), ("dp+zero
                       ("fsdp+cp+sp", dict(fsdp=2, context=2, tensor=2)),
                       ("zero2+cp-gather", dict(fsdp=2, context=4)),
                       # all-to-all attention (its ZeRO-3 over fsdp and context, with SP)
-                      ("dp+cp-a2a", dict(data=2, context=4)), ("fsdp+cp-a2a+sp", dict(fsdp=2, context=2, tensor=2)),
+                      ("fsdp+cp-a2a+sp", dict(fsdp=2, context=2, tensor=2)),
                       # collective matmuls with ZeRO-3 and context parallelism (dp+tp+sp-overlap: an example mesh)
                       ("fsdp+cp+sp-overlap", dict(fsdp=2, context=2, tensor=2))]
 # Expert parallelism over 8, 4 (the example meshes) and 2, with DP, ZeRO-2/3, TP and SP; and a
@@ -60,8 +60,7 @@ def reference(model_name: str) -> OneDeviceRun:
 # tensor, ZeRO-3's gathers, sequence parallelism; rotary positions of context parallelism's chunks;
 # zero3's lookup of its untied token table without gathering it (`nn.Embed`: the GPT's is its head).
 # (fsdp+tp is left out: dp+fsdp+tp+sp runs its branches, ZeRO-3 gathering grouped heads.)
-LLAMA_PLANS = ("dp+tp", "zero3", "dp+fsdp+tp+sp", "dp+zero2+sp", "cp", "dp+cp+tp", "fsdp+cp+sp", "dp+tp+sp-overlap",
-               "dp+cp-a2a")
+LLAMA_PLANS = ("dp+tp", "zero3", "dp+fsdp+tp+sp", "dp+zero2+sp", "cp", "dp+cp+tp", "fsdp+cp+sp", "dp+tp+sp-overlap")
 # The GPT and MLP cases left out: their step and gradients run no jshard branch that the kept
 # cases do not (coverage of their lowering), so their compiles would check nothing new.
 LEFT_OUT = {
@@ -69,7 +68,6 @@ LEFT_OUT = {
     ("mlp", "dp+tp+sp"), ("mlp", "dp+tp+sp-overlap"), ("mlp", "dp+fsdp+tp+sp"),
     ("gpt", "fsdp+tp"),  # dp+fsdp+tp-gpt runs its branches
     ("gpt", "dp+fsdp"),  # dp+fsdp+tp-gpt runs its branches, but for the loss over a whole vocab: zero3-gpt's
-    ("gpt", "dp+cp-a2a"),  # the Llama's runs it with grouped heads; the GPT's fsdp+cp-a2a+sp the rest
 }
 # The MLP has no sequence to split (context parallelism refuses it: test_context.py).
 CASES = [(model, preset, sizes) for model in MODELS if model != "moe" for preset, sizes in PLANS
@@ -83,8 +81,7 @@ FAST = {("gpt", "dp", "data=8"), ("gpt", "zero1", "fsdp=8"), ("gpt", "zero2", "f
 # Context parallelism's cases whose compiled collectives are also counted (test_context.py's check:
 # the planner's bytes, the ring's by hand), on the step compiled here anyway.
 BYTES_COUNTED = {("gpt", "cp", "context=8"), ("llama", "dp+cp+tp", "data=2,context=2,tensor=2"),
-                 ("gpt", "fsdp+cp+sp", "fsdp=2,context=2,tensor=2"), ("llama", "dp+cp-a2a", "data=2,context=4"),
-                 ("gpt", "fsdp+cp-a2a+sp", "fsdp=2,context=2,tensor=2")}
+                 ("gpt", "fsdp+cp+sp", "fsdp=2,context=2,tensor=2"), ("gpt", "fsdp+cp-a2a+sp", "fsdp=2,context=2,tensor=2")}
 
 
 def case(model, preset, sizes):

@@ -482,13 +482,14 @@ def tensor_traffic(config: DecoderConfig, params, rows: int, seq: int, layers_ru
 
 
 def context_traffic(config: DecoderConfig, rows: int, seq: int, layers_run: int, context: tuple[str, ...],
-                    sizes: dict[str, int], tensor: int, context_attention: str) -> dict:
+                    sizes: dict[str, int], tensor: int, context_attention: str, platform: str = "cpu") -> dict:
     """{(kind, context axes): bytes} of context parallelism's attention for `rows` sequences of
     `seq` tokens split n ways, through `layers_run` layers (`jshard.nn.context_attention`).
 
     With B = one device's keys (or values): rows · seq/n · kv_heads/tensor · head_dim in the
     compute dtype, the ring sends K and V on n-1 times forward and n-1 times backward, and their
-    gradients, in fp32, n times (home again); "gather" all-gathers K and V (n·B each) and
+    gradients, in fp32, n times (home again; XLA:GPU sends the last in the compute dtype, moving
+    the cast that follows it before it); "gather" all-gathers K and V (n·B each) and
     reduce-scatters their gradients; "a2a" all-to-alls Q, K, V and the output forward (K and V
     with their heads repeated as often as n needs), and their gradients backward, each one
     device's share. Under remat the forward runs again in backward: the gathers and
@@ -511,7 +512,8 @@ def context_traffic(config: DecoderConfig, rows: int, seq: int, layers_run: int,
         _add(out, "all-gather", context, layers_run * forwards * 2 * n * block * itemsize)
         _add(out, "reduce-scatter", context, layers_run * 2 * n * block * itemsize)
     else:
-        sends = 2 * block * (2 * (n - 1) * itemsize + n * 4)
+        home = itemsize if platform == "gpu" else 4  # the gradients' last send
+        sends = 2 * block * (2 * (n - 1) * itemsize + (n - 1) * 4 + home)
         _add(out, "collective-permute", context, layers_run * sends)
     return out
 
@@ -613,7 +615,7 @@ def traffic(config: DecoderConfig, plan: Plan, rows: int, seq: int, platform: st
                                       folded, ring).items():
         _add(comm, *key, nbytes)
     for key, nbytes in context_traffic(config, rows, seq, layers_run, context, sizes, shards((tensor,), sizes),
-                                       plan.rules.context_attention).items():
+                                       plan.rules.context_attention, platform).items():
         _add(comm, *key, nbytes)
     for key, nbytes in lookup_traffic(config, plan, lookup, rows * local_seq).items():
         _add(comm, *key, nbytes)
