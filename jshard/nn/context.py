@@ -42,11 +42,13 @@ def context_axes() -> tuple[str, ...]:
     return active_rules().context_axes(jax.sharding.get_abstract_mesh())
 
 
-def check_context_length(length: int, n: int) -> None:
-    """Context parallelism over n devices cuts each sequence into 2n equal chunks."""
-    if n > 1 and length % (2 * n):
-        raise ShardingError(f"context parallelism over {n} devices cuts a sequence into {2 * n} equal chunks; "
-                            f"{length} tokens do not divide by {2 * n}. Fix: a seq-len that is a multiple of {2 * n}.")
+def check_context_length(length: int, n: int, chunks: int | None = None) -> None:
+    """Context parallelism over n devices cuts each sequence into `chunks` equal chunks (2n,
+    load-balanced, unless given)."""
+    chunks = chunks or 2 * n
+    if n > 1 and length % chunks:
+        raise ShardingError(f"context parallelism over {n} devices cuts a sequence into {chunks} equal chunks; "
+                            f"{length} tokens do not divide by {chunks}. Fix: a seq-len that is a multiple of {chunks}.")
 
 
 def held_order(length: int, n: int) -> jax.Array:
@@ -55,9 +57,7 @@ def held_order(length: int, n: int) -> jax.Array:
     under all-to-all attention."""
     if active_rules().context_attention != "a2a":
         return balanced_order(length, n)
-    if length % n:
-        raise ShardingError(f"context parallelism over {n} devices cuts a sequence into {n} equal chunks; "
-                            f"{length} tokens do not divide by {n}. Fix: a seq-len that is a multiple of {n}.")
+    check_context_length(length, n, chunks=n)
     return jnp.arange(length)
 
 
