@@ -8,7 +8,7 @@ cp = 1, 2, 4, 8 devices on the `context` axis: ring attention (`cp`) and all-gat
 values (`cp-gather`); cp = 1 is one device without context parallelism (XLA's attention).
 Per device it prints the compiled step's temporaries (`compiled.memory_analysis()`: the
 activations kept for backward, attention scores, gradients and work buffers), their ratio to
-one device's next to 1/cp, the planner's activations (`jshard.plan`), and the bytes the
+one device's next to 1/cp, the planner's activations (`jshard.planner`), and the bytes the
 attention's collectives move (the ring's collective-permutes; the gather's all-gathers and
 reduce-scatters) next to the planner's formula.
 """
@@ -24,7 +24,8 @@ import optax
 from flax import nnx
 
 import jshard
-from jshard import hlo, plan
+from jshard import hlo
+from jshard import planner
 from jshard.models import GPTConfig, decoder, gpt_loss
 
 jshard.mesh.use_fake_cpu_devices_unless_accelerated(8)
@@ -41,7 +42,7 @@ def measure(preset: str, cp: int, config: GPTConfig) -> dict:
     moved = sum(c.bytes * c.count for c in hlo.collectives(compiled.as_text(), lowered.as_text())
                 if c.kind in ATTENTION_KINDS)
     sizes = jshard.mesh.mesh_shape(mesh)
-    est = plan.estimate(plan.PlanInput(config, jshard.Layout.of(preset, sizes), plan.HARDWARE["cpu"]))
+    est = planner.estimate(planner.PlanInput(config, jshard.Layout.of(preset, sizes), planner.HARDWARE["cpu"]))
     predicted = sum(r["bytes"] for r in est["collectives"] if r["kind"] in ATTENTION_KINDS)
     return dict(preset=preset, cp=cp, temp=compiled.memory_analysis().temp_size_in_bytes,
                 planned_activations=est["memory_bytes_per_device"]["activations"], bytes=moved, planned_bytes=predicted)

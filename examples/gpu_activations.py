@@ -24,7 +24,7 @@ from flax import nnx
 import jshard
 from jshard import aot
 from jshard.models import GPTConfig, decoder, gpt_loss
-from jshard.plan.estimate import ACTIVATIONS, activation_bytes_per_token_layer
+from jshard.planner.estimate import ACTIVATIONS, activation_bytes_per_token_layer
 
 # (strategy, mesh, rows per data shard -> global rows): one data-parallel, one tensor-parallel
 STRATEGIES = (("dp", dict(data=8)), ("dp+tp", dict(tensor=8)), ("dp+tp+sp", dict(tensor=8)))

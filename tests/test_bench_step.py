@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from jshard import mesh
-from jshard.bench import step as bench_step
+from jshard.bench import step_time
 from jshard.cli import main
 from jshard.bench.plain import plain_from, plain_loss
 from jshard.models import GPT, GPT_SIZES, SIZES, decoder, gpt_loss
@@ -31,7 +31,7 @@ def _bench(tmp_path, *flags) -> dict:
 
 def test_json_on_one_cpu_device(tmp_path, capsys):
     result = _bench(tmp_path)
-    assert list(result) == list(bench_step.JSON_KEYS)
+    assert list(result) == list(step_time.JSON_KEYS)
     assert result["device"] == "1 x cpu"
     params = nnx.state(GPT(GPT_SIZES["tiny"], rngs=nnx.Rngs(0)), nnx.Param)
     assert result["model_params"] == sum(x.size for x in nnx.to_flat_state(params).leaves)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jshard
-import jshard.bench.collectives
+import jshard.bench.collective_bandwidth
 import jshard.cli
 from jshard import collectives as C
 from seed import SEED, case_rng
@@ -310,7 +310,7 @@ def test_bench_collectives(tmp_path, capsys):
     ("cpu", "cpu", None),
 ])
 def test_link_peak(platform, kind, peak):
-    assert jshard.bench.collectives._link_peak(SimpleNamespace(platform=platform, device_kind=kind), process_count=1) == peak
+    assert jshard.bench.collective_bandwidth._link_peak(SimpleNamespace(platform=platform, device_kind=kind), process_count=1) == peak
 
 
 def test_bench_rejects_bad_input_before_timing(capsys):

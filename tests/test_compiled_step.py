@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import jshard
-from jshard.checkpoint import Checkpoints
+from jshard.app.checkpoint import Checkpoints
 from jshard.models import GPT, GPTConfig, gpt_loss
 from jshard.parallel import CompiledStep, TrainState, build_step
 from flax_models import CNN, classification_loss, image_batches

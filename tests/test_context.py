@@ -95,10 +95,10 @@ def test_all_to_all_repeats_grouped_kv_heads_that_context_does_not_divide():
 def test_planner_memory_under_all_to_all_and_full_remat():
     """`jshard plan --validate`'s check on the all-to-all's row: memory within 10% of the
     compiler's, bytes exact (the GPT at seq 64, 8 rows a data shard, on the default mesh)."""
-    from jshard import plan
+    from jshard import planner
 
-    r = plan.validate_one("dp+cp-a2a", None, None, "full", "default", "fp32", None, 8, model=plan.VALIDATION_MODELS["gpt"])
-    assert r["comm_predicted"] == r["comm_compiled"] and abs(r["memory_rel_err"]) <= plan.MEMORY_TOLERANCE, r
+    r = planner.validate_one("dp+cp-a2a", None, None, "full", "default", "fp32", None, 8, model=planner.VALIDATION_MODELS["gpt"])
+    assert r["comm_predicted"] == r["comm_compiled"] and abs(r["memory_rel_err"]) <= planner.MEMORY_TOLERANCE, r
 
 
 @pytest.mark.parametrize("preset, sizes, message", [

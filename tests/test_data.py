@@ -13,11 +13,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import jshard
-from jshard import data, documents, tokenizer
+from jshard.app import data, documents, tokenizer
 from jshard.cli import main
 from jshard.models import GPT, GPT_SIZES, gpt_loss
 from jshard.parallel import build_step
-from jshard.train import TrainConfig, train
+from jshard.app.training import TrainConfig, train
 
 RUN = dict(model="tiny", batch_size=8, seq_len=32, strategy="dp", mesh="data=8")
 CLI = ["train", "--model", "tiny", "--steps", "2", "--batch-size", "8", "--seq-len", "32", "--strategy", "dp",

@@ -22,10 +22,11 @@ import jax
 import numpy as np
 import pytest
 
-from jshard import data, distributed
+from jshard import distributed
+from jshard.app import data
 from jshard.cli import main
 from jshard.distributed import DistributedError, initialize, launch
-from jshard.train import TrainConfig, train
+from jshard.app.training import TrainConfig, train
 
 LAUNCH = [sys.executable, "-m", "jshard.cli", "launch"]
 TINY = dict(model="tiny", batch_size=8, seq_len=32, strategy="dp+fsdp+tp", mesh="data=2,fsdp=2,tensor=2")

@@ -53,7 +53,7 @@ def test_the_docs_show_transcripts_of_the_checked_commands():
 @pytest.mark.parametrize("where, command, shown", TRANSCRIPTS, ids=[t[0] for t in TRANSCRIPTS])
 def test_a_transcript_is_the_commands_output(where, command, shown, capsys):
     if "--validate" in command:
-        pytest.skip("the validation compiles every row (minutes): its figures are test_plan.py's")
+        pytest.skip("the validation compiles every row (minutes): its figures are test_planner.py's")
     code = main(shlex.split(command)[1:])
     captured = capsys.readouterr()
     out = (captured.out + captured.err).rstrip("\n").splitlines()

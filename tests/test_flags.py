@@ -1,5 +1,5 @@
 """The flags every sub-command shares (`jshard.cli.flags`) and the meshes commands choose when
-given none (`mesh.default_mesh`, `plan.validate.example_mesh`)."""
+given none (`mesh.default_mesh`, `planner.validate.example_mesh`)."""
 
 import argparse
 import json
@@ -7,14 +7,15 @@ import json
 import jax
 import pytest
 
-from jshard import aot, plan
+from jshard import aot
+from jshard import planner
 from jshard.bench.strategies import strategies
 from jshard.cli import build_parser, main
 from jshard.cli.plan import plan_input
 from jshard.mesh import default_mesh, mesh_shape
-from jshard.plan.validate import EXAMPLE_MESHES, example_mesh
+from jshard.planner.validate import EXAMPLE_MESHES, example_mesh
 from jshard.rules import ShardingError, preset
-from jshard.train import TrainConfig, set_up
+from jshard.app.training import TrainConfig, set_up
 
 
 def subcommands(parser, prefix=()):
@@ -159,14 +160,14 @@ def test_plan_says_which_of_its_defaults_differ_from_trains(capsys):
 def test_plan_remat_selective_lies_between_none_and_full():
     def activations(remat):
         args = build_parser().parse_args(["plan", "--model", "gpt-125m", "--remat", remat])
-        return plan.estimate(plan_input(args))["memory_bytes_per_device"]["activations"]
+        return planner.estimate(plan_input(args))["memory_bytes_per_device"]["activations"]
 
     assert activations("full") < activations("selective") < activations("none")
 
 
 def test_validation_runs_on_fewer_devices():
-    r = plan.validate_one("dp+tp", None, None, "none", devices=jax.devices()[:4])
-    assert r["mesh"] == "tensor=4" and plan.within_tolerance(r), r
+    r = planner.validate_one("dp+tp", None, None, "none", devices=jax.devices()[:4])
+    assert r["mesh"] == "tensor=4" and planner.within_tolerance(r), r
 
 
 def test_bench_strategies_reads_presets_and_meshes():

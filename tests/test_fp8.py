@@ -22,11 +22,11 @@ from flax import nnx
 from jax import lax
 
 import jshard
-from jshard import plan
+from jshard import planner
 from jshard.models import GPT_SIZES, LlamaConfig, decoder, gpt_loss
 from jshard.nn import fp8
 from jshard.parallel import build_step, make_plan
-from jshard.plan.validate import example_mesh
+from jshard.planner.validate import example_mesh
 from jshard.rules import ShardingError
 import decoders
 import test_precision
@@ -163,10 +163,10 @@ def test_zero3_gathers_the_projections_in_half_the_bytes_of_mixed():
 def test_the_planner_counts_e4m3_gathers_and_their_scales():
     """ZeRO-3 under fp8: the projections' gathers in e4m3 (the rest bf16), their gradients'
     reduce-scatters in bf16 as under mixed, and one f32 scale a projection a layer all-reduced
-    (on a CPU). That these are the compiled program's bytes: `tests/test_plan.py`'s fp8 rows."""
-    config = plan.VALIDATION_MODELS["gpt"]
+    (on a CPU). That these are the compiled program's bytes: `tests/test_planner.py`'s fp8 rows."""
+    config = planner.VALIDATION_MODELS["gpt"]
     layouts = {name: jshard.Layout.of("zero3", dict(fsdp=8), precision=name, micro_batch_size=2) for name in ("mixed", "fp8")}
-    comm = {name: plan.estimate(plan.PlanInput(config, layouts[name], plan.HARDWARE["cpu"]))["comm_bytes_per_step"]
+    comm = {name: planner.estimate(planner.PlanInput(config, layouts[name], planner.HARDWARE["cpu"]))["comm_bytes_per_step"]
             for name in ("mixed", "fp8")}
     projections = 4 * config.layers * config.embed * config.embed + 2 * config.layers * config.embed * config.mlp
     assert comm["mixed"]["all-gather"] - comm["fp8"]["all-gather"] == 2 * projections  # 2 gathers, a byte less each
@@ -176,7 +176,7 @@ def test_the_planner_counts_e4m3_gathers_and_their_scales():
 
 def test_fp8_step_time_counts_the_projections_at_the_fp8_peak():
     config = GPT_SIZES["gpt-1b"]
-    times = {name: plan.estimate(plan.PlanInput(config, jshard.Layout.of("dp", dict(data=8), precision=name),
+    times = {name: planner.estimate(planner.PlanInput(config, jshard.Layout.of("dp", dict(data=8), precision=name),
                                                 batch_size=32))
              for name in ("mixed", "fp8")}
     assert times["fp8"]["compute_s"] < times["mixed"]["compute_s"] < 2 * times["fp8"]["compute_s"]
@@ -184,8 +184,8 @@ def test_fp8_step_time_counts_the_projections_at_the_fp8_peak():
 
 def test_fp8_is_refused_where_it_cannot_run():
     with pytest.raises(ShardingError, match="a100 has no FP8"):
-        plan.estimate(plan.PlanInput(GPT_SIZES["gpt-1b"], jshard.Layout.of("dp", dict(data=8), precision="fp8"),
-                                     plan.HARDWARE["a100"]))
+        planner.estimate(planner.PlanInput(GPT_SIZES["gpt-1b"], jshard.Layout.of("dp", dict(data=8), precision="fp8"),
+                                     planner.HARDWARE["a100"]))
     model = nnx.eval_shape(lambda: decoders.make("gpt", SEED))
     with pytest.raises(ShardingError, match="sp-overlap.*no FP8 form"):
         make_plan(model, jshard.Layout.of("dp+tp+sp-overlap", dict(data=2, tensor=4), precision="fp8"))

@@ -17,10 +17,10 @@ import pytest
 from flax import nnx
 
 import jshard
-from jshard import tokenizer as tokenizers
-from jshard.checkpoint import Checkpoints
+from jshard.app import tokenizer as tokenizers
+from jshard.app.checkpoint import Checkpoints
 from jshard.cli import main
-from jshard.generate import GenerateConfig, generate, load_model, set_up
+from jshard.app.generation import GenerateConfig, generate, load_model, set_up
 from jshard.models import SIZES
 
 PROMPT = "ROMEO: What"

@@ -23,8 +23,8 @@ from jshard import aot
 from jshard.cli import main
 from jshard.models import GPTConfig, decoder, gpt_loss
 from jshard.parallel import make_plan
-from jshard.plan.estimate import ACTIVATIONS, HARDWARE, PlanInput, activation_bytes_per_token_layer, estimate
-from jshard.plan.validate import (MEMORY_TOLERANCE, VALIDATION_MODELS, example_mesh, validate_one,
+from jshard.planner.estimate import ACTIVATIONS, HARDWARE, PlanInput, activation_bytes_per_token_layer, estimate
+from jshard.planner.validate import (MEMORY_TOLERANCE, VALIDATION_MODELS, example_mesh, validate_one,
                                   validation_models)
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

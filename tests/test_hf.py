@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out (`jshard.hf`), held to transformers' own numbers.
+"""Hugging Face checkpoints in and out (`jshard.app.hf`), held to transformers' own numbers.
 
 The references are transformers' (PyTorch, fp32) on tiny random models of each family, saved
 with `save_pretrained` beside the logits, loss and greedy tokens it gave (`tests/hf/`, made by
@@ -21,11 +21,11 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 import jshard
-from jshard import hf
-from jshard.generate import GenerateConfig, Sampling, generate, run_generation
+from jshard.app import hf
+from jshard.app.generation import GenerateConfig, Sampling, generate, run_generation
 from jshard.models import decoder, gpt_loss
 from jshard.parallel import build_step
-from jshard.train import TrainConfig, TrainError, set_up, train
+from jshard.app.training import TrainConfig, TrainError, set_up, train
 from parity import OPTIMIZER
 
 HERE = os.path.join(os.path.dirname(__file__), "hf")
@@ -248,7 +248,7 @@ def test_hf_missing_and_extra_tensors_are_named(tmp_path):
 def test_hf_commands_refuse_bad_input_in_one_line(tmp_path):
     with pytest.raises(TrainError, match="--init-from .* gives the model and its tokenizer; --layers"):
         train(TrainConfig(init_from=fixture("llama"), layers=4))
-    from jshard.generate import GenerateError
+    from jshard.app.generation import GenerateError
     with pytest.raises(GenerateError, match="one of them"):
         run_generation(GenerateConfig(checkpoint_dir=None, prompt="x"))
     cli = subprocess.run([sys.executable, "-m", "jshard.cli", "export", "--checkpoint-dir", str(tmp_path), "--to",
@@ -365,16 +365,16 @@ def test_hf_gpt2_vocabulary_trains_under_tp_and_exports_unpadded(tmp_path, capsy
     assert abs(result.losses[0] - expected) <= 1e-5 * expected, (result.losses[0], expected)
     resumed = train(dataclasses.replace(config, strategy="dp", mesh="data=8", steps=3, resume=True))
     assert len(resumed.losses) == 1 and np.isfinite(resumed.losses[0])
-    with pytest.raises(jshard.generate.GenerateError, match=r"no tokenizer.json, and its vocab of 50257 is not bytes' "
+    with pytest.raises(jshard.app.generation.GenerateError, match=r"no tokenizer.json, and its vocab of 50257 is not bytes' "
                                                              r"256: .* Fix: put the model's tokenizer.json in "):
         run_generation(GenerateConfig(None, "ab", init_from=directory))  # (the fixture has none)
     shutil.copyfile(os.path.join(fixture("gpt2"), hf.TOKENIZER), os.path.join(directory, hf.TOKENIZER))
     # (a tokenizer of 320 ids reads the prompt): generate's model, imported under tp, is padded as train's
-    generating = jshard.generate.set_up(GenerateConfig(None, "ab", init_from=directory, strategy="dp+tp",
+    generating = jshard.app.generation.set_up(GenerateConfig(None, "ab", init_from=directory, strategy="dp+tp",
                                                        mesh="data=2,tensor=4", num_samples=2))
     assert (generating.model.vocab_rows, generating.abstract.token_embed.embedding.shape[0]) == (GPT2_TABLE,) * 2
     # tp's default mesh over 8 devices splits 4 heads 8 ways: generate takes the 4 devices that split them
-    generating = jshard.generate.set_up(GenerateConfig(None, "ab", init_from=directory, strategy="tp"))
+    generating = jshard.app.generation.set_up(GenerateConfig(None, "ab", init_from=directory, strategy="tp"))
     assert generating.mesh.devices.size == 4 and generating.model.vocab_rows == GPT2_TABLE
     exported = str(tmp_path / "exported")
     hf.export_checkpoint(str(tmp_path / "ck"), exported)

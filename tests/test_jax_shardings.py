@@ -20,7 +20,7 @@ from flax import nnx
 import jshard
 from flax_models import (AUTHOR_AXES, ZOO, ConstrainedLM, author_mesh, explicit_sharding_lm, next_token_loss,
                          token_batches)
-from jshard.checkpoint import Checkpoints
+from jshard.app.checkpoint import Checkpoints
 from jshard.parallel import build_step
 from jshard.rules import ShardingError
 from parity import OPTIMIZER, assert_trains_like_one_device, train_on_one_device

@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 import jshard
-from jshard import aot, plan
+from jshard import aot
+from jshard import planner
 from jshard.cli import flags
 from jshard.layout import Layout, LayoutError
 from jshard.models import gpt_loss
@@ -135,11 +136,11 @@ def test_compile_step_refuses_a_mesh_that_is_not_the_targets():
 
 def test_the_planners_remat_is_the_layouts():
     config = decoders.CONFIGS["llama"]
-    by_layout = plan.estimate(plan.PlanInput(config, Layout.of("fsdp", dict(fsdp=8), remat="full")))
-    by_model = plan.estimate(plan.PlanInput(config.__class__(**{**vars(config), "remat": "full"}),
+    by_layout = planner.estimate(planner.PlanInput(config, Layout.of("fsdp", dict(fsdp=8), remat="full")))
+    by_model = planner.estimate(planner.PlanInput(config.__class__(**{**vars(config), "remat": "full"}),
                                             Layout.of("fsdp", dict(fsdp=8))))
     assert by_layout["memory_bytes_per_device"] == by_model["memory_bytes_per_device"]
-    assert by_layout["memory_bytes_per_device"] != plan.estimate(plan.PlanInput(
+    assert by_layout["memory_bytes_per_device"] != planner.estimate(planner.PlanInput(
         config, Layout.of("fsdp", dict(fsdp=8), remat="none")))["memory_bytes_per_device"]
 
 

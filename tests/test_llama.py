@@ -11,16 +11,16 @@ import pytest
 from flax import nnx
 
 import jshard
-from jshard import plan as plan_module
+from jshard import planner
 from jshard.cli import build_parser, main
 from jshard.cli.plan import plan_input
 from jshard.models import LLAMA_SIZES, Llama, LlamaConfig, gpt_loss
-from jshard.plan.estimate import ACTIVATIONS
+from jshard.planner.estimate import ACTIVATIONS
 from jshard.models.llama import rotary
 from jshard.nn import attention_implementation
 from jshard.parallel import build_step
 from jshard.rules import ShardingError
-from jshard.train import TrainConfig, train
+from jshard.app.training import TrainConfig, train
 
 
 @pytest.mark.parametrize("name, published", [
@@ -118,7 +118,7 @@ def test_the_plan_follows_the_kernel():
     def plan_of(*flags):
         args = build_parser().parse_args(["plan", "--model", "llama-3.1-8b", "--strategy", "fsdp", "--mesh", "fsdp=8",
                                           *flags])
-        return plan_module.estimate(plan_input(args))
+        return planner.estimate(plan_input(args))
 
     flash, xla = plan_of("--precision", "bf16"), plan_of("--precision", "bf16", "--attention", "xla")
     assert (flash["attention"], xla["attention"]) == ("cudnn", "xla")

@@ -16,7 +16,8 @@ import pytest
 from flax import nnx
 
 import jshard
-from jshard import moe, nn, plan
+from jshard import moe, nn
+from jshard import planner
 from jshard.models import SIZES, decoder, gpt_loss
 from jshard.parallel import build_step
 from jshard.rules import ShardingError
@@ -95,7 +96,7 @@ def test_router_stats():
 # -- expert parallelism, counted ---------------------------------------------------------------
 
 
-# ep, dp+ep under full remat and fsdp+ep are left out: test_plan.py's MoE rows compile those steps (moe-tiny,
+# ep, dp+ep under full remat and fsdp+ep are left out: test_planner.py's MoE rows compile those steps (moe-tiny,
 # the same meshes and rows) and hold their bytes to the planner's; these rows still count the buffers by hand
 # (4 per layer without remat, 6 with).
 @pytest.mark.parametrize("preset, sizes, remat, moe_every", [
@@ -107,13 +108,13 @@ def test_router_stats():
 def test_collective_bytes_are_the_planners(preset, sizes, remat, moe_every):
     """Every collective of the compiled step, by kind: all-to-alls of the dispatch buffer (4 per
     MoE layer, 6 under remat), the load's all-reduce, and what MoE changes of ZeRO's and TP's,
-    equal the planner's formulas (`plan.traffic`)."""
+    equal the planner's formulas (`planner.traffic`)."""
     config = dataclasses.replace(SIZES["moe-tiny"], remat=remat, layers=2 * moe_every, moe_every=moe_every)
     batch = np.random.default_rng(SEED).integers(0, config.vocab, (16, config.seq_len + 1))
     step = build_step(decoder(config, nnx.Rngs(0)), OPTIMIZER, gpt_loss, jshard.Layout.of(preset, sizes))
     counted = collective_bytes(step, batch)
     planned = {}
-    for (kind, _), nbytes in plan.traffic(config, step.plan, 16 // step.data_shards, config.seq_len).items():
+    for (kind, _), nbytes in planner.traffic(config, step.plan, 16 // step.data_shards, config.seq_len).items():
         planned[kind] = planned.get(kind, 0) + nbytes
     assert counted == planned
     rows, slots = 16 // step.data_shards, moe.capacity(config.seq_len, config.experts, config.top_k, config.capacity_factor)

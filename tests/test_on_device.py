@@ -17,7 +17,7 @@ from flax import nnx
 
 import jshard
 from jshard.bench.plain import plain_from
-from jshard.bench.step import compiled_for_device, plain_step
+from jshard.bench.step_time import compiled_for_device, plain_step
 from jshard.models import GPTConfig, LlamaConfig, decoder, gpt_loss
 from jshard.parallel import build_step
 from jshard.precision import precision as precision_policy

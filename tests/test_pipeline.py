@@ -13,8 +13,8 @@ import jshard
 from jshard import hlo
 from jshard.models import DeepMLP, MLPConfig, gpt_loss, mlp_loss
 from jshard.parallel import build_step
-from jshard.parallel import pipeline
-from jshard.parallel.pipeline import compile_program
+from jshard.parallel import pipelining
+from jshard.parallel.pipelining import compile_program
 from jshard.parallel.schedules import SCHEDULES, ScheduleError, make_schedule
 import decoders
 from parity import (OPTIMIZER, TOLERANCE, assert_gradients_close, assert_trains_like_one_device, assert_trees_close,
@@ -109,7 +109,7 @@ def test_uneven_stages_train_like_one_device(layers, stages, schedule, virtual):
     assert sum(p.elements for p in step.plan.params) == sum(x.size for x in jax.tree.leaves(nnx.state(make())))
     state = assert_trains_like_one_device(step, train_on_one_device(make(), OPTIMIZER, mlp_loss, [uneven_batch(stages)] * 2),
                                           f"{layers} layers on {stages} stages, {schedule}")
-    slots = pipeline.held_slots(step.plan.stage_layers, stages, step.schedule.virtual)
+    slots = pipelining.held_slots(step.plan.stage_layers, stages, step.schedule.virtual)
     held = [x for x in jax.tree.leaves((state.params, state.opt_state)) if np.ndim(x) and x.shape[0] == len(slots)]
     assert held and all(not np.asarray(x)[slots < 0].any() for x in held)
     portable = step.to_model_order(state)  # what a checkpoint holds
@@ -124,7 +124,7 @@ def test_uneven_stages_skip_their_padding():
     (4 and 3 on 2 stages, each holding 4 rows), counted from the program's conditionals."""
     step, state = uneven_step(7, 2, "1f1b", None)
     text = step.lower(state, step.shard_batch(uneven_batch(2))).compile().as_text()
-    flops = pipeline.matmul_flops(step.schedule, text, step.stage_remat, step.plan.stage_layers)
+    flops = pipelining.matmul_flops(step.schedule, text, step.stage_remat, step.plan.stage_layers)
     assert step.plan.stage_layers == (4, 3) and step.plan.layer_slots == 4
     assert flops[0] / flops[1] == pytest.approx(4 / 3, rel=1e-9)
 
@@ -154,7 +154,7 @@ def _flops(step, batch):
     text = step.lower(step.state, step.shard_batch(batch)).compile().as_text()
     if step.schedule is None:
         return hlo.matmul_flops(text)
-    return float(np.mean(pipeline.matmul_flops(step.schedule, text, step.stage_remat)))
+    return float(np.mean(pipelining.matmul_flops(step.schedule, text, step.stage_remat)))
 
 
 def test_flops_of_every_schedule():

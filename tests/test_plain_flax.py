@@ -14,7 +14,7 @@ from flax import nnx
 import jshard
 from flax_models import (CNN, MLP, MODELS, StackedTransformer, Transformer, classification_loss, image_batches, mse_loss,
                          next_token_loss, regression_batches, stacked_loss, token_batches)
-from jshard.checkpoint import Checkpoints
+from jshard.app.checkpoint import Checkpoints
 from jshard.parallel import build_step
 from meshes import EXPERT_STRATEGIES, STRATEGIES
 from parity import (SGD_MOMENTUM, TOLERANCE, assert_trains_like_one_device, assert_trees_close, relative_error, train,

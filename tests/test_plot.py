@@ -9,13 +9,13 @@ import json
 import matplotlib.image
 import pytest
 
-from jshard import plan
+from jshard import planner
 from jshard.cli import build_parser, main
 from jshard.parallel.schedules import make_schedule
 from jshard.cli import show
 from jshard.cli.plan import plan_input
 from jshard.cli.show import draw_png
-from jshard.plot import DPI, PlotError, metrics_png, read_metrics
+from jshard.app.curves import DPI, PlotError, metrics_png, read_metrics
 
 PNG_HEADER = b"\x89PNG\r\n\x1a\n"
 
@@ -193,7 +193,7 @@ PLANS = {  # a pipeline (a bar per --stage-remat, this plan the second), ZeRO-3 
 
 def planned(argv: list[str]) -> dict:
     """The planner's estimate for `jshard plan ARGV`, through its own API."""
-    return plan.estimate(plan_input(build_parser().parse_args(["plan", *argv])))
+    return planner.estimate(plan_input(build_parser().parse_args(["plan", *argv])))
 
 
 def with_stage_remat(argv: list[str], mode: str) -> list[str]:
@@ -208,11 +208,11 @@ def test_plan_png_bars_are_the_planners_memory(tmp_path, name):
     argv = PLANS[name]
     est = planned(argv)
     out = tmp_path / "plan.png"
-    figure = plan.memory_png(est, str(out))
-    width, height = figure.get_size_inches() * plan.PNG_DPI
+    figure = planner.memory_png(est, str(out))
+    width, height = figure.get_size_inches() * planner.PNG_DPI
     assert_png_of(out, width, height)
     axes = figure.axes[0]
-    unit = dict(plan.UNITS)[axes.get_xlabel().split("(")[1].rstrip(")")]
+    unit = dict(planner.UNITS)[axes.get_xlabel().split("(")[1].rstrip(")")]
     segments = {bars.get_label(): [patch.get_width() * unit for patch in bars.patches] for bars in axes.containers}
     # Each bar is one of the planner's estimates: the plan, or under a pipeline the plan under each --stage-remat.
     modes = list(est["stage_remat_trade"] or [None])

@@ -17,7 +17,8 @@ import pytest
 from flax import nnx
 
 import jshard
-from jshard import hlo, plan
+from jshard import hlo
+from jshard import planner
 from jshard.mesh import STANDARD_AXES
 from jshard.models import DeepMLP, GPTConfig, MLPConfig, decoder, gpt_loss, mlp_loss
 from jshard.parallel import build_step
@@ -169,7 +170,7 @@ FIGURE_1_GB = {"dp": 120, "zero1": 31.4, "zero2": 16.6, "zero3": 1.9}
 @pytest.mark.parametrize("strategy", FIGURE_1_GB)
 def test_planner_reproduces_zero_figure_1(strategy):
     sizes = {a: 1 for a in STANDARD_AXES} | ({"data": 64} if strategy == "dp" else {"fsdp": 64})
-    est = plan.estimate(plan.PlanInput(FIGURE_1_MODEL, jshard.Layout.of(strategy, sizes, precision="mixed")))
+    est = planner.estimate(planner.PlanInput(FIGURE_1_MODEL, jshard.Layout.of(strategy, sizes, precision="mixed")))
     assert abs(est["model_state_bytes"] / 1e9 / FIGURE_1_GB[strategy] - 1) <= 0.10, est["memory_bytes_per_device"]
 
 

@@ -11,13 +11,13 @@ import pytest
 
 from jshard import aot
 from jshard.bench import fit, kernels
-from jshard.bench import search as bench_search
+from jshard.bench import ranking
 from jshard.cli import main
 from jshard.cli.bench import measured_plans
-from jshard.config import model_config
+from jshard.app.config import model_config
 from jshard.layout import Layout, LayoutError
-from jshard.plan import physics, search
-from jshard.plan.estimate import (ELEMENTWISE_LAYER_BYTES, ELEMENTWISE_LOGIT_BYTES, HARDWARE, PlanInput, estimate,
+from jshard.planner import physics, search
+from jshard.planner.estimate import (ELEMENTWISE_LAYER_BYTES, ELEMENTWISE_LOGIT_BYTES, HARDWARE, PlanInput, estimate,
                                   scheduled_step_seconds)
 from jshard.precision import precision
 
@@ -268,7 +268,7 @@ def test_cpu_host_constants_are_the_fit_of_the_measured_gpt_search():
     """The CPU profile's matmul efficiency, `tick_s` and `call_s`: fitted to `jshard bench search`
     of the small GPT (timed in rounds, docs/results), as committed (to their printed digits)."""
     result = json.loads((RESULTS / "bench-search-small-8cpu-jax0.12.0.1-2026-11-27-rounds-1.json").read_text())
-    plans = bench_search.plans_of(result, HARDWARE["cpu"])
+    plans = ranking.plans_of(result, HARDWARE["cpu"])
     fitted = fit.fit_host(plans, np.array([r["measured_s"] for r in result["rows"]]))
     cpu = HARDWARE["cpu"]
     assert [round(fitted["matmul_efficiency"], 3), round(fitted["tick_s"], 5), round(fitted["call_s"], 7)] == [
@@ -279,9 +279,9 @@ def test_cpu_host_constants_are_the_fit_of_the_measured_gpt_search():
 def test_spearman_gives_tied_values_their_mean_rank():
     """Ties share the mean of their ranks (the textbook form): [1, 2, 2, 3] ranks 0, 1.5, 1.5, 3,
     so against [4, 3, 2, 1] the correlation is -0.9487 whichever order the tie came in."""
-    assert list(bench_search.ranks([1.0, 2.0, 2.0, 3.0])) == [0.0, 1.5, 1.5, 3.0]
+    assert list(ranking.ranks([1.0, 2.0, 2.0, 3.0])) == [0.0, 1.5, 1.5, 3.0]
     for b in ([4, 3, 2, 1], [4, 2, 3, 1]):
-        assert math.isclose(bench_search.spearman([1.0, 2.0, 2.0, 3.0], b), -3 / math.sqrt(10), rel_tol=1e-12)
+        assert math.isclose(ranking.spearman([1.0, 2.0, 2.0, 3.0], b), -3 / math.sqrt(10), rel_tol=1e-12)
 
 
 @pytest.mark.parametrize("name, model, least", [
@@ -293,9 +293,9 @@ def test_the_cpu_profile_ranks_measured_layouts_it_was_not_fitted_on(name, model
     """Spearman of the planner's step times against measured ones, on runs the constants were not
     fitted to (recorded: a test of the model, not of this host's speed today)."""
     result = json.loads((RESULTS / name).read_text())
-    predicted = [estimate(p)["predicted_step_s"] for p in bench_search.plans_of(result, HARDWARE["cpu"])]
+    predicted = [estimate(p)["predicted_step_s"] for p in ranking.plans_of(result, HARDWARE["cpu"])]
     assert result["model"]["kind"] == ("Llama" if "llama" in model else "GPT")
-    assert bench_search.spearman(predicted, [r["measured_s"] for r in result["rows"]]) >= least
+    assert ranking.spearman(predicted, [r["measured_s"] for r in result["rows"]]) >= least
 
 
 @pytest.mark.gpu_compile

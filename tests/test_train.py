@@ -25,8 +25,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import jshard
-from jshard import data, optim
-from jshard.checkpoint import Checkpoints
+from jshard.app import data, optim
+from jshard.app.checkpoint import Checkpoints
 from jshard.cli import build_parser, main
 from jshard.cli.train import config_from_args
 from jshard import metrics
@@ -35,7 +35,7 @@ from jshard.models import GPT, gpt_loss
 from jshard.parallel import build_step
 from jshard.placement import specs
 from jshard.models import GPT_SIZES
-from jshard.train import TrainConfig, train
+from jshard.app.training import TrainConfig, train
 
 STEPS = 5
 EVAL_EVERY = 2  # and at the end: steps 2, 4, 5
@@ -199,7 +199,7 @@ def test_mixed_checkpoint_holds_the_fp32_master_and_moves_between_precisions(tmp
     ("grad_reduce", "fp8", "unknown --grad-reduce 'fp8'; choose one of fp32, bf16"),
 ])
 def test_bad_precision_in_a_config_is_refused(field, value, message):
-    from jshard.train import TrainError
+    from jshard.app.training import TrainError
 
     with pytest.raises(TrainError, match=message):
         run(**{field: value})

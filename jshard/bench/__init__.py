@@ -4,6 +4,6 @@ Each module measures and prints its rows; `jshard.cli.bench` registers the sub-c
 calls them with what the flags say.
 """
 
-from jshard.bench import collectives, pipeline, step, strategies
+from jshard.bench import collective_bandwidth, schedule_costs, step_time, strategies
 
-__all__ = ["collectives", "pipeline", "step", "strategies"]
+__all__ = ["collective_bandwidth", "schedule_costs", "step_time", "strategies"]

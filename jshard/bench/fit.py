@@ -15,7 +15,7 @@ import dataclasses
 
 import numpy as np
 
-from jshard.plan.estimate import PlanInput, estimate
+from jshard.planner.estimate import PlanInput, estimate
 
 FIELDS = ("elementwise_layer_bytes", "elementwise_logit_bytes")
 

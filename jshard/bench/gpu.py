@@ -6,7 +6,7 @@ For each case (model × precision × attention kernel, `CASES`):
                   GPU (`deviceless_program`: what `jshard compile --target <kind>x1` compiles, in
                   a process of its own with JAX on the CPU): memory per device, kernels by
                   kind, attention's kernel, and `jshard plan`'s predicted step time
-  2. on device    `bench.step.measure`: jshard's step against the plain Flax NNX + optax step,
+  2. on device    `bench.step_time.measure`: jshard's step against the plain Flax NNX + optax step,
                   timed in alternation; MFU against the datasheet and a measured matmul; both
                   programs as this device compiled them
   3. side by side deviceless memory / device memory, kernels and attention's kernel; measured
@@ -35,12 +35,12 @@ import optax
 from flax import nnx
 
 from jshard import aot
-from jshard.bench import step, trace
-from jshard.config import model_config
+from jshard.bench import step_time, trace
+from jshard.app.config import model_config
 from jshard.layout import Layout
 from jshard.mesh import use_gpu_xla_flags
 from jshard.models import decoder, gpt_loss
-from jshard.plan.estimate import HARDWARE, PlanInput, estimate
+from jshard.planner.estimate import HARDWARE, PlanInput, estimate
 from jshard.precision import precision as precision_policy
 
 SEQ = 2048
@@ -178,7 +178,7 @@ def run(out: str, dry: bool = False, cases=None, repeats: int = 10, profile: str
         traced = profile == case_name(case) or (profile == "first" and i == 0)
         trace_dir = str(out_dir / "profile") if traced else None
         try:
-            measured = step.measure({"data": 1}, "dp", model, config, seq, rows_of(case), precision_policy(precision),
+            measured = step_time.measure({"data": 1}, "dp", model, config, seq, rows_of(case), precision_policy(precision),
                                     repeats, trace_dir)
         except Exception as e:  # one case's failure (out of memory, say) must not lose the others
             foreseen = deviceless[case_name(case)].get("compiled", {}).get("memory")
@@ -186,7 +186,7 @@ def run(out: str, dry: bool = False, cases=None, repeats: int = 10, profile: str
                              deviceless_memory=foreseen))
             print(f"# {case_name(case)}: FAILED: {done[-1]['error']}", flush=True)
             continue
-        row = dict(case=case_name(case), **{k: measured[k] for k in step.JSON_KEYS}, seq=seq, batch=rows_of(case))
+        row = dict(case=case_name(case), **{k: measured[k] for k in step_time.JSON_KEYS}, seq=seq, batch=rows_of(case))
         row |= side_by_side(measured, deviceless[case_name(case)])
         if trace_dir:
             row["profile"] = trace.summarize(trace_dir)

@@ -159,7 +159,7 @@ def report(result: dict) -> str:
 
 
 def constants(result: dict, source: str) -> dict:
-    """What the planner reads of a run (`jshard/plan/measured/<kind>.json`, `plan.physics`): each
+    """What the planner reads of a run (`jshard/planner/measured/<kind>.json`, `plan.physics`): each
     GEMM's TFLOP/s by dtype and shape, the copy's GB/s, a kernel's and a loop iteration's seconds."""
     gemms = {d: [[g["m"], g["n"], g["k"], round(g["tflops"], 3)] for g in sorted(result["gemms"], key=lambda g: (g["m"], g["n"], g["k"]))
                  if g["dtype"] == d] for d in sorted({g["dtype"] for g in result["gemms"]})}

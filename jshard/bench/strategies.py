@@ -5,7 +5,7 @@ accelerator is present), one GPT training step (AdamW) gives one row:
 
     comm_bytes         collectives compiled into the explicit step (HLO), K bytes per device, in
                        the program's dtypes (XLA:CPU widens bf16 collectives to f32: `jshard.hlo`)
-    textbook_bytes     what the planner's formulas say the strategy moves (`jshard.plan.traffic`; under
+    textbook_bytes     what the planner's formulas say the strategy moves (`jshard.planner.traffic`; under
                        --grad-accum N what runs per micro-batch N times: ZeRO-2/3's gradient
                        reduce-scatters, ZeRO-3's gathers, activations' collectives)
     memory_bytes_per_device  compiled.memory_analysis(): arguments + outputs - donated + temporaries
@@ -34,14 +34,15 @@ import optax
 from flax import nnx
 
 import jshard
-from jshard import hlo, plan
+from jshard import hlo
+from jshard import planner
 from jshard.layout import Layout
 from jshard.mesh import format_mesh, mesh_shape, parse_axis_sizes
 from jshard.metrics import median_step_seconds
 from jshard.models import DecoderConfig, decoder, gpt_loss
 from jshard.parallel import ShardedStep, build_step
 from jshard.precision import Precision
-from jshard.plan.validate import EXAMPLE_MESHES, example_mesh
+from jshard.planner.validate import EXAMPLE_MESHES, example_mesh
 
 COLUMNS = ("strategy", "mesh", "comm_bytes", "textbook_bytes", "comm_ratio", "memory_bytes_per_device",
            "textbook_memory_bytes", "parity_rel_err", "xla_comm_bytes", "xla_parity_rel_err", "step_s",
@@ -49,16 +50,16 @@ COLUMNS = ("strategy", "mesh", "comm_bytes", "textbook_bytes", "comm_ratio", "me
 
 
 def textbook_bytes(step: ShardedStep, config: DecoderConfig, batch_shape) -> int:
-    """Bytes per device per step that the planner's formulas give for this step (`jshard.plan.traffic`)."""
-    accum = step.plan.grad_accum  # what runs per micro-batch moves `accum` times (`plan.traffic`)
+    """Bytes per device per step that the planner's formulas give for this step (`jshard.planner.traffic`)."""
+    accum = step.plan.grad_accum  # what runs per micro-batch moves `accum` times (`planner.traffic`)
     local_rows = batch_shape[0] // step.data_shards // accum
-    comm = plan.traffic(config, step.plan, local_rows, batch_shape[1] - 1, accum=accum)
+    comm = planner.traffic(config, step.plan, local_rows, batch_shape[1] - 1, accum=accum)
     return sum(comm.values())
 
 
 def textbook_memory(step: ShardedStep, config: DecoderConfig) -> int:
-    """The planner's training state per device (`jshard.plan.state_bytes`): no activations."""
-    return sum(plan.state_bytes(step.plan, config.layers).values())
+    """The planner's training state per device (`jshard.planner.state_bytes`): no activations."""
+    return sum(planner.state_bytes(step.plan, config.layers).values())
 
 
 def comm_bytes(lowered) -> int:

@@ -1,6 +1,6 @@
 """Where a profiled step's time went on the device: `jax.profiler`'s trace, summed.
 
-`bench.step` traces `PROFILE_STEPS` steps of jshard's step, then as many of the plain one,
+`bench.step_time` traces `PROFILE_STEPS` steps of jshard's step, then as many of the plain one,
 each waited for and annotated (`jshard step`, `plain step`). This reads the Perfetto trace
 that writes (`*.trace.json.gz`): every device kernel is given to the step whose annotation
 holds its start, and put in one kind by its name (KINDS, first match). Per step:

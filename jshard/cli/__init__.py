@@ -33,17 +33,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from jshard.aot import CompileError
     from jshard.cli import flags
-    from jshard.checkpoint import CheckpointError
+    from jshard.app.checkpoint import CheckpointError
     from jshard.collectives import CollectiveError
-    from jshard.config import FlagError
+    from jshard.app.config import FlagError
     from jshard.distributed import DistributedError, initialize, leave, needs_supervisor, supervise
-    from jshard.generate import GenerateError
-    from jshard.hf import HFError
+    from jshard.app.generation import GenerateError
+    from jshard.app.hf import HFError
     from jshard.mesh import MeshError
     from jshard.parallel.schedules import ScheduleError
-    from jshard.plot import PlotError
+    from jshard.app.curves import PlotError
     from jshard.rules import ShardingError
-    from jshard.train import TrainError
+    from jshard.app.training import TrainError
 
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)

@@ -12,14 +12,13 @@ import jax
 import numpy as np
 
 import jshard
-from jshard.bench import collectives, fit, gpu, kernels, pipeline, step, strategies
-from jshard.bench import search as bench_search
+from jshard.bench import collective_bandwidth, fit, gpu, kernels, ranking, schedule_costs, step_time, strategies
 from jshard.cli import flags
-from jshard.config import FlagError, model_config, write_json
+from jshard.app.config import FlagError, model_config, write_json
 from jshard.mesh import (fake_device_count, mesh_sizes, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags,
                          xla_flags_line)
 from jshard.metrics import PROFILE_STEPS
-from jshard.plan.estimate import HARDWARE, hardware_of
+from jshard.planner.estimate import HARDWARE, hardware_of
 from jshard.parallel.schedules import SCHEDULES
 
 
@@ -43,14 +42,14 @@ def add_collectives(benches) -> None:
     parser = benches.add_parser(
         "collectives",
         help="algbw / busbw of each collective over a mesh axis (nccl-tests conventions)",
-        description=inspect.cleandoc(collectives.run_collectives.__doc__),
+        description=inspect.cleandoc(collective_bandwidth.run_collectives.__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = parser.add_argument
     flags.add_mesh(parser, shown="every device on one axis")
     add("--axis", help="mesh axis to run over, or several joined by commas (one group); default: the axes --mesh names")
-    add("--ops", type=_ops, default=tuple(collectives.COLLECTIVES),
-        help=f"comma-separated, from {','.join(collectives.COLLECTIVES)} (default all)")
+    add("--ops", type=_ops, default=tuple(collective_bandwidth.COLLECTIVES),
+        help=f"comma-separated, from {','.join(collective_bandwidth.COLLECTIVES)} (default all)")
     add("--sizes", type=_sizes,
         help="comma-separated sizes S in bytes, suffixes K, M, G (powers of 1024); replaces the sweep")
     add("--min-bytes", type=_size, default="1K", help="sweep start (default 1K)")
@@ -77,18 +76,18 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 def _ops(text: str) -> tuple[str, ...]:
     ops = tuple(part.strip() for part in text.split(",") if part.strip())
-    unknown = [op for op in ops if op not in collectives.COLLECTIVES]
+    unknown = [op for op in ops if op not in collective_bandwidth.COLLECTIVES]
     if unknown or not ops:
         raise argparse.ArgumentTypeError(
-            f"unknown op(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(collectives.COLLECTIVES)}"
+            f"unknown op(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(collective_bandwidth.COLLECTIVES)}"
         )
     return ops
 
 
 def run_collectives(args) -> int:
     use_fake_cpu_devices_unless_accelerated(fake_device_count(args.fake_devices, flags.FAKE_DEVICES))
-    sizes = args.sizes or collectives.sweep(args.min_bytes, args.max_bytes, args.factor)
-    result = collectives.run_collectives(args.mesh, args.axis, args.ops, sizes, args.dtype, args.warmup, args.repeats)
+    sizes = args.sizes or collective_bandwidth.sweep(args.min_bytes, args.max_bytes, args.factor)
+    result = collective_bandwidth.run_collectives(args.mesh, args.axis, args.ops, sizes, args.dtype, args.warmup, args.repeats)
     write_json(args.json, result)
     return 0
 
@@ -134,7 +133,7 @@ def add_pipeline(benches) -> None:
 def run_pipeline(args) -> int:
     use_fake_cpu_devices_unless_accelerated(fake_device_count(args.fake_devices, flags.FAKE_DEVICES))
     config = flags.built_model(args, "small", {"layers": 8, "seq_len": 64})  # 8 layers: 4 stages of 2 chunks
-    rows = pipeline.run_schedules(config, args.mesh, list(filter(None, args.schedules.split(","))), args.microbatches,
+    rows = schedule_costs.run_schedules(config, args.mesh, list(filter(None, args.schedules.split(","))), args.microbatches,
                                   args.virtual, args.stage_remat, args.batch_size, args.repeats)
     write_json(args.json, rows)
     return 0
@@ -160,8 +159,8 @@ def add_step(benches) -> None:
 
 
 def _platform_defaults(args, platform: str):
-    """(model name, config, seq, batch, precision) from the flags, `bench.step.DEFAULTS[platform]` where not given."""
-    model, batch, precision = step.DEFAULTS["cpu" if platform == "cpu" else "gpu"]
+    """(model name, config, seq, batch, precision) from the flags, `bench.step_time.DEFAULTS[platform]` where not given."""
+    model, batch, precision = step_time.DEFAULTS["cpu" if platform == "cpu" else "gpu"]
     policy = flags.precision_of(args, precision)
     config = model_config(args.model or model, flags.model_overrides(args))
     seq = args.seq_len or config.seq_len
@@ -182,10 +181,10 @@ def run_step(args) -> int:
     if -1 not in sizes.values() and math.prod(sizes.values()) > 1:
         use_fake_cpu_devices_unless_accelerated(math.prod(sizes.values()))
     xla_flags = xla_flags_line() + (f" ({len(added)} of them jshard's)" if added else "")
-    result = step.measure(sizes, args.strategy, *_platform_defaults(args, jax.devices()[0].platform), args.repeats,
+    result = step_time.measure(sizes, args.strategy, *_platform_defaults(args, jax.devices()[0].platform), args.repeats,
                           args.profile, args.grad_accum)
-    print(step.report(result, xla_flags))
-    write_json(args.json, {key: result[key] for key in step.JSON_KEYS})
+    print(step_time.report(result, xla_flags))
+    write_json(args.json, {key: result[key] for key in step_time.JSON_KEYS})
     return 0
 
 
@@ -304,7 +303,7 @@ def run_fit(args) -> int:
         raise FlagError(f"{args.runs}: not a results file ({type(e).__name__}: {e}). Fix: give a bench step or bench "
                         "search results file, e.g. docs/results/bench-step-h100-jax0.11.2-2026-11-27.json") from None
     if isinstance(result, dict) and "rows" in result:  # a `bench search` result: the CPU profile's host constants
-        plans = bench_search.plans_of(result, HARDWARE[result["profile"]])
+        plans = ranking.plans_of(result, HARDWARE[result["profile"]])
         fitted = fit.fit_host(plans, np.array([r["measured_s"] for r in result["rows"]]))
         print(f"# fitted over {len(plans)} layouts of {args.runs}: "
               + ", ".join(f"{k} = {v:.3g}" for k, v in fitted.items()))
@@ -318,7 +317,7 @@ def run_fit(args) -> int:
 
 def add_search(benches) -> None:
     parser = benches.add_parser("search", help="the planner's ranking of layouts against the same layouts measured",
-                                description=inspect.cleandoc(bench_search.__doc__),
+                                description=inspect.cleandoc(ranking.__doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     flags.add_model(parser, "small", seq_len_help="tokens per row, and the model's longest (default: the model's)")
@@ -342,7 +341,7 @@ def run_search(args) -> int:
         raise FlagError(f"the planner has no profile of a {jax.devices()[0].device_kind}: nothing to rank against")
     config = flags.built_model(args, "small")
     flags.precision_of(args)  # (its one line, for a reduction without a precision)
-    result = bench_search.run(config, hw, args.batch_size, args.precision, args.grad_reduce, args.count, args.repeats,
+    result = ranking.run(config, hw, args.batch_size, args.precision, args.grad_reduce, args.count, args.repeats,
                               args.rounds)
     write_json(args.json, result)
     return 0

@@ -11,11 +11,11 @@ from flax import nnx
 from jshard import aot
 from jshard.cli import flags
 from jshard.cli.plan import auto_layout, plan_input
-from jshard.config import FlagError, write_json
+from jshard.app.config import FlagError, write_json
 from jshard.mesh import use_gpu_xla_flags, xla_flags_line
 from jshard.models import decoder, gpt_loss
-from jshard.plan.estimate import HARDWARE, estimate, report, scheduled_step_seconds
-from jshard.train import AUTO
+from jshard.planner.estimate import HARDWARE, estimate, report, scheduled_step_seconds
+from jshard.app.training import AUTO
 
 
 def add_parser(commands) -> None:

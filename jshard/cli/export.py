@@ -1,11 +1,11 @@
-"""`jshard export`: a `jshard train` checkpoint as a Hugging Face model directory (`jshard.hf`)."""
+"""`jshard export`: a `jshard train` checkpoint as a Hugging Face model directory (`jshard.app.hf`)."""
 
 from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
 
-from jshard import hf
+from jshard.app import hf
 from jshard.mesh import use_fake_cpu_devices_unless_accelerated
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}

@@ -18,7 +18,7 @@ A command's defaults differ only where its job does (`bench step` times one devi
 default, so that its ratio is pure overhead); each says so in its help.
 
 What a flag's value means below the command line lives in the library, which `TrainConfig`
-and `GenerateConfig` reach without it: `jshard.config` (`model_config`, `MODEL_FIELDS`,
+and `GenerateConfig` reach without it: `jshard.app.config` (`model_config`, `MODEL_FIELDS`,
 `write_json`, `FlagError`) and `jshard.mesh` (`mesh_sizes`, `default_mesh`).
 """
 
@@ -28,12 +28,12 @@ import argparse
 import functools
 import re
 
-from jshard.config import MODEL_FIELDS, FlagError, model_config
+from jshard.app.config import MODEL_FIELDS, FlagError, model_config
 from jshard.layout import KEYS, Layout, LayoutError
 from jshard.models import SIZES
 from jshard.models.stack import REMAT_POLICIES
 from jshard.nn import ATTENTION
-from jshard.parallel.pipeline import STAGE_REMAT
+from jshard.parallel.pipelining import STAGE_REMAT
 from jshard.parallel.schedules import SCHEDULES
 from jshard.precision import PRECISIONS, REDUCE_DTYPES, Precision, precision
 

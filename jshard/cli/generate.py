@@ -1,19 +1,19 @@
-"""`jshard generate`: its flags, and a `GenerateConfig` from them; the run is `jshard.generate`'s."""
+"""`jshard generate`: its flags, and a `GenerateConfig` from them; the run is `jshard.app.generation`'s."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 
-from jshard import generate
+from jshard.app import generation
 from jshard.cli import flags
-from jshard.generate import FAKE_DEVICES as GENERATE_FAKE_DEVICES
-from jshard.generate import MAX_TOKENS, GenerateConfig
+from jshard.app.generation import FAKE_DEVICES as GENERATE_FAKE_DEVICES
+from jshard.app.generation import MAX_TOKENS, GenerateConfig
 
 
 def add_parser(commands) -> None:
     parser = commands.add_parser("generate", help="sample text from a checkpoint, with a KV cache",
-                                 description=generate.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 description=generation.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = GenerateConfig("", "")
     add = parser.add_argument
     add("--checkpoint-dir", metavar="DIR", help="a `jshard train --checkpoint-dir` directory")
@@ -41,5 +41,5 @@ def add_parser(commands) -> None:
 
 def run(args) -> int:
     fields = {f.name for f in dataclasses.fields(GenerateConfig)}
-    generate.run_generation(GenerateConfig(**{k: v for k, v in vars(args).items() if k in fields}))
+    generation.run_generation(GenerateConfig(**{k: v for k, v in vars(args).items() if k in fields}))
     return 0

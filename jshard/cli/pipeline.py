@@ -6,10 +6,10 @@ import argparse
 
 from jshard.cli import flags
 from jshard.cli.show import as_json, draw_png, render
-from jshard.config import write_json
+from jshard.app.config import write_json
 from jshard.parallel import schedules
 from jshard.parallel.schedules import make_schedule
-from jshard.plot import check_output_path
+from jshard.app.curves import check_output_path
 
 
 def add_parser(commands) -> None:

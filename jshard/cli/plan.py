@@ -1,6 +1,6 @@
 """`jshard plan`: its flags (the shared ones, a hardware profile and its overrides, `--validate`,
 `--png`) and a `PlanInput` from them; the estimate, its validation and its picture are
-`jshard.plan`'s."""
+`jshard.planner`'s."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import dataclasses
 
 from jshard import aot
 from jshard.cli import flags
-from jshard.config import FlagError, write_json
+from jshard.app.config import FlagError, write_json
 from jshard.mesh import fake_device_count, mesh_sizes, use_fake_cpu_devices, use_gpu_xla_flags
-from jshard.plan import memory_png
-from jshard.plan.estimate import GiB, HARDWARE, Hardware, PlanInput, estimate, report
-from jshard.plan.search import bottleneck, pick, search, table
-from jshard.plan.validate import (MEMORY_TOLERANCE, format_validation, validate_one, validation_cases, validation_models,
+from jshard.planner import memory_png
+from jshard.planner.estimate import GiB, HARDWARE, Hardware, PlanInput, estimate, report
+from jshard.planner.search import bottleneck, pick, search, table
+from jshard.planner.validate import (MEMORY_TOLERANCE, format_validation, validate_one, validation_cases, validation_models,
                                   within_tolerance)
-from jshard.plot import check_output_path
+from jshard.app.curves import check_output_path
 from jshard.rules import preset
-from jshard.train import AUTO, SEQ_LEN, TrainConfig
+from jshard.app.training import AUTO, SEQ_LEN, TrainConfig
 
 HARDWARE_FLAGS = (  # flag, Hardware field, unit
     ("--peak-tflops", "peak_flops", 1e12), ("--hbm-gib", "hbm_bytes", GiB), ("--hbm-bw-gbs", "hbm_bw", 1e9),

@@ -1,5 +1,5 @@
 """`jshard train`: its flags, and a `TrainConfig` from them (and from --config FILE); the run is
-`jshard.train`'s."""
+`jshard.app.training`'s."""
 
 from __future__ import annotations
 
@@ -7,18 +7,18 @@ import argparse
 import dataclasses
 import json
 
-from jshard import checkpoint
-from jshard import tokenizer as tokenizers
-from jshard import train
+from jshard.app import checkpoint
+from jshard.app import tokenizer as tokenizers
+from jshard.app import training
 from jshard.cli import flags
 from jshard.metrics import PROFILE_STEPS
-from jshard.train import EVAL_BATCHES, PIPELINE_MICROBATCHES, TrainConfig, TrainError
-from jshard.train import FAKE_DEVICES as TRAIN_FAKE_DEVICES
+from jshard.app.training import EVAL_BATCHES, PIPELINE_MICROBATCHES, TrainConfig, TrainError
+from jshard.app.training import FAKE_DEVICES as TRAIN_FAKE_DEVICES
 
 
 def add_parser(commands) -> None:
     parser = commands.add_parser(
-        "train", help="train a GPT on the shipped corpus (the main job)", description=train.__doc__,
+        "train", help="train a GPT on the shipped corpus (the main job)", description=training.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     defaults = TrainConfig()
@@ -142,5 +142,5 @@ def run(args) -> int:
     config = config_from_args(args)
     if config.checkpoint_dir:
         checkpoint.reports_to_log()  # a failed save is one line here, not orbax's threads' tracebacks
-    train.train(config)
+    training.train(config)
     return 0

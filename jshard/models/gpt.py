@@ -7,12 +7,12 @@
 
 `decode` is the same forward for new tokens at later positions, reading the keys and values
 of the earlier ones from a KV cache (`init_cache`) and writing theirs: generation runs the
-prompt through it once, then one token per call (`jshard.generate`).
+prompt through it once, then one token per call (`jshard.app.generation`).
 
 The layers are `jshard.nn`'s: each is told the names of its input and knows those of its
 weights, so the same code runs on one device, under the compiler's sharding, and in a
 jshard step whose collectives follow from the rules. Linears have no bias (as in most
-current LLMs) unless `bias` (GPT-2's, for its checkpoints: `jshard.hf`); the blocks are stacked on a leading `layers` axis (see `stack.py`).
+current LLMs) unless `bias` (GPT-2's, for its checkpoints: `jshard.app.hf`); the blocks are stacked on a leading `layers` axis (see `stack.py`).
 """
 
 from __future__ import annotations

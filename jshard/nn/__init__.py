@@ -43,7 +43,7 @@ One module per idea, lower first (none imports a higher one, nor anything above 
 """
 
 from jshard.nn.attn import ATTENTION, KVCache, attention, attention_implementation, cached_attention, xla_attention
-from jshard.nn.context import (
+from jshard.nn.context_parallel import (
     QUERY_TILE,
     balanced_order,
     check_context_length,
@@ -69,7 +69,7 @@ from jshard.nn.params import (
     param,
     remat_policy,
 )
-from jshard.nn.step import StepContext, compute_dtype, current_step, in_step, step_context
+from jshard.nn.step_context import StepContext, compute_dtype, current_step, in_step, step_context
 from jshard.rules import manual_axes  # as `nn.manual_axes`, which callers read from here
 
 __all__ = [

@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jshard.nn.context import context_attention, context_axes
+from jshard.nn.context_parallel import context_attention, context_axes
 from jshard.nn.softmax import probabilities
-from jshard.nn.step import current_step
+from jshard.nn.step_context import current_step
 from jshard.rules import constrain
 
 

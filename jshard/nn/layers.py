@@ -19,11 +19,11 @@ from jax import lax
 
 from jshard import vma
 from jshard.nn.collective_matmul import gather_matmul, matmul_scatter, ring_step
-from jshard.nn.context import input_layout, split_input
+from jshard.nn.context_parallel import input_layout, split_input
 from jshard.nn.fp8 import dot as fp8_dot
 from jshard.nn.layouts import layout, relayout_local
 from jshard.nn.params import gathered_layout, held, param
-from jshard.nn.step import compute_dtype, current_step, in_step
+from jshard.nn.step_context import compute_dtype, current_step, in_step
 from jshard.rules import active_rules, constrain, named
 
 

@@ -12,7 +12,7 @@ import jax
 from jax import lax
 
 from jshard import vma
-from jshard.nn.step import in_step
+from jshard.nn.step_context import in_step
 from jshard.rules import ShardingError, active_rules, constrain, layout_of
 
 Layout = tuple[tuple[str, ...], ...]

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jshard import vma
-from jshard.nn.context import laid_out_input
+from jshard.nn.context_parallel import laid_out_input
 from jshard.nn.layouts import layout
-from jshard.nn.step import current_step, in_step, replaced
+from jshard.nn.step_context import current_step, in_step, replaced
 from jshard.rules import active_rules
 
 

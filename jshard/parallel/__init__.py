@@ -2,7 +2,7 @@
 XLA's partitioner under the same layouts (`compiled.py`); both read one `Plan` (`plan.py`)."""
 
 from jshard.parallel.compiled import CompiledStep
-from jshard.parallel.plan import Plan, make_plan
+from jshard.parallel.step_plan import Plan, make_plan
 from jshard.parallel.state import Summed, TrainState, abstract_batch, summed
 from jshard.parallel.step import ShardedStep, build_step
 

@@ -41,7 +41,7 @@ from jax.sharding import NamedSharding
 
 from jshard import nn
 from jshard.parallel.model_state import ModelState
-from jshard.parallel.plan import Plan
+from jshard.parallel.step_plan import Plan
 from jshard.parallel.state import (PlannedStep, TrainState, accumulate, lower, over_micro_batches, split_loss,
                                    unmarked)
 from jshard.placement import Report, adopt_array_shardings
@@ -58,7 +58,7 @@ class CompiledStep(PlannedStep):
 
     `loss_fn` receives the global batch and returns its mean loss. `.state` is the initial
     state, placed by the rules (`abstract`: as ShapeDtypeStructs); a step donates the state it
-    is given. The surface is `ShardedStep`'s, so user code and `jshard.train` take either.
+    is given. The surface is `ShardedStep`'s, so user code and `jshard.app.training` take either.
     """
 
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation,

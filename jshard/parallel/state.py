@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh
 
-from jshard.parallel.plan import Plan
+from jshard.parallel.step_plan import Plan
 from jshard.rules import ShardingError
 
 

@@ -28,7 +28,7 @@ weights are not saved) and reduce-scatters Ψ. Accumulating k micro-batches (`gr
 DP and ZeRO-1 the same; ZeRO-2 reduce-scatters k·Ψ; ZeRO-3 gathers 2k·Ψ and reduce-scatters k·Ψ.
 
 Rules that split `layers` over a stage axis make step 2 a pipeline over micro-batches:
-`pipeline.py` runs a schedule's tick table (`schedules.py`: GPipe, 1F1B, interleaved,
+`pipelining.py` runs a schedule's tick table (`schedules.py`: GPipe, 1F1B, interleaved,
 ZB-H1) and returns the loss and gradients itself; nothing else changes.
 
 With `grad_accum` = k (gradient accumulation), step 2 runs on k micro-batches in a `lax.scan`,
@@ -52,11 +52,11 @@ from jax.extend import core
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from jshard import nn, vma
-from jshard.parallel import pipeline
+from jshard.parallel import pipelining
 from jshard.parallel.compiled import CompiledStep
 from jshard.parallel.model_state import ModelState, sync_batch_norms
 from jshard.layout import Layout
-from jshard.parallel.plan import Plan, make_plan, step_layout, step_mesh
+from jshard.parallel.step_plan import Plan, make_plan, step_layout, step_mesh
 from jshard.parallel.state import (PlannedStep, TrainState, accumulate, lower, over_batch_shards, over_micro_batches,
                                    split_loss)
 from jshard.placement import Report, adopt_array_shardings
@@ -180,7 +180,7 @@ class ShardedStep(PlannedStep):
     def to_model_order(self, state: TrainState) -> TrainState:
         """`state` with the stacked layers in the model's order, and only the model's layers: what
         a checkpoint holds, so that it restores under any schedule. The identity unless the
-        schedule is interleaved or its stages' layers differ (`pipeline.held_slots`)."""
+        schedule is interleaved or its stages' layers differ (`pipelining.held_slots`)."""
         return self._state_order(state, inverse=True)
 
     def from_model_order(self, state: TrainState) -> TrainState:
@@ -198,10 +198,10 @@ class ShardedStep(PlannedStep):
     @functools.cached_property
     def _held_slots(self):
         """Per row of the stacked layers as this step holds them, the model's layer (-1: padding);
-        None: held in the model's order (`pipeline.held_slots`)."""
+        None: held in the model's order (`pipelining.held_slots`)."""
         if not self.schedule:
             return None
-        return pipeline.held_slots(self.plan.stage_layers, self.schedule.stages, self.schedule.virtual)
+        return pipelining.held_slots(self.plan.stage_layers, self.schedule.stages, self.schedule.virtual)
 
     def _stacked(self, layout: nn.Layout) -> bool:
         return bool(layout) and self.plan.stage_axis in layout[0]
@@ -211,7 +211,7 @@ class ShardedStep(PlannedStep):
         slots = self._held_slots
         if slots is None:
             return tree
-        reorder = pipeline.from_held if inverse else pipeline.to_held
+        reorder = pipelining.from_held if inverse else pipelining.to_held
         return self._per_leaf(lambda x, layout: reorder(x, slots) if self._stacked(layout) else x,
                               tree, _layouts(spec_tree))
 
@@ -231,7 +231,7 @@ class ShardedStep(PlannedStep):
 
     def _pipeline_order(self, tree, spec_tree, inverse: bool = False):
         """A pipeline holds the stacked layers in its own order where it interleaves its chunks or
-        its stages' layers differ (padded: `pipeline.held_slots`); the step's state is in that
+        its stages' layers differ (padded: `pipelining.held_slots`); the step's state is in that
         order, what it hands out (`inverse`) in the model's, placed as the model's."""
         tree = self._reorder(tree, spec_tree, inverse)
         return self._placed(tree, spec_tree) if inverse and self._held_slots is not None else tree
@@ -397,7 +397,7 @@ class ShardedStep(PlannedStep):
         def micro_step(mine, batch):
             model_of = self._model_builder(params, mine)
             if self.schedule:  # the pipeline runs its own backward, micro-batch by micro-batch
-                loss, grads = pipeline.value_and_grad(self.schedule, self.loss_fn, model_of, diff, batch,
+                loss, grads = pipelining.value_and_grad(self.schedule, self.loss_fn, model_of, diff, batch,
                                                       self.plan.stage_axis, self._one_value, self._reduce_dtype,
                                                       self.stage_remat, self.plan.stage_layers)
                 return (loss, None), grads, mine
@@ -445,7 +445,7 @@ class ShardedStep(PlannedStep):
             model_of = self._model_builder(params, self.others.for_batch_shard(others, self.batch_axes))
             with self._splitting_sequences():
                 if self.schedule:
-                    value = pipeline.forward_loss(self.schedule, self.loss_fn, model_of, diff, batch,
+                    value = pipelining.forward_loss(self.schedule, self.loss_fn, model_of, diff, batch,
                                                   self.plan.stage_axis, self._one_value, self.plan.stage_layers)
                 else:
                     loss, metrics = self._value(self.loss_fn(model_of(diff), batch))
@@ -568,7 +568,7 @@ def build_step(model, tx, loss_fn, layout: Layout | str | Mesh | AbstractMesh, m
 
     Every input is checked first, once (`plan.make_plan`; the step's `.plan`). Both steps have
     the same surface (`.state`, `step(state, batch)`, `shard_batch`, `model`, `value_and_grad`,
-    `lower`, ...), so `jshard.train` and user code take either.
+    `lower`, ...), so `jshard.app.training` and user code take either.
     """
     layout, mesh = step_layout("build_step", layout, mesh, deprecated)
     plan = make_plan(model, layout, step_mesh(layout, mesh, abstract), loss_fn=loss_fn, collectives=collectives,

@@ -10,7 +10,7 @@ For each model family this writes tests/hf/fixtures/<family>/ with
   model.safetensors                      (llama: sharded, model-0000X-of-0000N
                                           .safetensors + model.safetensors.index.json)
   tokenizer.json                         one shared byte-level BPE (vocab 320)
-                                         trained on jshard/corpus.txt
+                                         trained on jshard/app/corpus.txt
   reference.npz                          ids, logits, loss, prompt, greedy,
                                          greedy_min_margin (smallest top1-top2
                                          logit gap along the greedy path)

@@ -4,7 +4,7 @@
 
 Writes random bf16 safetensors of `--model`'s shape (Llama names, 5 GB shards with an index)
 to DIR unless DIR already holds them, then, on 8 fake CPU devices, reads them with
-`jshard.hf.load_params` into the strategy's layout in bf16, sampling the process's memory
+`jshard.app.hf.load_params` into the strategy's layout in bf16, sampling the process's memory
 (/proc/self/status) every 10 ms: anonymous memory (what the process allocated: on fake CPU
 devices the devices' arrays live here too) and file-backed pages (the memory-mapped files,
 which the kernel can drop). The loader's own cost is the anonymous peak less what the
@@ -28,7 +28,7 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jshard import hf  # noqa: E402
+from jshard.app import hf  # noqa: E402
 from jshard.models import SIZES, decoder  # noqa: E402
 
 
@@ -39,7 +39,7 @@ def status() -> dict:
 
 
 def write_random(directory: str, config, shard_bytes: int = 2 * 2**30) -> None:
-    """Random bf16 tensors under the Hugging Face names of `config` (jshard.hf's table), written a
+    """Random bf16 tensors under the Hugging Face names of `config` (jshard.app.hf's table), written a
     file of about `shard_bytes` at a time: never the whole model in memory."""
     from safetensors.numpy import save_file
 

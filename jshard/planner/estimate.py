@@ -32,14 +32,14 @@ from jshard import metrics
 from jshard.layout import Layout
 from jshard.mesh import STANDARD_AXES as AXES
 from jshard.models import DecoderConfig, decoder
-from jshard.parallel.pipeline import STAGE_REMAT, compile_program, work as pipeline_work
-from jshard.parallel.plan import Plan, make_plan
+from jshard.parallel.pipelining import STAGE_REMAT, compile_program, work as pipeline_work
+from jshard.parallel.step_plan import Plan, make_plan
 from jshard.placement import format_bytes
-from jshard.plan import physics
-from jshard.plan.counts import attention_widths, column_outputs, fp8_cast_widths, input_projections, mlp_widths
+from jshard.planner import physics
+from jshard.planner.counts import attention_widths, column_outputs, fp8_cast_widths, input_projections, mlp_widths
 from jshard.moe import capacity
 from jshard.nn import attention_implementation, compute_dtype, query_tile
-from jshard.nn.context import check_all_to_all_heads
+from jshard.nn.context_parallel import check_all_to_all_heads
 from jshard.rules import ShardingError
 
 GiB = 2**30

@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import pytest
 
 from jshard.layout import Layout
-from jshard import moe, plan
-from jshard.plan import physics
+from jshard import moe
+from jshard import planner
+from jshard.planner import physics
 from jshard.cli import main
 from jshard.models import GPT_SIZES, SIZES
 from jshard.parallel.schedules import make_schedule
@@ -24,15 +25,15 @@ LLAMA_ROWS = {("dp", None, None, "none"), ("zero3", None, None, "none"), ("dp+tp
               ("dp+tp+sp", None, None, "full"), ("dp+tp+sp-overlap", None, None, "none"), ("dp+pp", 4, "1f1b", "none"),
               ("zero3", None, None, "none", "example", "mixed"), ("zero3", None, None, "none", "example", "fp8"),
               ("dp+cp+tp", None, None, "none", "example", "fp32", None, 8)}
-CASES = ([(case, "gpt") for case in plan.VALIDATION] + [(case, "llama") for case in plan.VALIDATION if case in LLAMA_ROWS]
-         + [(case, "moe") for case in plan.MOE_VALIDATION])
+CASES = ([(case, "gpt") for case in planner.VALIDATION] + [(case, "llama") for case in planner.VALIDATION if case in LLAMA_ROWS]
+         + [(case, "moe") for case in planner.MOE_VALIDATION])
 
 
 @pytest.mark.parametrize("case, model", CASES, ids=["/".join(map(str, c)) + f"-{m}" for c, m in CASES])
 def test_estimate_matches_compiler(case, model):
-    r = plan.validate_one(*case, model=plan.VALIDATION_MODELS[model])
+    r = planner.validate_one(*case, model=planner.VALIDATION_MODELS[model])
     assert r["comm_predicted"] == r["comm_compiled"]  # bytes per collective kind: exact
-    assert abs(r["memory_rel_err"]) <= plan.MEMORY_TOLERANCE, r
+    assert abs(r["memory_rel_err"]) <= planner.MEMORY_TOLERANCE, r
 
 
 # (ZeRO-3 is left out: XLA:CPU hoists the gathers of the weights outside the layer stack out of
@@ -43,8 +44,8 @@ def test_accumulated_gradients_are_planned(strategy):
     """Accumulating 2 micro-batches holds their gradients' sum (ZeRO-2: each device's shard) in
     the reduction dtype beside one micro-batch's activations: memory within 10% of the
     compiler's (dp without the sum: 15% under), bytes exact."""
-    r = plan.validate_one(strategy, None, None, "none", grad_accum=2)
-    assert r["comm_predicted"] == r["comm_compiled"] and abs(r["memory_rel_err"]) <= plan.MEMORY_TOLERANCE, r
+    r = planner.validate_one(strategy, None, None, "none", grad_accum=2)
+    assert r["comm_predicted"] == r["comm_compiled"] and abs(r["memory_rel_err"]) <= planner.MEMORY_TOLERANCE, r
 
 
 @pytest.mark.fast
@@ -70,11 +71,11 @@ def test_plan_formulas_scale_as_the_textbook():
     # ZeRO-3 on 8 devices keeps 1/8 of the 16 bytes per param; DP all-reduces every param once.
     config = GPT_SIZES["gpt-125m"]
     sizes = {"data": 1, "stage": 1, "fsdp": 8, "tensor": 1}
-    est = plan.estimate(plan.PlanInput(config, Layout.of("fsdp", sizes)))
+    est = planner.estimate(planner.PlanInput(config, Layout.of("fsdp", sizes)))
     n = est["model"]["params"]
     mem = est["memory_bytes_per_device"]
     assert mem["params"] + mem["grads"] + mem["optimizer"] == pytest.approx(16 * n / 8, rel=1e-3)
-    dp = plan.estimate(plan.PlanInput(config, Layout.of("dp", sizes | {"fsdp": 1, "data": 8})))
+    dp = planner.estimate(planner.PlanInput(config, Layout.of("dp", sizes | {"fsdp": 1, "data": 8})))
     assert dp["comm_bytes_per_step"]["all-reduce"] == 4 * n + 4
     assert est["comm_bytes_per_step"]["all-gather"] < 2 * 4 * n  # norms and embeddings: gathered once
 
@@ -91,12 +92,12 @@ def test_plan_formulas_scale_as_the_textbook():
 def test_gpu_gradient_reduction_is_a_peak_beside_backwards(model, strategy, mesh, precision, reduction):
     config = dataclasses.replace(GPT_SIZES[model], remat="full")
     sizes = {"data": 1, "stage": 1, "fsdp": 1, "tensor": 1} | mesh
-    est = plan.estimate(plan.PlanInput(config, Layout.of(strategy, sizes, precision=precision), plan.HARDWARE["h100"]))
+    est = planner.estimate(planner.PlanInput(config, Layout.of(strategy, sizes, precision=precision), planner.HARDWARE["h100"]))
     mem, n = est["memory_bytes_per_device"], est["model"]["params"]
     # the larger of backward's peak (gradients and activations) and the reduction's
     assert mem["grads"] + mem["activations"] + mem.get("reduction", 0) == pytest.approx(
         max(mem["grads"] + mem["activations"], reduction(n)), rel=1e-4)
-    cpu = plan.estimate(plan.PlanInput(config, Layout.of(strategy, sizes, precision=precision), plan.HARDWARE["cpu"]))
+    cpu = planner.estimate(planner.PlanInput(config, Layout.of(strategy, sizes, precision=precision), planner.HARDWARE["cpu"]))
     assert "reduction" not in cpu["memory_bytes_per_device"]  # XLA:CPU: not seen in its programs
 
 
@@ -106,7 +107,7 @@ def test_collective_matmuls_take_sps_transfers_off_the_critical_path():
     them beside compute, so its step is compute plus what is left on the critical path."""
     config = SIZES["llama-3.1-8b"]
     sizes = {"data": 1, "stage": 1, "fsdp": 1, "tensor": 8}
-    est = {s: plan.estimate(plan.PlanInput(config, Layout.of(s, sizes, precision="mixed"), plan.HARDWARE["h100"]))
+    est = {s: planner.estimate(planner.PlanInput(config, Layout.of(s, sizes, precision="mixed"), planner.HARDWARE["h100"]))
            for s in ("tp+sp", "tp+sp-overlap")}
     seconds = {s: {r["kind"]: r["seconds"] for r in e["collectives"]} for s, e in est.items()}
     sp, overlap = est["tp+sp"], est["tp+sp-overlap"]
@@ -137,7 +138,7 @@ def test_planner_counts_the_sends_of_the_tick_table(name, stages, microbatches, 
         at = [(a.kind, a.virtual * stages + s) for s, a in enumerate(row) if a is not None]
         forward += any(kind == "F" and position < positions - 1 for kind, position in at)
         backward += any(kind in ("B", "BW") and position > 0 for kind, position in at)
-    assert plan.sends(schedule) == (forward, backward)  # was (29, 29) for interleaved p=4 m=8 v=2
+    assert planner.sends(schedule) == (forward, backward)  # was (29, 29) for interleaved p=4 m=8 v=2
 
 
 # -- a mixture of experts -------------------------------------------------------------------------
@@ -150,7 +151,7 @@ def test_mixtral_expert_params_per_device_fall_as_one_over_ep(ep):
     """dp+ep on 64 H100s: each device holds 8/ep experts' weights and the rest whole; the
     all-to-all of the dispatch buffer (4 per layer, of rows · E · C · embed) puts (ep-1)/ep of it on
     the node's links, and the predicted step waits for it."""
-    est = plan.estimate(plan.PlanInput(MIXTRAL, Layout.of("dp+ep", {"data": 64 // ep, "expert": ep}, precision="bf16")))
+    est = planner.estimate(planner.PlanInput(MIXTRAL, Layout.of("dp+ep", {"data": 64 // ep, "expert": ep}, precision="bf16")))
     experts, n = est["moe"], est["model"]["params"]
     assert experts["experts_per_device"] == 8 // ep and experts["active_params"] < 0.3 * n
     assert experts["expert_param_bytes_per_device"] == experts["expert_params"] * 4 // ep  # fp32 params
@@ -174,7 +175,7 @@ def test_compute_counts_the_slots_the_experts_run(capacity_factor):
     """Model FLOPs (and MFU) count top_k experts a token; the compute time counts every slot
     of the buffer, E · C per row, filled or not (dropless: C = seq)."""
     config = dataclasses.replace(SIZES["moe-tiny"], capacity_factor=capacity_factor)
-    est = plan.estimate(plan.PlanInput(config, Layout.of("ep", {"expert": 8}), plan.HARDWARE["cpu"]))
+    est = planner.estimate(planner.PlanInput(config, Layout.of("ep", {"expert": 8}), planner.HARDWARE["cpu"]))
     slots = 8 * moe.capacity(config.seq_len, 8, 2, capacity_factor) / config.seq_len
     padding = 6 * 3 * config.embed * config.mlp * config.layers * (slots - 2) * est["tokens_per_step"]
     assert est["flops_per_step"]["run"] - est["flops_per_step"]["model"] == pytest.approx(padding)

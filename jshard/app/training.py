@@ -12,7 +12,7 @@ split over the batch axes, each shard's rows cut into `grad_accum` micro-batches
 the step adds up before its one reduction and update (`build_step(grad_accum=)`; and into
 pipeline micro-batches); every `eval_every` steps the loss on held-out
 rows, forward only (`step.loss`) -> save checkpoints (and the tokenizer beside them) ->
-print a summary, and draw the curves (`plot.py`).
+print a summary, and draw the curves (`curves.py`).
 
 The parts live beside this module: `data.py` (files, memory maps, split, order,
 per-process rows), `tokenizer.py` (bytes or BPE), `optim.py` (AdamW, schedule, sharded
@@ -38,10 +38,11 @@ from flax import nnx
 from tqdm import tqdm
 
 import jshard
-from jshard import data, hf, optim, plot
-from jshard import tokenizer as tokenizers
-from jshard.checkpoint import CheckpointError, Checkpoints
-from jshard.config import MODEL_FIELDS, model_config
+from jshard.app import data, hf, optim
+from jshard.app import curves
+from jshard.app import tokenizer as tokenizers
+from jshard.app.checkpoint import CheckpointError, Checkpoints
+from jshard.app.config import MODEL_FIELDS, model_config
 from jshard.distributed import axes_across_processes, initialize, is_main_process
 from jshard.mesh import (fake_device_count, mesh_shape, mesh_sizes, use_fake_cpu_devices_unless_accelerated,
                          use_gpu_xla_flags, xla_flags_line)
@@ -51,12 +52,12 @@ from jshard.models import SIZES, DecoderConfig, decoder, gpt_loss
 from jshard.models.stack import REMAT_POLICIES
 from jshard.layout import Layout
 from jshard.parallel import Plan, ShardedStep, TrainState, make_plan
-from jshard.parallel.plan import step_mesh
+from jshard.parallel.step_plan import step_mesh
 from jshard.parallel.step import step_from_plan
-from jshard.parallel.pipeline import STAGE_REMAT
+from jshard.parallel.pipelining import STAGE_REMAT
 from jshard.placement import describe, format_bytes
-from jshard.plan import search as plan_search
-from jshard.plan.estimate import KINDS, hardware_of
+from jshard.planner import search as plan_search
+from jshard.planner.estimate import KINDS, hardware_of
 from jshard.precision import PRECISIONS, REDUCE_DTYPES, precision
 
 FAKE_DEVICES = 8  # CPU devices faked when no accelerator is present (--fake-devices), unless XLA_FLAGS gives a count
@@ -75,7 +76,7 @@ class TrainConfig:
     """Everything a run depends on; `jshard train`'s flags and its --config JSON mirror it."""
 
     model: str = "small"
-    init_from: str | None = None  # a Hugging Face model directory: its config, weights and tokenizer (jshard.hf)
+    init_from: str | None = None  # a Hugging Face model directory: its config, weights and tokenizer (jshard.app.hf)
     data: str | None = None  # None: the shipped corpus; text (a file, a folder of *.txt), ids (.bin, .npy), or documents (.jsonl, .parquet, a save_to_disk folder)
     text_field: str = "text"  # the documents' field holding the text (JSONL key, Parquet / Arrow column)
     tokenizer: str | None = None  # of text: bytes, or bpe (trained on the data); None: the checkpoint's, or bytes
@@ -184,8 +185,8 @@ def _check_values(config: TrainConfig) -> None:
                              f"change them. Fix: drop {', '.join(given)}.")
     if config.plot is not None:
         try:
-            plot.check_output_path(config.plot)
-        except plot.PlotError as e:
+            curves.check_output_path(config.plot)
+        except curves.PlotError as e:
             raise TrainError(f"--plot {e}") from None
     for name, folder in (("metrics", os.path.dirname(config.metrics or "") or "."), ("tensorboard", config.tensorboard),
                          ("profile", config.profile)):
@@ -640,8 +641,8 @@ def _train(p: Setup, out) -> TrainResult:
                        routed, skipped)
     say(summary)
     if c.plot and is_main_process():
-        history = plot.read_metrics(c.metrics) if c.metrics else records  # a resumed run's file has it all
-        plot.metrics_png(history, c.plot, title=f"jshard train {_model_flag(c)} --strategy {p.rules.name} "
+        history = curves.read_metrics(c.metrics) if c.metrics else records  # a resumed run's file has it all
+        curves.metrics_png(history, c.plot, title=f"jshard train {_model_flag(c)} --strategy {p.rules.name} "
                                                f"--mesh {_mesh_str(p.mesh)}")
         say(f"  plot        {c.plot}")
     return TrainResult(losses, start, summary, evaluated, [r["grad_norm"] for r in records])

@@ -18,7 +18,7 @@ device, and every check of those inputs in one place (each error raised once, be
 and `check_batch` (rows and sequence length against the batch, accumulation (`grad_accum`),
 micro-batch and context splits).
 The explicit step (`step.py`), the compiler-placed step (`compiled.py`), `jshard train` and
-`generate`, `describe`, the planner (`jshard.plan`, on an AbstractMesh) and the benches read
+`generate`, `describe`, the planner (`jshard.planner`, on an AbstractMesh) and the benches read
 it; none derives an axis again.
 """
 
@@ -41,7 +41,7 @@ from jshard.layout import Layout, LayoutError
 from jshard.mesh import (COLLECTIVES_IN_FLIGHT_OPTION, TRITON_GEMM_OPTION, ZERO3_COLLECTIVES_IN_FLIGHT, abstract_mesh,
                          format_mesh, make_mesh, mesh_shape)
 from jshard.models.stack import StagedLoss, has_stack
-from jshard.parallel import pipeline
+from jshard.parallel import pipelining
 from jshard.parallel.model_state import check_no_pipeline
 from jshard.parallel.schedules import Schedule, make_schedule, stage_layers
 from jshard.placement import ParamLayout, Placement, Report, adopt_array_shardings, paths_and_shapes, place, specs_of
@@ -79,7 +79,7 @@ class Plan:
     @property
     def layer_slots(self) -> int | None:
         """The stacked layers' rows a pipeline holds per model chunk: its largest chunk's layers.
-        A chunk with fewer holds zeros in the rest, which the step skips (`pipeline.held_slots`), so
+        A chunk with fewer holds zeros in the rest, which the step skips (`pipelining.held_slots`), so
         each device holds virtual × `layer_slots` layers' params and optimizer state."""
         return max(self.stage_layers) if self.stage_layers else None
 
@@ -470,7 +470,7 @@ def _schedule(rules: Rules, mesh, stages, given: str, loss_fn, microbatches, sch
             f"which pipelines them: it needs Layout.microbatches=M >= 1 (got {microbatches!r}) and a "
             "jshard.models.StagedLoss that says where the stack of layers starts and ends "
             "(jshard.models.gpt_loss and mlp_loss are). Fix: Layout(..., microbatches=4).")
-    pipeline.check_stage_remat(stage_remat or "none")
+    pipelining.check_stage_remat(stage_remat or "none")
     context = rules.context_axes(mesh)
     if context and rules.context_attention == "ring":
         # A pipeline tick runs its stage's action in a branch the other stages skip. XLA:CPU

@@ -16,9 +16,9 @@ from __future__ import annotations
 from jshard.mesh import format_mesh
 from jshard.parallel.schedules import SCHEDULES
 from jshard.placement import format_bytes
-from jshard.plan.estimate import (GiB, HARDWARE, Hardware, PlanInput, estimate, step_plan, report, sends,
+from jshard.planner.estimate import (GiB, HARDWARE, Hardware, PlanInput, estimate, step_plan, report, sends,
                                   state_bytes, traffic)
-from jshard.plan.validate import (MEMORY_TOLERANCE, MOE_VALIDATION, VALIDATION, VALIDATION_MODELS, format_validation,
+from jshard.planner.validate import (MEMORY_TOLERANCE, MOE_VALIDATION, VALIDATION, VALIDATION_MODELS, format_validation,
                                   validate_one, validation_cases, within_tolerance)
 
 __all__ = ["HARDWARE", "MEMORY_TOLERANCE", "MOE_VALIDATION", "VALIDATION", "VALIDATION_MODELS", "Hardware", "PlanInput",

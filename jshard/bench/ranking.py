@@ -27,9 +27,9 @@ from jshard.layout import Layout
 from jshard.metrics import best_seconds
 from jshard.models import DecoderConfig, decoder, gpt_loss
 from jshard.parallel import build_step
-from jshard.plan import search
-from jshard.config import MODEL_FIELDS, model_config
-from jshard.plan.estimate import Hardware, PlanInput
+from jshard.planner import search
+from jshard.app.config import MODEL_FIELDS, model_config
+from jshard.planner.estimate import Hardware, PlanInput
 
 
 def plans_of(result: dict, hw: Hardware) -> list:

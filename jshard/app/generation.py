@@ -35,16 +35,16 @@ from jax import lax
 from jax.sharding import NamedSharding
 
 import jshard
-from jshard import hf
-from jshard import tokenizer as tokenizers
-from jshard.checkpoint import Checkpoints, model_of
-from jshard.config import write_json
+from jshard.app import hf
+from jshard.app import tokenizer as tokenizers
+from jshard.app.checkpoint import Checkpoints, model_of
+from jshard.app.config import write_json
 from jshard.distributed import initialize, is_main_process
 from jshard.layout import Layout
 from jshard.mesh import (fake_device_count, format_mesh, mesh_shape, mesh_sizes, use_fake_cpu_devices_unless_accelerated,
                          use_gpu_xla_flags)
 from jshard.models import DecoderConfig, decoder
-from jshard.parallel.plan import make_plan
+from jshard.parallel.step_plan import make_plan
 from jshard.rules import ShardingError
 
 FAKE_DEVICES = 1  # one prompt needs no split; give more to try dp or tp on a CPU
@@ -81,7 +81,7 @@ class GenerateConfig:
     cache: bool = True  # False: --no-cache
     step: int | None = None  # None: the latest
     json: str | None = None
-    init_from: str | None = None  # a Hugging Face model directory instead of a checkpoint (jshard.hf)
+    init_from: str | None = None  # a Hugging Face model directory instead of a checkpoint (jshard.app.hf)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,8 +40,8 @@ from importlib import resources
 import jax
 import numpy as np
 
-from jshard import documents
-from jshard import tokenizer as tokenizers
+from jshard.app import documents
+from jshard.app import tokenizer as tokenizers
 
 CORPUS = "corpus.txt"  # public-domain texts, in the package beside this module
 TOKEN_FILES = (".bin", ".npy")  # pre-tokenised: read through a memory map

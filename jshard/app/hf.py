@@ -32,7 +32,7 @@ import ml_dtypes
 from flax import nnx
 import numpy as np
 
-from jshard.checkpoint import Checkpoints, model_of
+from jshard.app.checkpoint import Checkpoints, model_of
 from jshard.layout import Layout
 from jshard.models import DecoderConfig, GPTConfig, LlamaConfig, decoder
 from jshard.placement import shardings

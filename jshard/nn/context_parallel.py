@@ -29,7 +29,7 @@ from jax import lax
 from jshard import vma
 from jshard.nn.layouts import Layout, layout, relayout_local
 from jshard.nn.softmax import probabilities
-from jshard.nn.step import current_step, in_step
+from jshard.nn.step_context import current_step, in_step
 from jshard.rules import ShardingError, active_rules
 
 
