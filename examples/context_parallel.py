@@ -28,20 +28,20 @@ from jshard import hlo
 from jshard import planner
 from jshard.models import GPTConfig, decoder, gpt_loss
 
-jshard.mesh.use_fake_cpu_devices_unless_accelerated(8)
+jshard.use_fake_cpu_devices(8, unless_accelerated=True)
 
 ATTENTION_KINDS = ("collective-permute", "all-gather", "reduce-scatter")  # params move none of these here
 
 
 def measure(preset: str, cp: int, config: GPTConfig) -> dict:
     mesh = jshard.make_mesh(devices=jax.devices()[:cp], context=cp)
-    step = jshard.parallel.build_step(decoder(config, nnx.Rngs(0)), optax.adamw(1e-3), gpt_loss,
-                                      jshard.Layout.of(preset, mesh), mesh)
+    step = jshard.build_step(decoder(config, nnx.Rngs(0)), optax.adamw(1e-3), gpt_loss,
+                             jshard.Layout.of(preset, mesh), mesh)
     lowered = step.lower(step.state, step.shard_batch(np.zeros((1, config.seq_len + 1), np.int32)))
     compiled = lowered.compile()
     moved = sum(c.bytes * c.count for c in hlo.collectives(compiled.as_text(), lowered.as_text())
                 if c.kind in ATTENTION_KINDS)
-    sizes = jshard.mesh.mesh_shape(mesh)
+    sizes = jshard.mesh_shape(mesh)
     est = planner.estimate(planner.PlanInput(config, jshard.Layout.of(preset, sizes), planner.HARDWARE["cpu"]))
     predicted = sum(r["bytes"] for r in est["collectives"] if r["kind"] in ATTENTION_KINDS)
     return dict(preset=preset, cp=cp, temp=compiled.memory_analysis().temp_size_in_bytes,

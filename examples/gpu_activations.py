@@ -10,7 +10,7 @@ docs/gpu-compile.md holds the table. Needs the CUDA plugin (`make venv GPU_COMPI
     python examples/gpu_activations.py [--embed 2048 --heads 16 --seq-len 2048] [--remat none ...]
                                        [--attention xla ...] [--json FILE]
 
-Each row also gives the planner's figure for the same layer (`plan.estimate.ACTIVATIONS["gpu"]`).
+Each row also gives the planner's figure for the same layer (`planner.memory.ACTIVATIONS["gpu"]`).
 """
 
 import argparse
@@ -24,7 +24,7 @@ from flax import nnx
 import jshard
 from jshard import aot
 from jshard.models import GPTConfig, decoder, gpt_loss
-from jshard.planner.estimate import ACTIVATIONS, activation_bytes_per_token_layer
+from jshard.planner.memory import ACTIVATIONS, activation_bytes_per_token_layer
 
 # (strategy, mesh, rows per data shard -> global rows): one data-parallel, one tensor-parallel
 STRATEGIES = (("dp", dict(data=8)), ("dp+tp", dict(tensor=8)), ("dp+tp+sp", dict(tensor=8)))

@@ -24,7 +24,7 @@ import _common
 import jshard
 from jshard.models import mlp_loss
 
-jshard.mesh.use_fake_cpu_devices_unless_accelerated(8)
+jshard.use_fake_cpu_devices(8, unless_accelerated=True)
 
 
 def per_rank_losses(step, state, batch) -> np.ndarray:
@@ -55,7 +55,7 @@ def main(argv=None) -> None:
     ranks = args.ranks or jax.device_count()
     mesh = jshard.make_mesh(devices=jax.devices()[:ranks], data=ranks)
     tx = optax.adamw(1e-3)  # the lecture's AdamW(lr=1e-3); each device steps its own copy
-    step = jshard.parallel.build_step(_common.make_mlp(args), tx, mlp_loss, jshard.Layout.of("dp", mesh), mesh)
+    step = jshard.build_step(_common.make_mlp(args), tx, mlp_loss, jshard.Layout.of("dp", mesh), mesh)
     data = _common.sample_data(args)
     print(f"{ranks} ranks, batch {args.batch_size} -> {args.batch_size // ranks} rows per rank, "
           f"{args.layers} layers of {args.dim}x{args.dim}")

@@ -30,7 +30,7 @@ from jshard.models import mlp_loss
 from jshard.parallel.schedules import SCHEDULES, make_schedule
 from jshard.cli.show import render
 
-jshard.mesh.use_fake_cpu_devices_unless_accelerated(8)
+jshard.use_fake_cpu_devices(8, unless_accelerated=True)
 
 
 def pipeline_forward(rank, world_size, kernels, data, num_micro_batches):
@@ -71,9 +71,9 @@ def main(argv=None) -> None:
     schedule = make_schedule(args.schedule, stages, m, args.virtual)  # who does what at each tick
     print(render(schedule))
     mesh = jshard.make_mesh(devices=jax.devices()[:stages], stage=stages)
-    step = jshard.parallel.build_step(model, optax.adamw(1e-3), mlp_loss,
-                                      jshard.Layout.of("pp", mesh, microbatches=m, schedule=args.schedule,
-                                                       virtual=args.virtual), mesh)
+    step = jshard.build_step(model, optax.adamw(1e-3), mlp_loss,
+                             jshard.Layout.of("pp", mesh, microbatches=m, schedule=args.schedule,
+                                              virtual=args.virtual), mesh)
     loss, grads = step.value_and_grad(step.state, step.shard_batch(data))
     kernel = np.asarray(grads["layers"]["linear"]["kernel"].get_value())  # (layers, D, D), in model order
     k = args.layers // (stages * schedule.virtual)  # layers per model chunk

@@ -25,13 +25,13 @@ import _common
 import jshard
 from jshard.models import mlp_loss
 
-jshard.mesh.use_fake_cpu_devices_unless_accelerated(8)
+jshard.use_fake_cpu_devices(8, unless_accelerated=True)
 
 
 def per_rank_forward(step, state, data) -> np.ndarray:
     """The activations each rank ends the forward pass with, stacked over ranks."""
     def forward(params, x):
-        with jshard.rules.use_rules(step.rules):  # inside, layers derive their collectives
+        with jshard.use_rules(step.rules):  # inside, layers derive their collectives
             return nnx.merge(step.graphdef, params)(x)[None]
 
     in_specs = (step.state_specs.params, jax.P())  # params split by the rules, data whole on every rank
@@ -54,7 +54,7 @@ def main(argv=None) -> None:
     rules = jshard.preset("tp")
     model = _common.make_mlp(args)
     print(jshard.describe(model, mesh, rules))  # each rank: D x D/N of every layer
-    step = jshard.parallel.build_step(model, optax.adamw(1e-3), mlp_loss, jshard.Layout.of(rules, mesh), mesh)
+    step = jshard.build_step(model, optax.adamw(1e-3), mlp_loss, jshard.Layout.of(rules, mesh), mesh)
     data = _common.sample_data(args)
 
     activations = per_rank_forward(step, step.state, data)

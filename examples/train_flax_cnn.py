@@ -18,7 +18,7 @@ from flax import nnx
 
 import jshard
 
-jshard.mesh.use_fake_cpu_devices_unless_accelerated(8)
+jshard.use_fake_cpu_devices(8, unless_accelerated=True)
 parser = argparse.ArgumentParser(description="train the Flax docs' CNN under a sharding preset")
 parser.add_argument("--mesh", default="data=2,fsdp=4")
 parser.add_argument("--preset", default="dp+fsdp")
@@ -67,9 +67,9 @@ def make_batch(rng, rows: int):
 
 def main(argv=None) -> None:
     args = parser.parse_args(argv)
-    mesh, rules = jshard.make_mesh(**jshard.mesh.parse_axis_sizes(args.mesh)), jshard.preset(args.preset)
-    step = jshard.parallel.build_step(CNN(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, jshard.Layout.of(rules, mesh),
-                                      mesh, has_aux=True)
+    # The layout as one line, "dp+fsdp data=2,fsdp=4": the preset, and the mesh made over the devices.
+    step = jshard.build_step(CNN(rngs=nnx.Rngs(0)), optax.adam(1e-3), loss_fn, f"{args.preset} {args.mesh}",
+                             has_aux=True)
     rng = np.random.default_rng(0)
     print(step.describe(make_batch(rng, args.batch_size)))  # placements, and what each param gets
     state = step.state

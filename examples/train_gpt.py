@@ -12,7 +12,7 @@ from flax import nnx
 import jshard
 from jshard.models import GPT, GPTConfig, gpt_loss
 
-jshard.mesh.use_fake_cpu_devices_unless_accelerated(8)
+jshard.use_fake_cpu_devices(8, unless_accelerated=True)
 parser = argparse.ArgumentParser(description="train a small GPT laid out as a layout line")
 for flag, default in [("layout", "dp+fsdp+tp data=2,fsdp=2,tensor=2"), ("steps", 30), ("batch-size", 16),
                       ("seq-len", 64), ("embed", 128), ("layers", 4)]:

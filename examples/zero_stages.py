@@ -28,7 +28,7 @@ import _common
 import jshard
 from jshard.models import mlp_loss
 
-jshard.mesh.use_fake_cpu_devices_unless_accelerated(8)
+jshard.use_fake_cpu_devices(8, unless_accelerated=True)
 
 # Fractions of Ψ per device that are split N ways: (params, gradients, optimizer state).
 SHARDED = {"dp": (0, 0, 0), "zero1": (0, 0, 1), "zero2": (0, 1, 1), "zero3": (1, 1, 1)}
@@ -46,7 +46,7 @@ def measure(preset: str, args, n: int, data) -> dict:
     axis = "data" if preset == "dp" else "fsdp"
     mesh, rules = jshard.make_mesh(devices=jax.devices()[:n], **{axis: n}), jshard.preset(preset)
     model = _common.make_mlp(args)
-    step = jshard.parallel.build_step(model, optax.adamw(1e-3), mlp_loss, jshard.Layout.of(rules, mesh), mesh)
+    step = jshard.build_step(model, optax.adamw(1e-3), mlp_loss, jshard.Layout.of(rules, mesh), mesh)
     compiled = step.lower(step.state, step.shard_batch(data)).compile()
     memory = compiled.memory_analysis()
     comm = collections.Counter()

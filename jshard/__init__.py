@@ -13,40 +13,24 @@
 
 from flax import nnx as _nnx
 
-from jshard import collectives, models, nn, parallel
-from jshard.collectives import CollectiveError
-from jshard.distributed import DistributedError, initialize
+from jshard import models, nn
+from jshard.distributed import initialize
 from jshard.layout import Layout
-from jshard.mesh import (
-    STANDARD_AXES,
-    MeshError,
-    make_mesh,
-    mesh_shape,
-    use_fake_cpu_devices,
-    use_fake_cpu_devices_unless_accelerated,
-)
+from jshard.mesh import MeshError, make_mesh, mesh_shape, use_fake_cpu_devices
 from jshard.parallel import build_step, summed
-from jshard.parallel.schedules import ScheduleError
-from jshard.placement import Placement, Report, describe, init, shard, shardings, specs
-from jshard.rules import (
-    LOGICAL_NAMES,
-    PRESET_PARTS,
-    Rules,
-    ShardingError,
-    activate,
-    constrain,
-    named,
-    preset,
-)
+from jshard.placement import describe, init, shard, shardings, specs
+from jshard.rules import Rules, ShardingError, activate, constrain, named, preset, use_rules
 
 # jshard places every Variable from its rules. Flax's eager sharding would instead read the
 # logical names (`out_sharding`) as mesh axes the moment a Variable is created.
 _nnx.use_eager_sharding(False)
 
-# What a user needs: devices, a mesh, rules, a model placed by them, a step. The rest above stays
-# importable here for existing callers (`jshard.specs`, `jshard.mesh_shape`, the other errors, ...)
-# and lives, documented, in its own module.
+# What a user writes, each name once: devices and a mesh, rules and the logical names, a model
+# placed by them, a step, and the model packages (`jshard.nn` layers, `jshard.models`). Everything
+# else lives, documented, in its own module (`jshard.mesh.STANDARD_AXES`, `jshard.rules.PRESET_PARTS`,
+# `jshard.placement.Report`, `jshard.collectives`, `jshard.planner`, the app in `jshard.app`, ...).
 __all__ = [
-    "Layout", "MeshError", "Rules", "ShardingError", "activate", "build_step", "constrain", "describe", "init", "initialize",
-    "make_mesh", "models", "named", "nn", "preset", "shard", "summed", "use_fake_cpu_devices",
+    "Layout", "MeshError", "Rules", "ShardingError", "activate", "build_step", "constrain", "describe", "init",
+    "initialize", "make_mesh", "mesh_shape", "models", "named", "nn", "preset", "shard", "shardings", "specs",
+    "summed", "use_fake_cpu_devices", "use_rules",
 ]

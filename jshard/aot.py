@@ -49,7 +49,7 @@ class Target:
 
     name: str
     spec: str  # jshard/targets/<spec>.txtpb
-    hardware: str  # the planner's profile (`plan.estimate.HARDWARE`)
+    hardware: str  # the planner's profile (`planner.hardware.HARDWARE`)
     hosts: int
     per_host: int = 8
 
@@ -223,7 +223,7 @@ def compile_step(model, tx, loss_fn, layout: Layout | str, t: Target, batch_shap
 
 
 def compared(program: GpuProgram, est: dict) -> dict:
-    """The compiled program beside the planner's estimate for the same input (`plan.estimate`):
+    """The compiled program beside the planner's estimate for the same input (`planner.estimate`):
     total memory, bytes per (kind, axes), attention's kernel."""
     planned_memory = est["memory_bytes_per_device"]
     planned_bytes = {(r["kind"], r["axes"]): r["bytes"] for r in est["collectives"]}
@@ -280,7 +280,7 @@ def report(program: GpuProgram, est: dict, devices: str, scheduled_step_s: float
                      + ", ".join(f"{kind} {share:.0%}" for kind, share in sorted(looped.items())) + " of the bytes")
     if scheduled_step_s is not None:
         lines.append(f"step time: {scheduled_step_s * 1e3:.1f} ms with each collective exposed but for the share the "
-                     f"compiled schedule overlaps (`plan.estimate.scheduled_step_seconds`; the plan's, by overlap "
+                     f"compiled schedule overlaps (`planner.timing.scheduled_step_seconds`; the plan's, by overlap "
                      f"ratios: {est['predicted_step_s'] * 1e3:.1f} ms)")
     kernel = {"cudnn": "cuDNN's fused flash attention (__cudnn$fmha)", "xla": "XLA's own fusions (scores kept)"}
     lines.append(f"attention: {kernel[program.attention]}; planned: {est['attention']}")

@@ -11,7 +11,7 @@ gradient reduction's dtype). `Layout.parse(str(layout)) == layout`. `jshard plan
 its layouts so; `--layout` in `plan`, `compile` and `train` takes one back.
 
 The library takes it whole: `build_step(model, tx, loss_fn, layout)`, `parallel.make_plan`,
-`aot.compile_step`, the planner's `PlanInput` and `jshard.app.training` (`TrainConfig.layout`). Who
+`aot.compile_step`, the planner's `PlanInput` and `jshard.app.training` (`TrainConfig.layout.on`). Who
 reads which field: the step (`make_plan`) the strategy, mesh, schedule, micro-batches, virtual
 chunks, stage remat, precision, reduction and accumulation; `remat` is the model's (a jshard
 decoder's `config.remat`: the step checks they agree) and `mb` the batch's (the planner's rows).

@@ -39,12 +39,17 @@ class MeshError(ValueError):
     """A mesh that cannot be built on the devices at hand."""
 
 
-def use_fake_cpu_devices(n: int) -> None:
+def use_fake_cpu_devices(n: int, *, unless_accelerated: bool = False) -> None:
     """Ask JAX for `n` CPU devices (and the CPU platform), before JAX starts its backends.
 
     This is how every sharding runs on a laptop: the devices are threads of one process.
     Call it before the first JAX computation; afterwards JAX refuses to change the count.
+    `unless_accelerated=True`, for a script that runs as well on GPUs: only where JAX would run
+    on the CPU anyway, and never an error (`use_fake_cpu_devices_unless_accelerated`).
     """
+    if unless_accelerated:
+        use_fake_cpu_devices_unless_accelerated(n)
+        return
     if not isinstance(n, int) or n < 1:
         raise MeshError(f"use_fake_cpu_devices(n) needs a positive int, got {n!r}")
     try:

@@ -41,6 +41,8 @@ from flax import nnx
 from jax import lax
 
 from jshard import nn, vma
+from jshard.nn.layouts import layout
+from jshard.nn.step_context import in_step
 
 MOE_IN = ("batch", None, "embed")  # whole rows: a row's choices queue for its experts' slots
 TOKEN_SIDE = (None, "batch", None, "embed")  # (experts, batch, capacity, embed) where the rows are
@@ -98,8 +100,8 @@ def route(logits: jax.Array, top_k: int, slots: int) -> Routing:
 def _total_over_rows(x: jax.Array) -> jax.Array:
     """x summed over dim 0, the rows: of the whole batch, summing over the batch axes in a step."""
     x = x.sum(0)
-    if nn.in_step():
-        axes = nn.layout(("batch",))[0]
+    if in_step():
+        axes = layout(("batch",))[0]
         x = lax.psum(vma.vary(x, axes), axes) if axes else x
     return x
 

@@ -85,7 +85,7 @@ class Rules:
     # An unnamed 1-D param (a bias, a norm scale) is replicated and flagged by `describe`;
     # strict rules refuse it, as they refuse every unnamed param that the mesh could split.
     strict: bool = False
-    # Attention over a `seq` the rules split (context parallelism, `jshard.nn.context_attention`):
+    # Attention over a `seq` the rules split (context parallelism, `jshard.nn.context_parallel.context_attention`):
     # "ring" passes keys and values round the axes, "gather" all-gathers them, "a2a" trades the
     # sequence split for a heads split around attention (all-to-all, DeepSpeed-Ulysses).
     context_attention: str = "ring"

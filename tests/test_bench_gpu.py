@@ -96,8 +96,8 @@ def test_kernel_counts_read_launches_by_kind():
 # -- the planner against the H100 ----------------------------------------------------------
 
 
-# XLA's attention on one H100 (`nn.xla_attention`, 2026-11-26): its score bytes are the mean of
-# the two bf16 steps' (`estimate.XLA_SCORE_BYTES`); the planner's other constants and the cuDNN
+# XLA's attention on one H100 (`jshard.nn.attn.xla_attention`, 2026-11-26): its score bytes are the mean of
+# the two bf16 steps' (`timing.XLA_SCORE_BYTES`); the planner's other constants and the cuDNN
 # steps: tests/test_step_time.py.
 PREDICTION_TOLERANCE = 0.10
 

@@ -15,7 +15,8 @@ import pytest
 from flax import nnx
 
 import jshard
-from jshard import nn
+from jshard.nn import context_parallel
+from jshard.nn.context_parallel import balanced_order, split_input
 from jshard.models import DeepMLP, MLPConfig, decoder, gpt_loss, mlp_loss
 from jshard.parallel import build_step
 import decoders
@@ -30,7 +31,7 @@ def test_every_device_holds_an_equal_share_of_causal_work(n):
     chunk j for both query chunks (j < i), or query chunk 2n-1-i for both key chunks (j > i),
     which `ring_attention` computes unmasked."""
     c = 3  # tokens per chunk
-    order = np.asarray(nn.balanced_order(2 * n * c, n)).reshape(n, 2 * c)
+    order = np.asarray(balanced_order(2 * n * c, n)).reshape(n, 2 * c)
     assert sorted(order.ravel()) == list(range(2 * n * c))
     assert all(list(order[i]) == [*range(i * c, (i + 1) * c), *range((2 * n - 1 - i) * c, (2 * n - i) * c)]
                for i in range(n))
@@ -145,7 +146,7 @@ def test_ring_under_bf16_compute_is_near_fp32_on_one_device():
 def test_ring_runs_a_block_tile_by_tile(monkeypatch):
     """With 2-query tiles every block runs as a loop over tiles (its dk, dv summed over them):
     the gradients are still one device's."""
-    monkeypatch.setattr(nn.context, "QUERY_TILE", 2)
+    monkeypatch.setattr(context_parallel, "QUERY_TILE", 2)
     batch = np.random.default_rng(2).integers(0, 64, (4, 17))
     _, expected = one_device_gradients(decoders.make("llama", 0), gpt_loss, batch)
     step = build_step(decoders.make("llama", 0), OPTIMIZER, gpt_loss,
@@ -164,7 +165,7 @@ def test_a_loss_that_averages_only_its_own_chunks():
 
     def own_loss(model, tokens):
         logits = model(tokens[:, :-1]).astype(jnp.float32)
-        labels = nn.split_input(tokens[:, 1:], ("batch", "seq"))  # the identity outside a step
+        labels = split_input(tokens[:, 1:], ("batch", "seq"))  # the identity outside a step
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
     batch = np.random.default_rng(3).integers(0, 64, (4, 17))

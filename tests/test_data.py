@@ -17,7 +17,8 @@ from jshard.app import data, documents, tokenizer
 from jshard.cli import main
 from jshard.models import GPT, GPT_SIZES, gpt_loss
 from jshard.parallel import build_step
-from jshard.app.training import TrainConfig, train
+from jshard.app.train_config import TrainConfig
+from jshard.app.training import train
 
 RUN = dict(model="tiny", batch_size=8, seq_len=32, strategy="dp", mesh="data=8")
 CLI = ["train", "--model", "tiny", "--steps", "2", "--batch-size", "8", "--seq-len", "32", "--strategy", "dp",
@@ -139,7 +140,7 @@ def test_bpe_run_on_a_text_file_resumes_at_the_exact_row(tmp_path):
     text = tmp_path / "book.txt"
     text.write_text(data.corpus_tokens().tobytes().decode() * 2)
     config = dict(RUN, data=str(text), tokenizer="bpe", vocab=512, eval_every=2, steps=4)
-    whole = train(TrainConfig(**config, checkpoint_dir=str(tmp_path / "a"), checkpoint_every=2,
+    whole = train(TrainConfig.of(**config, checkpoint_dir=str(tmp_path / "a"), checkpoint_every=2,
                               metrics=str(tmp_path / "a.jsonl")))
     assert sorted(whole.eval_losses) == [2, 4]
     assert (tmp_path / "a" / tokenizer.FILE).exists()
@@ -150,7 +151,7 @@ def test_bpe_run_on_a_text_file_resumes_at_the_exact_row(tmp_path):
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     shutil.rmtree(tmp_path / "b" / "4")
     (tmp_path / "b.jsonl").write_text("".join((tmp_path / "a.jsonl").read_text().splitlines(True)[:2]))
-    resumed = train(TrainConfig(**{**config, "tokenizer": None}, checkpoint_dir=str(tmp_path / "b"), resume=True,
+    resumed = train(TrainConfig.of(**{**config, "tokenizer": None}, checkpoint_dir=str(tmp_path / "b"), resume=True,
                                 metrics=str(tmp_path / "b.jsonl"), plot=str(tmp_path / "b.png")))
     assert resumed.first_step == 2
     assert resumed.losses == whole.losses[2:] and resumed.eval_losses == {4: whole.eval_losses[4]}  # bit for bit
@@ -186,6 +187,7 @@ def refused(capsys, argv, message):
      "holds token ids already; --tokenizer bpe trains on text"),
     (None, ["--tokenizer", "bpe", "--vocab", "200"], "a byte-level BPE needs a vocab above its 256 byte tokens"),
     (None, ["--plot", "{tmp}/no/curves.png"], "curves.png: directory {tmp}/no does not exist; create it first"),
+    (None, ["--plot", "{tmp}/curves.txt"], "curves.txt: matplotlib writes no .txt picture; name it .png"),
 ])
 def test_bad_data_is_refused_before_device_work(capsys, tmp_path, make, flags, message):
     if make:

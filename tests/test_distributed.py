@@ -26,7 +26,8 @@ from jshard import distributed
 from jshard.app import data
 from jshard.cli import main
 from jshard.distributed import DistributedError, initialize, launch
-from jshard.app.training import TrainConfig, train
+from jshard.app.train_config import TrainConfig
+from jshard.app.training import train
 
 LAUNCH = [sys.executable, "-m", "jshard.cli", "launch"]
 TINY = dict(model="tiny", batch_size=8, seq_len=32, strategy="dp+fsdp+tp", mesh="data=2,fsdp=2,tensor=2")
@@ -247,7 +248,7 @@ def test_two_processes_train_as_one_and_checkpoints_cross_process_counts(tmp_pat
     tokens = tmp_path / "tokens.bin"
     data.corpus_tokens().astype(np.uint16).tofile(tokens)
     # One process, 8 devices (this test process): steps 1-4, checkpoints at 2 and 4.
-    alone = train(TrainConfig(**TINY, data=str(tokens), eval_every=2, steps=4, checkpoint_dir=str(tmp_path / "one"),
+    alone = train(TrainConfig.of(**TINY, data=str(tokens), eval_every=2, steps=4, checkpoint_dir=str(tmp_path / "one"),
                               checkpoint_every=2), out=io.StringIO())
     one = alone.losses
 
@@ -276,7 +277,7 @@ def test_two_processes_train_as_one_and_checkpoints_cross_process_counts(tmp_pat
     # Written by 2 processes, resumed in 1: steps 3-4 as in the uninterrupted run.
     shutil.copytree(tmp_path / "two", tmp_path / "two_at_2")
     shutil.rmtree(tmp_path / "two_at_2" / "4")
-    resumed = train(TrainConfig(**TINY, data=str(tokens), steps=4, checkpoint_dir=str(tmp_path / "two_at_2"),
+    resumed = train(TrainConfig.of(**TINY, data=str(tokens), steps=4, checkpoint_dir=str(tmp_path / "two_at_2"),
                                 resume=True), out=io.StringIO())
     assert resumed.first_step == 2
     np.testing.assert_allclose(resumed.losses, one[2:], rtol=1e-6)
@@ -521,7 +522,7 @@ def test_two_hosts_train_as_one_and_a_cut_link_ends_both_within_30_s_with_one_li
     two_hosts(True)
     processes = _on_two_hosts(tmp_path, "linked", 4)
     assert [p.wait(timeout=TIMEOUT_S) for p in processes] == [0, 0], (tmp_path / "linked0.err").read_text()[-3000:]
-    alone = train(TrainConfig(**TINY, steps=4), out=io.StringIO())
+    alone = train(TrainConfig.of(**TINY, steps=4), out=io.StringIO())
     np.testing.assert_allclose(losses(tmp_path / "linked0.jsonl"), alone.losses, rtol=1e-6)
     assert "[Gloo]" not in (tmp_path / "linked0.out").read_text() + (tmp_path / "linked1.out").read_text()
 

@@ -59,3 +59,11 @@ def test_a_transcript_is_the_commands_output(where, command, shown, capsys):
     out = (captured.out + captured.err).rstrip("\n").splitlines()
     assert code in (0, 2), f"{where}: `{command}` exited {code}"
     assert out == shown, f"{where}: `{command}` now prints:\n" + "\n".join(out)
+
+
+def test_the_architecture_table_has_one_row_per_module():
+    """docs/architecture.md's module tables stay true: a row for each module, none for a module gone."""
+    rows = re.findall(r"^\| `(jshard/[\w/]+\.py)` \|", (ROOT / "docs" / "architecture.md").read_text(), re.M)
+    modules = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "jshard").rglob("*.py"))
+    assert len(rows) == len(set(rows))
+    assert sorted(rows) == modules

@@ -15,7 +15,8 @@ from jshard.cli.plan import plan_input
 from jshard.mesh import default_mesh, mesh_shape
 from jshard.planner.validate import EXAMPLE_MESHES, example_mesh
 from jshard.rules import ShardingError, preset
-from jshard.app.training import TrainConfig, set_up
+from jshard.app.prepare import set_up
+from jshard.app.train_config import TrainConfig
 
 
 def subcommands(parser, prefix=()):
@@ -89,12 +90,12 @@ def test_example_mesh_scales_its_outermost_axis():
 def test_train_without_mesh_takes_the_strategys_default():
     # Before the shared default, every strategy got data=2,fsdp=2,tensor=2, which dp refuses.
     for strategy, expected in (("dp", dict(data=8)), ("zero3", dict(fsdp=8)), ("dp+fsdp+tp", dict(data=2, fsdp=2, tensor=2))):
-        setup = set_up(TrainConfig(model="tiny", strategy=strategy, steps=1))
+        setup = set_up(TrainConfig.of(model="tiny", strategy=strategy, steps=1))
         assert {a: n for a, n in mesh_shape(setup.mesh).items() if n > 1} == expected
 
 
 def test_train_model_size_flags_override_the_named_size():
-    setup = set_up(TrainConfig(model="tiny", strategy="dp", layers=3, embed=96, heads=3, mlp=200, vocab=256, steps=1))
+    setup = set_up(TrainConfig.of(model="tiny", strategy="dp", layers=3, embed=96, heads=3, mlp=200, vocab=256, steps=1))
     assert (setup.model.layers, setup.model.embed, setup.model.heads, setup.model.mlp) == (3, 96, 3, 200)
 
 

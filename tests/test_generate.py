@@ -50,7 +50,7 @@ def gpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     """llama-tiny over a 320-token BPE saved beside it; its record, as older ones, has no family."""
-    bpe = tokenizers.train_bpe([resources.files("jshard").joinpath("corpus.txt").read_text("utf-8")], 320)
+    bpe = tokenizers.train_bpe([resources.files("jshard.app").joinpath("corpus.txt").read_text("utf-8")], 320)
     config = dataclasses.replace(SIZES["llama-tiny"], vocab=320)
     where = save(tmp_path_factory.mktemp("llama"), config, ONE_DEVICE, 1, tokenizer=bpe.identity())
     bpe.save(str(where))

@@ -23,7 +23,9 @@ from jshard import aot
 from jshard.cli import main
 from jshard.models import GPTConfig, decoder, gpt_loss
 from jshard.parallel import make_plan
-from jshard.planner.estimate import ACTIVATIONS, HARDWARE, PlanInput, activation_bytes_per_token_layer, estimate
+from jshard.planner.estimate import PlanInput, estimate
+from jshard.planner.hardware import HARDWARE
+from jshard.planner.memory import ACTIVATIONS, activation_bytes_per_token_layer
 from jshard.planner.validate import (MEMORY_TOLERANCE, VALIDATION_MODELS, example_mesh, validate_one,
                                   validation_models)
 
@@ -69,7 +71,7 @@ def test_collective_bytes_are_the_planners(case, model, target):
 
 # Rows each held to XLA:GPU by its own GPU memory term; without it they read 10% to 16% low.
 GPU_MEMORY_ROWS = [
-    (("dp", None, None, "full"), "gpt"),  # the gradient reduction's peak (`estimate.reduction_bytes`)
+    (("dp", None, None, "full"), "gpt"),  # the gradient reduction's peak (`memory.reduction_bytes`)
     (("dp", None, None, "none", "example", "mixed"), "gpt"),  # the same: bf16 activations beside an f32 reduction
     (("zero2", None, None, "none", "example", "mixed"), "llama"),  # the same, reduce-scattered onto shards
     (("dp+pp", 4, "1f1b", "none", "example", "fp32", "full"), "llama"),  # a recomputing stage (`stage_recompute`)

@@ -5,7 +5,6 @@ with `save_pretrained` beside the logits, loss and greedy tokens it gave (`tests
 `tests/hf/make_fixtures.py`): jshard computes none of them. Where JSHARD_HF_PYTHON names a
 Python with transformers (CI builds one), exports are also loaded back by transformers."""
 
-import dataclasses
 import glob
 import json
 import os
@@ -22,10 +21,13 @@ from safetensors.numpy import load_file
 
 import jshard
 from jshard.app import hf
+from jshard.nn.losses import PAD_LOGIT
 from jshard.app.generation import GenerateConfig, Sampling, generate, run_generation
 from jshard.models import decoder, gpt_loss
 from jshard.parallel import build_step
-from jshard.app.training import TrainConfig, TrainError, set_up, train
+from jshard.app.prepare import set_up
+from jshard.app.train_config import TrainConfig, TrainError
+from jshard.app.training import train
 from parity import OPTIMIZER
 
 HERE = os.path.join(os.path.dirname(__file__), "hf")
@@ -173,12 +175,12 @@ def trained_from_hf(config: TrainConfig, tmp_path):
     the expected loss transformers' on the run's first batch (with JSHARD_HF_PYTHON; else the
     imported model's on one device, whose logits the tests above hold to transformers')."""
     setup = set_up(config)
-    first_batch = setup.split.train.rows(range(config.batch_size))
+    first_batch = setup.split.train.rows(range(config.data.batch_size))
     setup.checkpoints.close()
     result = train(config)
-    expected = transformers_loss(config.init_from, first_batch, tmp_path)
+    expected = transformers_loss(config.model.init_from, first_batch, tmp_path)
     if expected is None:
-        model, _ = imported(config.init_from)
+        model, _ = imported(config.model.init_from)
         expected = float(gpt_loss(model, jnp.asarray(first_batch)))
     return setup, result, first_batch, expected
 
@@ -190,7 +192,7 @@ def test_hf_train_init_from_fine_tunes_and_exports(tmp_path, capsys):
     writes the result as a directory jshard (and transformers) reads back."""
     directory = str(tmp_path / "llama")
     shutil.copytree(fixture("llama"), directory)
-    config = TrainConfig(init_from=directory, strategy="dp+fsdp+tp", steps=20, batch_size=8,
+    config = TrainConfig.of(init_from=directory, strategy="dp+fsdp+tp", steps=20, batch_size=8,
                          checkpoint_dir=str(tmp_path / "ck"))
     _, result, first_batch, expected = trained_from_hf(config, tmp_path)
     assert f"weights     from {directory}" in capsys.readouterr().out
@@ -247,7 +249,7 @@ def test_hf_missing_and_extra_tensors_are_named(tmp_path):
 
 def test_hf_commands_refuse_bad_input_in_one_line(tmp_path):
     with pytest.raises(TrainError, match="--init-from .* gives the model and its tokenizer; --layers"):
-        train(TrainConfig(init_from=fixture("llama"), layers=4))
+        train(TrainConfig.of(init_from=fixture("llama"), layers=4))
     from jshard.app.generation import GenerateError
     with pytest.raises(GenerateError, match="one of them"):
         run_generation(GenerateConfig(checkpoint_dir=None, prompt="x"))
@@ -271,7 +273,7 @@ def test_hf_weights_whose_loss_is_not_finite_stop_the_first_step(tmp_path, value
     from safetensors.numpy import save_file
     save_file(tensors, os.path.join(directory, hf.SINGLE))
     with pytest.raises(TrainError, match=r"step 1: the loss is (nan|inf) at the first step, " + said.format(directory=directory)):
-        train(TrainConfig(init_from=directory, strategy="dp", steps=2, batch_size=8))
+        train(TrainConfig.of(init_from=directory, strategy="dp", steps=2, batch_size=8))
 
 
 def test_hf_init_from_trains_on_a_token_file_of_its_ids_and_generates_from_the_run(tmp_path, capsys):
@@ -282,7 +284,7 @@ def test_hf_init_from_trains_on_a_token_file_of_its_ids_and_generates_from_the_r
     shutil.copytree(fixture("llama"), directory)
     ids = np.random.default_rng(11).integers(0, 320, 4000)
     np.save(tmp_path / "ids.npy", ids.astype(np.int32))
-    config = TrainConfig(init_from=directory, data=str(tmp_path / "ids.npy"), strategy="dp", mesh="data=8", steps=1,
+    config = TrainConfig.of(init_from=directory, data=str(tmp_path / "ids.npy"), strategy="dp", mesh="data=8", steps=1,
                          batch_size=8, seq_len=23, checkpoint_dir=str(tmp_path / "ck"))
     setup, result, first_batch, expected = trained_from_hf(config, tmp_path)
     assert setup.data.tokenizer_identity["kind"] == "bpe" and setup.data.max_id == ids.max()
@@ -293,13 +295,13 @@ def test_hf_init_from_trains_on_a_token_file_of_its_ids_and_generates_from_the_r
     assert "dp on one device (1 of 8 × cpu)" in capsys.readouterr().out
     np.save(tmp_path / "ids.npy", np.append(ids, 320).astype(np.int32))  # one id past the model's vocab
     with pytest.raises(TrainError, match=r"token id 320 is outside the vocab of .*llama \(320: ids 0..319\)\. Fix: "):
-        set_up(dataclasses.replace(config, checkpoint_dir=None))
+        set_up(config.replace(checkpoint_dir=None))
 
 
 # -- a vocabulary no tensor axis divides: GPT-2's 50257 -----------------------------------------------
 # The fixture is GPT-2 with its released vocabulary (tests/hf/fixtures/gpt2-vocab: one small layer,
 # transformers' loss and greedy tokens, no logits kept). Under a split of the vocab its table is
-# padded to 50304 rows (`Layout.model`), the pad rows zero and their logits `nn.PAD_LOGIT`.
+# padded to 50304 rows (`Layout.model`), the pad rows zero and their logits `jshard.nn.losses.PAD_LOGIT`.
 GPT2_VOCAB, GPT2_TABLE = 50257, 50304
 SPLIT_VOCAB = [("dp", dict(data=8)), ("dp+tp", dict(data=4, tensor=2)), ("dp+tp", dict(data=2, tensor=4)),
                ("zero3+tp", dict(fsdp=2, tensor=4))]
@@ -338,7 +340,7 @@ def test_hf_padded_vocabulary_is_never_a_token():
     ref = reference("gpt2-vocab")
     logits = np.asarray(padded(jnp.asarray(ref["ids"])))
     assert relative_error(logits[..., :GPT2_VOCAB], plain(jnp.asarray(ref["ids"]))) < 1e-6  # (another GEMM's rounding)
-    assert (logits[..., GPT2_VOCAB:] == jshard.nn.PAD_LOGIT).all()
+    assert (logits[..., GPT2_VOCAB:] == PAD_LOGIT).all()
     assert float(gpt_loss(padded, jnp.asarray(ref["ids"]))) == pytest.approx(float(ref["loss"]), rel=1e-5)
     mesh = jshard.make_mesh(devices=jax.devices()[:1], data=1)
     greedy = generate(padded, ref["prompt"], Sampling(max_tokens=16, temperature=0.0), mesh, jshard.preset("dp"))
@@ -358,12 +360,12 @@ def test_hf_gpt2_vocabulary_trains_under_tp_and_exports_unpadded(tmp_path, capsy
     shutil.copytree(fixture("gpt2-vocab"), directory)
     ids = np.random.default_rng(5).integers(0, GPT2_VOCAB, 3000)
     np.save(tmp_path / "tokens.npy", ids.astype(np.int32))
-    config = TrainConfig(init_from=directory, data=str(tmp_path / "tokens.npy"), strategy="dp+tp", mesh="data=4,tensor=2",
+    config = TrainConfig.of(init_from=directory, data=str(tmp_path / "tokens.npy"), strategy="dp+tp", mesh="data=4,tensor=2",
                          steps=2, batch_size=8, seq_len=23, checkpoint_dir=str(tmp_path / "ck"))
     _, result, first_batch, expected = trained_from_hf(config, tmp_path)
     assert f"vocab {GPT2_VOCAB} (table {GPT2_TABLE}: padded" in capsys.readouterr().out
     assert abs(result.losses[0] - expected) <= 1e-5 * expected, (result.losses[0], expected)
-    resumed = train(dataclasses.replace(config, strategy="dp", mesh="data=8", steps=3, resume=True))
+    resumed = train(config.replace(strategy="dp", mesh="data=8", steps=3, resume=True))
     assert len(resumed.losses) == 1 and np.isfinite(resumed.losses[0])
     with pytest.raises(jshard.app.generation.GenerateError, match=r"no tokenizer.json, and its vocab of 50257 is not bytes' "
                                                              r"256: .* Fix: put the model's tokenizer.json in "):

@@ -1,7 +1,7 @@
 """The elementwise work between matmuls (`nn.LayerNorm`, `nn.RMSNorm`, `nn.gelu`, `nn.swiglu`):
 the plain formulas' values and gradients, keeping only their inputs for backward, with or
 without an enclosing checkpoint whose policy saves everything (the stack's or ZeRO's); and
-XLA's attention (`nn.xla_attention`): JAX's forward to the bit, keeping its probabilities alone."""
+XLA's attention (`jshard.nn.attn.xla_attention`): JAX's forward to the bit, keeping its probabilities alone."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from jshard import nn
+from jshard.nn.attn import xla_attention
 from seed import SEED
 
 H = 64
@@ -95,18 +96,18 @@ def test_xla_attention_is_jaxs_forward_and_keeps_its_probabilities_alone(kv_head
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
 
     tolerance = 1e-5 if dtype == jnp.float32 else 2e-2
-    ours, theirs = (np.asarray(jax.jit(f)(q, k, v), np.float64) for f in (nn.xla_attention, jaxs))
+    ours, theirs = (np.asarray(jax.jit(f)(q, k, v), np.float64) for f in (xla_attention, jaxs))
     if kv_heads == heads:  # (grouped heads: one einsum here, JAX's vmapped core there, summed in another order)
         np.testing.assert_array_equal(ours, theirs)
     assert np.linalg.norm(ours - theirs) <= 1e-6 * np.linalg.norm(theirs)
     loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a).astype(jnp.float32)))  # noqa: E731
-    for ours, theirs in zip(jax.jit(jax.grad(loss(nn.xla_attention), (0, 1, 2)))(q, k, v),
+    for ours, theirs in zip(jax.jit(jax.grad(loss(xla_attention), (0, 1, 2)))(q, k, v),
                             jax.jit(jax.grad(loss(jaxs), (0, 1, 2)))(q, k, v)):
         ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
         assert np.linalg.norm(ours - theirs) <= tolerance * np.linalg.norm(theirs)
     scores = b * heads * t * t
     inputs = sum(a.nbytes for a in (q, k, v))
     constants = scores * (1 + 4)  # the causal mask and the float32 it selects from: recomputed, or XLA's constants
-    kept = _kept_bytes(nn.xla_attention, q, k, v)
+    kept = _kept_bytes(xla_attention, q, k, v)
     assert kept <= inputs + constants + scores * jnp.dtype(dtype).itemsize + 4  # (+ the scale, a float32 scalar)
     assert _kept_bytes(jaxs, q, k, v) >= kept + scores * 4

@@ -15,12 +15,13 @@ from jshard import planner
 from jshard.cli import build_parser, main
 from jshard.cli.plan import plan_input
 from jshard.models import LLAMA_SIZES, Llama, LlamaConfig, gpt_loss
-from jshard.planner.estimate import ACTIVATIONS
+from jshard.planner.memory import ACTIVATIONS
 from jshard.models.llama import rotary
-from jshard.nn import attention_implementation
+from jshard.nn.attn import attention_implementation
 from jshard.parallel import build_step
 from jshard.rules import ShardingError
-from jshard.app.training import TrainConfig, train
+from jshard.app.train_config import TrainConfig
+from jshard.app.training import train
 
 
 @pytest.mark.parametrize("name, published", [
@@ -86,7 +87,7 @@ def test_bench_step_times_a_llama_against_its_plain_flax_twin(tmp_path, capsys):
 
 
 def test_train_learns_a_llama():
-    result = train(TrainConfig(model="llama-tiny", strategy="dp+fsdp+tp", steps=40, batch_size=16, seq_len=32))
+    result = train(TrainConfig.of(model="llama-tiny", strategy="dp+fsdp+tp", steps=40, batch_size=16, seq_len=32))
     assert result.losses[-1] < 0.75 * result.losses[0], result.losses
 
 

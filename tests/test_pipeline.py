@@ -14,7 +14,7 @@ from jshard import hlo
 from jshard.models import DeepMLP, MLPConfig, gpt_loss, mlp_loss
 from jshard.parallel import build_step
 from jshard.parallel import pipelining
-from jshard.parallel.pipelining import compile_program
+from jshard.parallel.tick_program import compile_program
 from jshard.parallel.schedules import SCHEDULES, ScheduleError, make_schedule
 import decoders
 from parity import (OPTIMIZER, TOLERANCE, assert_gradients_close, assert_trains_like_one_device, assert_trees_close,

@@ -163,7 +163,7 @@ def test_mixtral_expert_params_per_device_fall_as_one_over_ep(ep):
         return
     [row] = all_to_all
     assert row["bytes"] == MIXTRAL.layers * 4 * 8 * slots * MIXTRAL.embed * 2 and row["axes"] == "expert"
-    # each of its calls (4 a layer: `estimate.calls`) pays the link's latency once per step of its n - 1
+    # each of its calls (4 a layer: `communication.calls`) pays the link's latency once per step of its n - 1
     latency = 4 * MIXTRAL.layers * (ep - 1) * physics.LINK_LATENCY["intra"]
     assert row["link"] == "intra" and row["calls"] == 4 * MIXTRAL.layers
     assert row["seconds"] == pytest.approx(row["bytes"] * (ep - 1) / ep / 450e9 + latency)

@@ -134,6 +134,7 @@ def test_bad_metrics_file_is_one_error(tmp_path, capsys, text, message):
     ("missing/run.png",
      "{tmp}/missing/run.png: directory {tmp}/missing does not exist; create it first (mkdir -p {tmp}/missing)"),
     ("run.jsonl", "{tmp}/run.jsonl is the metrics file itself; give the picture another name with -o FILE.png"),
+    ("run.txt", "{tmp}/run.txt: matplotlib writes no .txt picture; name it .png, .pdf or .svg"),
 ])
 def test_bad_output_path_is_one_error(tmp_path, capsys, output, message):
     metrics = write_jsonl(tmp_path / "run.jsonl", LATEST)

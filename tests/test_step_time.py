@@ -1,6 +1,6 @@
-"""The planner's step-time model (`plan.physics`, `estimate.compute_terms`) against what one H100
+"""The planner's step-time model (`planner.physics`, `planner.timing.compute_terms`) against what one H100
 measured, its GEMM sweep as kept for the planner, gradient accumulation's bytes, and
-`jshard plan --search` (`plan.search`): its layouts, its ranking, its refusals."""
+`jshard plan --search` (`planner.search`): its layouts, its ranking, its refusals."""
 
 import json
 import math
@@ -17,8 +17,9 @@ from jshard.cli.bench import measured_plans
 from jshard.app.config import model_config
 from jshard.layout import Layout, LayoutError
 from jshard.planner import physics, search
-from jshard.planner.estimate import (ELEMENTWISE_LAYER_BYTES, ELEMENTWISE_LOGIT_BYTES, HARDWARE, PlanInput, estimate,
-                                  scheduled_step_seconds)
+from jshard.planner.estimate import PlanInput, estimate
+from jshard.planner.hardware import ELEMENTWISE_LAYER_BYTES, ELEMENTWISE_LOGIT_BYTES, HARDWARE
+from jshard.planner.timing import scheduled_step_seconds
 from jshard.precision import precision
 
 RESULTS = pathlib.Path(__file__).parent.parent / "docs" / "results"

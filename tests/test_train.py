@@ -35,7 +35,8 @@ from jshard.models import GPT, gpt_loss
 from jshard.parallel import build_step
 from jshard.placement import specs
 from jshard.models import GPT_SIZES
-from jshard.app.training import TrainConfig, train
+from jshard.app.train_config import TrainConfig
+from jshard.app.training import train
 
 STEPS = 5
 EVAL_EVERY = 2  # and at the end: steps 2, 4, 5
@@ -44,7 +45,7 @@ CLI = ["train", "--model", "tiny", "--steps", "2", "--batch-size", "16", "--seq-
 
 
 def run(**overrides):
-    return train(TrainConfig(**{**RUN, **overrides}))
+    return train(TrainConfig.of(**{**RUN, **overrides}))
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +200,7 @@ def test_mixed_checkpoint_holds_the_fp32_master_and_moves_between_precisions(tmp
     ("grad_reduce", "fp8", "unknown --grad-reduce 'fp8'; choose one of fp32, bf16"),
 ])
 def test_bad_precision_in_a_config_is_refused(field, value, message):
-    from jshard.app.training import TrainError
+    from jshard.app.train_config import TrainError
 
     with pytest.raises(TrainError, match=message):
         run(**{field: value})
@@ -474,7 +475,7 @@ def test_a_config_may_give_the_mesh_as_an_object_and_the_strategy_as_a_list(tmp_
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"mesh": {"data": 2, "tensor": 4}, "strategy": ["dp", "tp"], "steps": 3}))
     config = config_from_args(build_parser().parse_args(["train", "--config", str(path)]))
-    assert (config.mesh, config.strategy, config.steps) == ("data=2,tensor=4", "dp+tp", 3)
+    assert (config.layout.mesh, config.layout.strategy, config.optimizer.steps) == ("data=2,tensor=4", "dp+tp", 3)
 
 
 def test_config_file_is_mirrored_by_flags(capsys, tmp_path):
@@ -563,5 +564,5 @@ def test_a_config_value_of_the_wrong_type_gets_one_line(capsys, tmp_path, config
 def test_a_rotary_model_takes_a_seq_len_past_its_named_one(capsys):
     """llama-tiny is named with seq_len 64, but rotary positions are computed, not a table: 128
     trains (the GPT's learned table keeps its limit: test_bad_flags_are_refused_before_device_work)."""
-    result = train(TrainConfig(model="llama-tiny", seq_len=128, steps=1, batch_size=8, strategy="dp", mesh="data=8"))
+    result = train(TrainConfig.of(model="llama-tiny", seq_len=128, steps=1, batch_size=8, strategy="dp", mesh="data=8"))
     assert np.isfinite(result.losses[0]) and "batch       8 rows × 128 tokens" in capsys.readouterr().out

@@ -36,6 +36,12 @@ def check_output_path(path) -> None:
     directory = Path(path).parent
     if not directory.is_dir():
         raise PlotError(f"{path}: directory {directory} does not exist; create it first (mkdir -p {directory})")
+    from matplotlib.backend_bases import FigureCanvasBase  # (the import costs --help nothing here)
+
+    kinds = FigureCanvasBase.get_supported_filetypes()  # what savefig writes, by the name's suffix
+    suffix = Path(path).suffix.lstrip(".").lower()
+    if suffix and suffix not in kinds:
+        raise PlotError(f"{path}: matplotlib writes no .{suffix} picture; name it .png, .pdf or .svg")
 
 
 def check_record(record, where: str) -> dict:

@@ -163,7 +163,7 @@ def load(path: str | None, tokenizer_kind: str = "bytes", bpe_vocab: int = token
                            f"({joined}; memory-mapped from {file})",
                            {"path": os.path.abspath(path), "tokens": len(tokens), "text_field": text_field}, tokenizer)
     if path is None:
-        texts, source = [resources.files("jshard").joinpath(CORPUS).read_text("utf-8")], f"{CORPUS} (shipped)"
+        texts, source = [resources.files("jshard.app").joinpath(CORPUS).read_text("utf-8")], f"{CORPUS} (shipped)"
     else:
         files = _text_files(path)
         texts, source = _read_texts(files), path + (f" ({len(files)} text files)" if len(files) > 1 else "")

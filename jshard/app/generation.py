@@ -39,13 +39,13 @@ from jshard.app import hf
 from jshard.app import tokenizer as tokenizers
 from jshard.app.checkpoint import Checkpoints, model_of
 from jshard.app.config import write_json
-from jshard.distributed import initialize, is_main_process
+from jshard.app.startup import mesh_text, start_devices
+from jshard.distributed import is_main_process
 from jshard.layout import Layout
-from jshard.mesh import (fake_device_count, format_mesh, mesh_shape, mesh_sizes, use_fake_cpu_devices_unless_accelerated,
-                         use_gpu_xla_flags)
+from jshard.mesh import format_mesh, mesh_shape, mesh_sizes
 from jshard.models import DecoderConfig, decoder
 from jshard.parallel.step_plan import make_plan
-from jshard.rules import ShardingError
+from jshard.rules import PRESET_PARTS, ShardingError
 
 FAKE_DEVICES = 1  # one prompt needs no split; give more to try dp or tp on a CPU
 MAX_TOKENS = 200  # when --max-tokens is not given, or fewer where the model's seq_len ends first
@@ -337,7 +337,7 @@ def _rules(c: GenerateConfig) -> jshard.Rules:
     for part, (why, instead) in NOT_FOR_GENERATION.items():
         if part in parts:
             kept = {p for p in parts if p not in NOT_FOR_GENERATION} | ({instead} - {None})
-            fix = "+".join(p for p in jshard.PRESET_PARTS if p in kept) or "dp"
+            fix = "+".join(p for p in PRESET_PARTS if p in kept) or "dp"
             raise GenerateError(f"--strategy {c.strategy}: generation runs dp, zero1-3 (fsdp) and tp and their "
                                 f"combinations; {why}. Fix: --strategy {fix}.")
     return rules
@@ -378,9 +378,7 @@ def set_up(c: GenerateConfig) -> Setup:
     """Check every input; raises before any device work (a GenerateError, or the mesh's,
     rules' or checkpoint's own error)."""
     _check_values(c)
-    use_gpu_xla_flags()  # as `jshard train`: before JAX starts its backends
-    initialize()
-    use_fake_cpu_devices_unless_accelerated(fake_device_count(c.fake_devices, FAKE_DEVICES))
+    start_devices(c.fake_devices, FAKE_DEVICES)
     rules = _rules(c)
     if (c.checkpoint_dir is None) == (c.init_from is None):
         raise GenerateError("generate from --checkpoint-dir DIR (a jshard run) or --init-from DIR (a Hugging Face "
@@ -457,7 +455,7 @@ def run_generation(c: GenerateConfig, out=None) -> GenerateResult:
         f"from {s.directory} step {s.step}, {s.tokenizer.kind} tokenizer")
     say(f"  {c.num_samples} sample(s) of {len(s.prompt)} prompt + {sampling.max_tokens} new tokens, "
         f"temperature {sampling.temperature:g}, top-k {sampling.top_k or 'all'}, seed {sampling.seed}, "
-        f"{'KV cache' if c.cache else 'no cache'}; {s.rules.name} on {format_mesh(mesh_shape(s.mesh)) or 'one device'} "
+        f"{'KV cache' if c.cache else 'no cache'}; {s.rules.name} on {mesh_text(s.mesh)} "
         f"({_devices(s.mesh)})")
     model = load_model(s)
     generated = generate(model, np.tile(s.prompt, (c.num_samples, 1)), sampling, s.mesh, s.rules, c.cache)

@@ -62,7 +62,7 @@ HOST_FIELDS = ("matmul_efficiency", "tick_s", "call_s")
 
 
 def host_features(plans: list[PlanInput]) -> np.ndarray:
-    """Per layout the three things its step is linear in (`estimate.host_step_seconds`): its
+    """Per layout the three things its step is linear in (`timing.host_step_seconds`): its
     compute at the host's peak (matmul efficiency 1), its pipeline ticks, and its ZeRO-3
     collectives counted per other member of their groups."""
     rows = []

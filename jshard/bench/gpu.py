@@ -40,7 +40,8 @@ from jshard.app.config import model_config
 from jshard.layout import Layout
 from jshard.mesh import use_gpu_xla_flags
 from jshard.models import decoder, gpt_loss
-from jshard.planner.estimate import HARDWARE, PlanInput, estimate
+from jshard.planner.estimate import PlanInput, estimate
+from jshard.planner.hardware import HARDWARE
 from jshard.precision import precision as precision_policy
 
 SEQ = 2048

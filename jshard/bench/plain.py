@@ -16,7 +16,7 @@ from flax import nnx
 
 from jshard.models import GPTConfig, LlamaConfig
 from jshard.models.llama import rotary
-from jshard.nn import attention_implementation
+from jshard.nn.attn import attention_implementation
 
 INIT = nnx.initializers.normal(0.02)
 

@@ -29,7 +29,8 @@ from jshard.models import DecoderConfig, decoder, gpt_loss
 from jshard.parallel import build_step
 from jshard.planner import search
 from jshard.app.config import MODEL_FIELDS, model_config
-from jshard.planner.estimate import Hardware, PlanInput
+from jshard.planner.estimate import PlanInput
+from jshard.planner.hardware import Hardware
 
 
 def plans_of(result: dict, hw: Hardware) -> list:

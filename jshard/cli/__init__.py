@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     from jshard.parallel.schedules import ScheduleError
     from jshard.app.curves import PlotError
     from jshard.rules import ShardingError
-    from jshard.app.training import TrainError
+    from jshard.app.train_config import TrainError
 
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)

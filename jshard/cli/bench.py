@@ -18,7 +18,7 @@ from jshard.app.config import FlagError, model_config, write_json
 from jshard.mesh import (fake_device_count, mesh_sizes, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags,
                          xla_flags_line)
 from jshard.metrics import PROFILE_STEPS
-from jshard.planner.estimate import HARDWARE, hardware_of
+from jshard.planner.hardware import HARDWARE, hardware_of
 from jshard.parallel.schedules import SCHEDULES
 
 

@@ -14,8 +14,11 @@ from jshard.cli.plan import auto_layout, plan_input
 from jshard.app.config import FlagError, write_json
 from jshard.mesh import use_gpu_xla_flags, xla_flags_line
 from jshard.models import decoder, gpt_loss
-from jshard.planner.estimate import HARDWARE, estimate, report, scheduled_step_seconds
-from jshard.app.training import AUTO
+from jshard.planner.estimate import estimate
+from jshard.planner.hardware import HARDWARE
+from jshard.planner.report_text import report
+from jshard.planner.timing import scheduled_step_seconds
+from jshard.app.train_config import AUTO
 
 
 def add_parser(commands) -> None:

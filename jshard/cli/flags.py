@@ -32,8 +32,8 @@ from jshard.app.config import MODEL_FIELDS, FlagError, model_config
 from jshard.layout import KEYS, Layout, LayoutError
 from jshard.models import SIZES
 from jshard.models.stack import REMAT_POLICIES
-from jshard.nn import ATTENTION
-from jshard.parallel.pipelining import STAGE_REMAT
+from jshard.nn.attn import ATTENTION
+from jshard.parallel.tick_program import STAGE_REMAT
 from jshard.parallel.schedules import SCHEDULES
 from jshard.precision import PRECISIONS, REDUCE_DTYPES, Precision, precision
 

@@ -11,14 +11,16 @@ from jshard import aot
 from jshard.cli import flags
 from jshard.app.config import FlagError, write_json
 from jshard.mesh import fake_device_count, mesh_sizes, use_fake_cpu_devices, use_gpu_xla_flags
-from jshard.planner import memory_png
-from jshard.planner.estimate import GiB, HARDWARE, Hardware, PlanInput, estimate, report
+from jshard.planner.estimate import PlanInput, estimate
+from jshard.planner.hardware import GiB, HARDWARE, Hardware
+from jshard.planner.memory_chart import memory_png
+from jshard.planner.report_text import report
 from jshard.planner.search import bottleneck, pick, search, table
 from jshard.planner.validate import (MEMORY_TOLERANCE, format_validation, validate_one, validation_cases, validation_models,
                                   within_tolerance)
 from jshard.app.curves import check_output_path
 from jshard.rules import preset
-from jshard.app.training import AUTO, SEQ_LEN, TrainConfig
+from jshard.app.train_config import AUTO, SEQ_LEN, TrainConfig
 
 HARDWARE_FLAGS = (  # flag, Hardware field, unit
     ("--peak-tflops", "peak_flops", 1e12), ("--hbm-gib", "hbm_bytes", GiB), ("--hbm-bw-gbs", "hbm_bw", 1e9),
@@ -217,10 +219,10 @@ def defaults_line(args, est: dict) -> str | None:
     train = TrainConfig()
     rows = est["tokens_per_step"] // est["model"]["seq_len"]
     differ = [f"{what} {mine} (train: {theirs})" for what, mine, theirs, in_force in (
-        ("strategy", args.strategy, train.strategy, args.strategy == DEFAULTS["strategy"]),
-        ("precision", args.precision, train.precision, args.precision == DEFAULTS["precision"]),
+        ("strategy", args.strategy, train.layout.strategy, args.strategy == DEFAULTS["strategy"]),
+        ("precision", args.precision, train.layout.precision, args.precision == DEFAULTS["precision"]),
         ("seq", est["model"]["seq_len"], f"{SEQ_LEN} or the model's if shorter", args.seq_len is None),
-        ("batch", f"{rows} rows", train.batch_size, args.batch_size is None and args.micro_batch_size is None),
+        ("batch", f"{rows} rows", train.data.batch_size, args.batch_size is None and args.micro_batch_size is None),
     ) if in_force and str(mine) != str(theirs)]
     if not differ:
         return None

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
 from jshard.app import checkpoint
@@ -12,8 +11,8 @@ from jshard.app import tokenizer as tokenizers
 from jshard.app import training
 from jshard.cli import flags
 from jshard.metrics import PROFILE_STEPS
-from jshard.app.training import EVAL_BATCHES, PIPELINE_MICROBATCHES, TrainConfig, TrainError
-from jshard.app.training import FAKE_DEVICES as TRAIN_FAKE_DEVICES
+from jshard.app.train_config import EVAL_BATCHES, FIELDS, PIPELINE_MICROBATCHES, TrainConfig, TrainError
+from jshard.app.train_config import FAKE_DEVICES as TRAIN_FAKE_DEVICES
 
 
 def add_parser(commands) -> None:
@@ -21,11 +20,11 @@ def add_parser(commands) -> None:
         "train", help="train a GPT on the shipped corpus (the main job)", description=training.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    defaults = TrainConfig()
+    defaults = TrainConfig().flat()
 
     def add(flag, help, **kw):
         name = flag[2:].replace("-", "_")
-        shown = getattr(defaults, name, None)
+        shown = defaults.get(name)
         parser.add_argument(flag, default=None, help=f"{help} (default: {shown})" if shown is not None else help, **kw)
 
     add("--config", "JSON file of TrainConfig fields; flags given override it", metavar="FILE")
@@ -41,9 +40,9 @@ def add_parser(commands) -> None:
     add("--init-from", "fine-tune a Hugging Face model: a local directory with config.json, safetensors and "
                        "tokenizer.json (Llama 3, Mistral, Qwen2, Qwen3, Mixtral; docs/checkpoints.md); in place of "
                        "--model and the size flags", metavar="DIR")
-    flags.add_model(parser, None, defaults.model, seq_len_help="tokens per row (default: 64, or the model's longest "
+    flags.add_model(parser, None, defaults["model"], seq_len_help="tokens per row (default: 64, or the model's longest "
                                                                "if shorter)")
-    flags.add_strategy(parser, None, defaults.strategy, auto=True)
+    flags.add_strategy(parser, None, defaults["strategy"], auto=True)
     flags.add_mesh(parser)
     flags.add_layout(parser)
     flags.add_pipeline(parser, shown=f"{PIPELINE_MICROBATCHES} when pipelining")
@@ -51,10 +50,10 @@ def add_parser(commands) -> None:
     add("--batch-size", "rows per optimizer step (global batch)", type=int)
     add("--lr", "peak learning rate", type=float)
     add("--warmup", "linear warm-up steps before the cosine decay (default: steps // 10)", type=int)
-    flags.add_precision(parser, None, defaults.precision)
+    flags.add_precision(parser, None, defaults["precision"])
     add("--grad-accum", "micro-batches per optimizer step, their gradients accumulated inside the step before one "
                         "reduction and update", type=int)
-    flags.add_remat(parser, None, defaults.remat)
+    flags.add_remat(parser, None, defaults["remat"])
     add("--checkpoint-dir", "directory of orbax checkpoints", metavar="DIR")
     add("--checkpoint-every", "save every N steps (default: at the end only)", type=int, metavar="N")
     parser.add_argument("--resume", action="store_true", default=None,
@@ -79,9 +78,9 @@ def add_parser(commands) -> None:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """TrainConfig defaults <- the --config file <- flags given on the command line (--layout's
-    fields as flags)."""
+    fields as flags); the file and the flags name the fields flat, each goes to its section."""
     args = flags.with_layout(args)
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    fields = {f.name for f in FIELDS}
     values = {}
     if args.config:
         try:
@@ -94,13 +93,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             raise TrainError(f"--config {args.config}: unknown field(s) {', '.join(unknown)}. "
                              f"Known: {', '.join(sorted(fields))}")
     values = {k: _as_text(k, v) for k, v in values.items()}
-    wrong = [f for f in dataclasses.fields(TrainConfig) if f.name in values and not _of_type(values[f.name], f.type)]
+    wrong = [f for f in FIELDS if f.name in values and not _of_type(values[f.name], f.type)]
     if wrong:  # a JSON value of the wrong type, as a flag's: one line for them all
         raise TrainError(f"--config {args.config}: " + "; ".join(
             f"{f.name} is {json.dumps(values[f.name])}, not {_FIELD_WORDS.get(f.name) or _TYPE_WORDS[f.type]}"
             for f in wrong) + ". Fix: e.g. " + ", ".join(f'"{f.name}": {json.dumps(_example(f))}' for f in wrong) + ".")
     values.update({k: v for k, v in vars(args).items() if k in fields and v is not None})
-    return TrainConfig(**values)
+    return TrainConfig.of(**values)
 
 
 # TrainConfig's field types, as JSON must give them; a mesh and a strategy may also be given as
@@ -125,7 +124,7 @@ def _as_text(name: str, value):
 
 def _example(field):
     """A value of the field's type for the error: its default, or one --help would show."""
-    default = getattr(TrainConfig(), field.name)
+    default = field.default
     if field.name == "mesh":
         return "data=2,fsdp=2,tensor=2"
     return default if default is not None else {"int": 1, "float": 0.1, "str": "..."}[field.type.split(" ")[0]]
@@ -140,7 +139,7 @@ def _of_type(value, annotation: str) -> bool:
 
 def run(args) -> int:
     config = config_from_args(args)
-    if config.checkpoint_dir:
+    if config.checkpoint.checkpoint_dir:
         checkpoint.reports_to_log()  # a failed save is one line here, not orbax's threads' tracebacks
     training.train(config)
     return 0

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jshard import nn
+from jshard.nn.attn import ATTENTION
 from jshard.models.stack import StagedLoss, scan_layers, scan_stack, stack_layers
 
 RESIDUAL = ("batch", "seq", "embed")
@@ -45,7 +46,7 @@ class GPTConfig:
     tied_head: bool = True
     dtype: jnp.dtype | None = None  # compute dtype; None: the step's precision policy's (`nn.compute_dtype`)
     remat: str = "none"  # activation checkpointing of each block: none, full or selective (see stack.py)
-    attention: str = "auto"  # the kernel: auto, xla or cudnn (`nn.attention_implementation`)
+    attention: str = "auto"  # the kernel: auto, xla or cudnn (`jshard.nn.attn.attention_implementation`)
     bias: bool = False  # biases on every Linear (GPT-2's)
     norm_epsilon: float = 1e-6  # the LayerNorms' (GPT-2: 1e-5)
 
@@ -71,8 +72,8 @@ class GPTConfig:
             raise ValueError(f"GPTConfig: vocab_multiple={self.vocab_multiple!r} must be an integer >= 1")
         if self.embed % self.heads:
             raise ValueError(f"GPTConfig: embed={self.embed} must divide by heads={self.heads}")
-        if self.attention not in nn.ATTENTION:
-            raise ValueError(f"GPTConfig: attention={self.attention!r}; choose one of {', '.join(nn.ATTENTION)}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"GPTConfig: attention={self.attention!r}; choose one of {', '.join(ATTENTION)}")
 
 
 # Named sizes, for every command's --model (with the Llamas: `models.SIZES`). `seq_len` is

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jshard import moe, nn
+from jshard.nn.attn import ATTENTION
 from jshard.moe import MoE
 from jshard.models.gpt import HIDDEN, LOGITS, PER_HEAD, RESIDUAL
 from jshard.models.stack import scan_layers, scan_stack, stack_layers
@@ -56,7 +57,7 @@ class LlamaConfig:
     qk_norm: bool = False  # an RMSNorm over each head's queries and keys before rotary (Qwen3)
     dtype: jnp.dtype | None = None  # compute dtype; None: the step's precision policy's (`nn.compute_dtype`)
     remat: str = "none"  # see stack.py
-    attention: str = "auto"  # the kernel: auto, xla or cudnn (`nn.attention_implementation`)
+    attention: str = "auto"  # the kernel: auto, xla or cudnn (`jshard.nn.attn.attention_implementation`)
     norm_epsilon: float = 1e-5
     # A mixture of experts in place of each block's MLP (`jshard.moe`): `experts` SwiGLUs of
     # width `mlp`, each token routed to `top_k`; 0 experts: the dense MLP.
@@ -106,8 +107,8 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig: embed={self.embed} must divide by heads={self.heads} (or give head_size)")
         if self.heads % self.kv_heads:
             raise ValueError(f"LlamaConfig: heads={self.heads} must divide by kv_heads={self.kv_heads}")
-        if self.attention not in nn.ATTENTION:
-            raise ValueError(f"LlamaConfig: attention={self.attention!r}; choose one of {', '.join(nn.ATTENTION)}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"LlamaConfig: attention={self.attention!r}; choose one of {', '.join(ATTENTION)}")
         if self.experts:
             moe.check(self.experts, self.top_k, self.capacity_factor, "LlamaConfig")
         if self.moe_every < 1 or self.layers % self.moe_every:

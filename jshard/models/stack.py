@@ -13,7 +13,9 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jshard import nn, vma
+from jshard import vma
+from jshard.nn.params import gathers_weights, holds_replicas, remat_policy
+from jshard.rules import manual_axes
 
 # Adds (and on use removes) `layers` as the first logical name of every stacked Variable.
 _LAYERS_METADATA = {nnx.PARTITION_NAME: "layers"}
@@ -74,8 +76,8 @@ def layer_call(layers: nnx.Module) -> Callable[[nnx.Module, jax.Array], jax.Arra
         return layer(x)
 
     policy = REMAT_POLICIES[getattr(layers, "remat", "none")]
-    if policy is None and (nn.gathers_weights() or nn.holds_replicas()):
-        policy = nn.remat_policy
+    if policy is None and (gathers_weights() or holds_replicas()):
+        policy = remat_policy
     return nnx.remat(apply, policy=policy) if policy is not None else apply
 
 
@@ -106,7 +108,7 @@ def _as_carry(apply, layers, x: jax.Array) -> jax.Array:
     its input did not (an all-gathered activation: varying, though equal on all devices)
     would break that. An abstract pass over the layers finds the output's type.
     """
-    if not nn.manual_axes():
+    if not manual_axes():
         return x
 
     @nnx.scan(in_axes=(None, 0), out_axes=0, transform_metadata=_LAYERS_METADATA)

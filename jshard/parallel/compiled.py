@@ -39,7 +39,7 @@ from flax import nnx
 from jax.lax import with_sharding_constraint
 from jax.sharding import NamedSharding
 
-from jshard import nn
+from jshard.nn.step_context import step_context
 from jshard.parallel.model_state import ModelState
 from jshard.parallel.step_plan import Plan
 from jshard.parallel.state import (PlannedStep, TrainState, accumulate, lower, over_micro_batches, split_loss,
@@ -168,7 +168,7 @@ class CompiledStep(PlannedStep):
         """The step context (`nn.step_context`: the rules), and the mesh for `jshard.constrain`'s bare
         specs, while the step is traced (`jax.set_mesh` may not be entered inside `jax.jit`; the
         abstract mesh may)."""
-        with nn.step_context(self.rules, compute=self.plan.compute, platform=self.plan.platform,
+        with step_context(self.rules, compute=self.plan.compute, platform=self.plan.platform,
                              fp8=self.plan.fp8), jax.sharding.use_abstract_mesh(_abstract(self.mesh)):
             yield
 

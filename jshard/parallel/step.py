@@ -5,7 +5,7 @@ holds it), `opt` (how the optimizer state and the update are split: the ZeRO axe
 the batch axes (activation rule `batch`). The body:
 
     1. differentiable view: DP / ZeRO-1 / ZeRO-3 the param itself; ZeRO-2 its `opt`
-       shard, paired with the replica the forward uses (`nn.ShardWithReplica`). Cast to
+       shard, paired with the replica the forward uses (`nn.params.ShardWithReplica`). Cast to
        varying over the batch axes, so autodiff leaves batch reductions to step 3.
     2. loss and grads of this device's share of the batch. Inside, layers gather ZeRO-3
        weights (the transpose: a reduce-scatter) and reduce-scatter ZeRO-2 gradients per
@@ -17,7 +17,7 @@ the batch axes (activation rule `batch`). The body:
        `TrainState.master`), cast to the held dtype, then back to the `param` layout:
        an all-gather for ZeRO-1/2, nothing for DP and ZeRO-3.
 
-A split param reaches the model as its block (`nn.LocalBlock`): `nn.param` computes with it;
+A split param reaches the model as its block (`nn.params.LocalBlock`): `nn.params.param` computes with it;
 a plain Flax layer's read gets it whole, gathered first (`step.describe` lists those). The
 model's other Variables (batch statistics, RNG streams) travel whole in
 `TrainState.model_state`; `model_state.py` syncs and checks what the forward writes to them.
@@ -51,7 +51,10 @@ from jax import lax
 from jax.extend import core
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from jshard import nn, vma
+from jshard import vma
+from jshard.nn.layouts import Layout as AxesLayout, relayout_local
+from jshard.nn.params import LocalBlock, ShardWithReplica, gathers_weights, remat_policy
+from jshard.nn.step_context import current_step, step_context
 from jshard.parallel import pipelining
 from jshard.parallel.compiled import CompiledStep
 from jshard.parallel.model_state import ModelState, sync_batch_norms
@@ -63,17 +66,17 @@ from jshard.placement import Report, adopt_array_shardings
 from jshard.rules import ShardingError, layout_of
 
 
-def _layouts(spec_tree) -> list[nn.Layout]:
+def _layouts(spec_tree) -> list[AxesLayout]:
     """One layout (a tuple of mesh axes per dim) per leaf of a tree of PartitionSpecs."""
     return [layout_of(spec) for spec in jax.tree.leaves(spec_tree)]
 
 
-def _axes_in(layout: nn.Layout) -> set[str]:
+def _axes_in(layout: AxesLayout) -> set[str]:
     return {a for axes in layout for a in axes}
 
 
-def _split(layout: nn.Layout, stage_axis) -> nn.Layout | None:
-    """The axes a direct read of this param gathers (`nn.LocalBlock`): all but a pipeline's
+def _split(layout: AxesLayout, stage_axis) -> AxesLayout | None:
+    """The axes a direct read of this param gathers (`nn.params.LocalBlock`): all but a pipeline's
     stage axis, whose layers each stage holds as its own. None where there are none."""
     split = tuple(tuple(a for a in axes if a != stage_axis) for axes in layout)
     return split if any(split) else None
@@ -203,7 +206,7 @@ class ShardedStep(PlannedStep):
             return None
         return pipelining.held_slots(self.plan.stage_layers, self.schedule.stages, self.schedule.virtual)
 
-    def _stacked(self, layout: nn.Layout) -> bool:
+    def _stacked(self, layout: AxesLayout) -> bool:
         return bool(layout) and self.plan.stage_axis in layout[0]
 
     def _reorder(self, tree, spec_tree, inverse: bool = False):
@@ -261,7 +264,7 @@ class ShardedStep(PlannedStep):
         leaves, treedef = jax.tree.flatten(tree)
         return treedef.unflatten([fn(leaf, *args) for leaf, *args in zip(leaves, *per_leaf_args)])
 
-    def _vary(self, x, layout: nn.Layout):
+    def _vary(self, x, layout: AxesLayout):
         """x, cast to varying over the batch (and context) axes it is not split over (no communication)."""
         return vma.vary(x, [a for a in self.plan.grad_axes if a not in _axes_in(layout)])
 
@@ -274,18 +277,18 @@ class ShardedStep(PlannedStep):
             return self._per_leaf(self._vary, master, self.opt_layouts), self.opt_layouts
 
         def shard(w, have, want):
-            return self._vary(nn.relayout_local(w, have, want), want)
+            return self._vary(relayout_local(w, have, want), want)
 
         return self._per_leaf(shard, params, self.param_layouts, self.opt_layouts), self.opt_layouts
 
-    def _local(self, block, layout: nn.Layout, path: str):
-        """A param's block as the model holds it: where it is split, an `nn.LocalBlock` that
-        `nn.param` computes with as it is and a plain layer's read gathers whole."""
+    def _local(self, block, layout: AxesLayout, path: str):
+        """A param's block as the model holds it: where it is split, an `nn.params.LocalBlock` that
+        `nn.params.param` computes with as it is and a plain layer's read gathers whole."""
         split = _split(layout, self.plan.stage_axis)
-        return nn.LocalBlock(block, split, self.plan.batch_axes, path) if split else block
+        return LocalBlock(block, split, self.plan.batch_axes, path) if split else block
 
     def _with_replicas(self, shards, params):
-        """ZeRO-2: each param that the opt layout splits, as (shard, replica) for `nn.param`."""
+        """ZeRO-2: each param that the opt layout splits, as (shard, replica) for `nn.params.param`."""
 
         def pair(shard, replica, have, want, path):
             split = [d for d, (h, w) in enumerate(zip(have, want)) if h != w]
@@ -297,7 +300,7 @@ class ShardedStep(PlannedStep):
             own = self.plan.grad_axes + ((stage_axis,) if stage_axis else ())
             vary = tuple(a for a in own if a not in _axes_in(have))
             whole = _split(have, stage_axis) or ((),) * replica.ndim
-            return nn.ShardWithReplica(shard, replica, split[0] - replica.ndim, axes, vary, whole,
+            return ShardWithReplica(shard, replica, split[0] - replica.ndim, axes, vary, whole,
                                        self.plan.batch_axes, path, self._reduce_dtype)
 
         return self._per_leaf(pair, shards, jax.tree.leaves(params), self.param_layouts, self.opt_layouts,
@@ -336,10 +339,10 @@ class ShardedStep(PlannedStep):
     @contextlib.contextmanager
     def _splitting_sequences(self):
         """While tracing the loss: under context parallelism, check that the model split its
-        sequences over the context axes (`nn.split_input`: jshard.nn's Embed and cross_entropy).
+        sequences over the context axes (`nn.context_parallel.split_input`: jshard.nn's Embed and cross_entropy).
         A model that never does computes the same on each device of those axes: refused, as a
         mesh axis no rule uses is."""
-        splits = nn.current_step().context_splits  # the inputs split while the body traces (`nn.step_context`)
+        splits = current_step().context_splits  # the inputs split while the body traces (`nn.step_context`)
         try:
             yield
         except Exception as e:  # (a model that splits nothing may fail first, e.g. its own scan's carry types)
@@ -382,7 +385,7 @@ class ShardedStep(PlannedStep):
             pending = [a for a in self.plan.grad_axes if a not in _axes_in(have)]
             if self._reduce_dtype is not None:
                 g = g.astype(self._reduce_dtype)
-            return nn.relayout_local(g, have, want, pending) / (self.data_shards * steps)
+            return relayout_local(g, have, want, pending) / (self.data_shards * steps)
 
         grads = self._per_leaf(reduce, grads, grad_layouts, self.opt_layouts)
         value = (loss, metrics) if self.plan.has_aux else loss
@@ -412,8 +415,8 @@ class ShardedStep(PlannedStep):
             # (embeddings, head, final norm) are gathered once and kept: their first backward
             # use is where forward ends, and XLA merges a second gather into the first on
             # some versions and not on others, so keeping them makes the count one on all.
-            if nn.gathers_weights() and not self.plan.has_stack:
-                loss_of = jax.checkpoint(loss_of, policy=nn.remat_policy)
+            if gathers_weights() and not self.plan.has_stack:
+                loss_of = jax.checkpoint(loss_of, policy=remat_policy)
             (loss, (new, metrics)), grads = jax.value_and_grad(loss_of, has_aux=True)(diff, mine)
             # Refused here if a Variable was written differently on each device (not as a scan's carry
             # type mismatch); else `mine`'s tree and types, as accumulation's scan carries it.
@@ -424,23 +427,23 @@ class ShardedStep(PlannedStep):
         return micro_step
 
     def _body(self, state: TrainState, batch):
-        with nn.step_context(self.rules, self.whole_reads, self.plan.compute, self.plan.platform, self.plan.fp8):
+        with step_context(self.rules, self.whole_reads, self.plan.compute, self.plan.platform, self.plan.fp8):
             loss, grads, model_state = self._loss_and_grads(state.params, state.model_state, batch, state.master)
             if state.master is not None:
                 shards = state.master
             else:
-                shards = self._per_leaf(nn.relayout_local, state.params, self.param_layouts, self.opt_layouts)
+                shards = self._per_leaf(relayout_local, state.params, self.param_layouts, self.opt_layouts)
             grads = jax.tree.map(lambda g, w: g.astype(w.dtype), grads, shards)  # the update in the shard's dtype
             updates, opt_state = self.tx.update(grads, state.opt_state, shards)
             shards = optax.apply_updates(shards, updates)
             held = jax.tree.map(lambda w, p: w.astype(p.dtype), shards, state.params)  # cast before the gather
-            gather = functools.partial(nn.relayout_local, invariant=True)
+            gather = functools.partial(relayout_local, invariant=True)
             params = self._per_leaf(gather, held, self.opt_layouts, self.param_layouts)
             return TrainState(params, opt_state, model_state, shards if state.master is not None else None), loss
 
     def _loss_body(self, params, others, batch, master=None):
         """Evaluation: step 2's forward alone, on the same blocks; no gradient, no state written."""
-        with nn.step_context(self.rules, self.whole_reads, self.plan.compute, self.plan.platform, self.plan.fp8):
+        with step_context(self.rules, self.whole_reads, self.plan.compute, self.plan.platform, self.plan.fp8):
             diff, _ = self._differentiable(params, master)
             model_of = self._model_builder(params, self.others.for_batch_shard(others, self.batch_axes))
             with self._splitting_sequences():
@@ -453,7 +456,7 @@ class ShardedStep(PlannedStep):
             return over_batch_shards(value, self.batch_axes)
 
     def _grads_body(self, params, others, batch, master=None):
-        with nn.step_context(self.rules, self.whole_reads, self.plan.compute, self.plan.platform, self.plan.fp8):
+        with step_context(self.rules, self.whole_reads, self.plan.compute, self.plan.platform, self.plan.fp8):
             return self._loss_and_grads(params, others, batch, master)[:2]
 
     # -- what the step does with each param ------------------------------------------------

@@ -41,7 +41,7 @@ from jshard.layout import Layout, LayoutError
 from jshard.mesh import (COLLECTIVES_IN_FLIGHT_OPTION, TRITON_GEMM_OPTION, ZERO3_COLLECTIVES_IN_FLIGHT, abstract_mesh,
                          format_mesh, make_mesh, mesh_shape)
 from jshard.models.stack import StagedLoss, has_stack
-from jshard.parallel import pipelining
+from jshard.parallel import tick_program
 from jshard.parallel.model_state import check_no_pipeline
 from jshard.parallel.schedules import Schedule, make_schedule, stage_layers
 from jshard.placement import ParamLayout, Placement, Report, adopt_array_shardings, paths_and_shapes, place, specs_of
@@ -470,7 +470,7 @@ def _schedule(rules: Rules, mesh, stages, given: str, loss_fn, microbatches, sch
             f"which pipelines them: it needs Layout.microbatches=M >= 1 (got {microbatches!r}) and a "
             "jshard.models.StagedLoss that says where the stack of layers starts and ends "
             "(jshard.models.gpt_loss and mlp_loss are). Fix: Layout(..., microbatches=4).")
-    pipelining.check_stage_remat(stage_remat or "none")
+    tick_program.check_stage_remat(stage_remat or "none")
     context = rules.context_axes(mesh)
     if context and rules.context_attention == "ring":
         # A pipeline tick runs its stage's action in a branch the other stages skip. XLA:CPU

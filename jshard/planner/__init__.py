@@ -1,128 +1,36 @@
 """`jshard plan`: will this fit, and will communication hide behind compute? Answered before
 any device work, from the formulas in ../shared/SPEC.md, and checked against XLA.
 
-    estimate.py   the formulas: memory, communication and time per device, from the step's
-                  own layout table on an abstract mesh (no devices)
-    validate.py   the same estimate for small steps built on fake CPU devices, against
-                  `compiled.memory_analysis()` and the compiled HLO's collective bytes
+    estimate.py       `estimate`: memory, communication and time per device, from the step's
+                      own layout table on an abstract mesh (no devices), for a `PlanInput`
+    planned_step.py  the step's plan without devices, and what the three estimates share of it
+    hardware.py       the hardware profiles, and the link a group of mesh axes falls on
+    memory.py         memory per device: training state, activations, the pipeline's buffers
+    communication.py  the collectives' bytes per step, their calls and their time on the links
+    timing.py         compute by term, exposed communication, the step time and MFU
+    physics.py        what one GEMM, attention or collective costs on a device
+    counts.py         widths and slots the formulas count of a decoder's config
+    report_text.py    the estimate as the text `jshard plan` prints
+    memory_chart.py   `--png`: the memory per device as stacked bars against the HBM
+    search.py         every layout for a model and a device count, estimated and ranked
+    validate.py       the same estimate for small steps built on fake CPU devices, against
+                      `compiled.memory_analysis()` and the compiled HLO's collective bytes
 
-This module draws `--png`: the memory per device as stacked bars, one segment per kind,
-against the device's HBM. The command line (the shared flags, a hardware profile and its
-overrides, `--validate`) is `jshard.cli.plan`.
+The command line (the shared flags, a hardware profile and its overrides, `--validate`) is
+`jshard.cli.plan`.
 """
 
-from __future__ import annotations
-
-from jshard.mesh import format_mesh
-from jshard.parallel.schedules import SCHEDULES
-from jshard.placement import format_bytes
-from jshard.planner.estimate import (GiB, HARDWARE, Hardware, PlanInput, estimate, step_plan, report, sends,
-                                  state_bytes, traffic)
+from jshard.planner.planned_step import step_plan
+from jshard.planner.communication import sends, traffic
+from jshard.planner.estimate import PlanInput, estimate
+from jshard.planner.hardware import GiB, HARDWARE, Hardware
+from jshard.planner.memory import state_bytes
+from jshard.planner.memory_chart import HBM_SCALE, MEMORY_COLOURS, PNG_DPI, UNITS, memory_png, memory_rows
+from jshard.planner.report_text import report
 from jshard.planner.validate import (MEMORY_TOLERANCE, MOE_VALIDATION, VALIDATION, VALIDATION_MODELS, format_validation,
                                   validate_one, validation_cases, within_tolerance)
 
-__all__ = ["HARDWARE", "MEMORY_TOLERANCE", "MOE_VALIDATION", "VALIDATION", "VALIDATION_MODELS", "Hardware", "PlanInput",
-           "estimate", "format_validation", "step_plan", "memory_png", "memory_rows", "report", "sends",
-           "state_bytes", "traffic", "validate_one", "validation_cases", "within_tolerance"]
-
-
-# --- --png: memory per device -------------------------------------------------------------
-
-MEMORY_COLOURS = {  # model state in blues and greens, what the step adds in warm colours
-    "params": "#4c72b0", "grads": "#64b5cd", "master": "#55a868", "optimizer": "#8fbc8f",
-    "accumulated": "#a1c9f4", "gathered": "#8172b3", "chunk_weights": "#937860", "activations": "#dd8452", "reduction": "#da8bc3",
-    "batch": "#c44e52",
-}
-UNITS = (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
-PNG_DPI = 120
-HBM_SCALE = 10  # the HBM line is drawn when it is at most this many times the largest bar
-
-
-def memory_rows(est: dict) -> list[tuple[str, dict[str, int]]]:
-    """(label, {kind: bytes per device}) per bar: the plan; under a pipeline, one per `--stage-remat`
-    mode of the trade the report prints (they differ only in activations), the plan's marked."""
-    memory = {kind: n for kind, n in est["memory_bytes_per_device"].items() if kind != "total"}
-    trade = est["stage_remat_trade"]
-    if not trade:
-        return [(f"{est['strategy']}, remat {est['model']['remat']}", memory)]
-    return [(f"{_schedule_name(est)}, stage remat {mode}" + ("\n(this plan)" if mode == est["stage_remat"] else ""),
-             memory | {"activations": t["activations"]}) for mode, t in trade.items()]
-
-
-def memory_png(est: dict, path: str):
-    """Memory per device as horizontal stacked bars (`memory_rows`) and the HBM as a dashed line; returns the Figure."""
-    from matplotlib.figure import Figure  # Figure, not pyplot: no GUI backend is involved
-
-    rows = memory_rows(est)
-    hbm, hardware = est["hardware"]["hbm_bytes"], est["hardware"]["name"]
-    totals = [sum(memory.values()) for _, memory in rows]
-    # A plan that uses a sliver of HBM would be an invisible bar next to the line: scale to the bars instead.
-    hbm_on_scale = hbm <= HBM_SCALE * max(totals)
-    largest = max(totals + [hbm] if hbm_on_scale else totals)
-    unit_name, unit = _unit(largest)
-    figure = Figure(figsize=(10, 1.5 + 0.65 * len(rows)), layout="constrained")
-    axes = figure.add_subplot()
-    axes.set_xlim(0, 1.3 * largest / unit)  # room right of the longest bar for its total
-    _draw_bars(axes, rows, unit)
-    if hbm_on_scale:
-        axes.axvline(hbm / unit, color="black", linestyle="--", linewidth=1.2,
-                     label=f"HBM {format_bytes(hbm, 1)}\n({hardware})")
-    _label_totals(axes, rows, unit, hbm)
-    axes.set_xlabel(f"memory per device ({unit_name})")
-    axes.invert_yaxis()  # the first row on top
-    axes.grid(axis="x", alpha=0.3)
-    axes.set_axisbelow(True)
-    off_scale = "" if hbm_on_scale else f"\nHBM {format_bytes(hbm, 1)} ({hardware}) is off the scale"
-    axes.set_title(_memory_title(est) + off_scale, fontsize=9, loc="left")
-    figure.legend(loc="outside right upper", frameon=False, fontsize=8)
-    figure.savefig(path, dpi=PNG_DPI)
-    return figure
-
-
-def _unit(largest: float) -> tuple[str, int]:
-    """The largest binary unit the axis reaches at least one of."""
-    return next((name, n) for name, n in UNITS if largest >= n or n == 1)
-
-
-def _draw_bars(axes, rows, unit: int) -> None:
-    """One `barh` per kind (a legend entry each), stacked left to right in the planner's order, each
-    segment wide enough to hold it labelled with its size."""
-    labels = [label for label, _ in rows]
-    left = [0.0] * len(rows)
-    kinds = [kind for kind in rows[0][1] if any(m[kind] for _, m in rows)]  # kinds a plan does not have stay out
-    for kind in kinds:
-        widths = [m[kind] / unit for _, m in rows]
-        bars = axes.barh(labels, widths, left=left, height=0.6, label=kind.replace("_", " "),
-                         color=MEMORY_COLOURS.get(kind, "#bbbbbb"), edgecolor="white", linewidth=0.8)
-        wide = axes.get_xlim()[1] * 0.05
-        axes.bar_label(bars, labels=[f"{w:.3g}" if w >= wide else "" for w in widths], label_type="center",
-                       fontsize=7, color="white")
-        left = [a + b for a, b in zip(left, widths)]
-
-
-def _label_totals(axes, rows, unit: int, hbm: float) -> None:
-    """Each bar's total at its end, in red where it does not fit."""
-    for y, (_, memory) in enumerate(rows):
-        total = sum(memory.values())
-        fits = total <= hbm
-        axes.text(total / unit, y, f" {format_bytes(total, 1)}" + ("" if fits else "\n does not fit"),
-                  va="center", fontsize=8, color="black" if fits else "#c00000")
-
-
-def _schedule_name(est: dict) -> str:
-    """The `--schedule` name of the plan's schedule (the estimate records its class)."""
-    return {cls.__name__: name for name, cls in SCHEDULES.items()}.get(est["schedule"], est["schedule"])
-
-
-def _memory_title(est: dict) -> str:
-    model, mesh = est["model"], format_mesh(est["mesh"]) or "one device"
-    pipeline = f", {_schedule_name(est)} m={est['microbatches']}" if est["schedule"] else ""
-    return (f"{model['kind']} {_count(model['params'])} params, {model['layers']} layers, seq {model['seq_len']}, "
-            f"{model['dtype']}, remat {model['remat']}\n"
-            f"{est['strategy']} on {mesh}{pipeline}, micro-batch {est['micro_batch_size']} rows")
-
-
-def _count(n: int) -> str:
-    """70.6 B, 125 M, 838 k: a parameter count as people say it."""
-    scales = (("B", 1e9), ("M", 1e6), ("k", 1e3), ("", 1))
-    return next(f"{n / scale:.3g} {name}".rstrip() for name, scale in scales if n >= scale or scale == 1)
+__all__ = ["GiB", "HARDWARE", "HBM_SCALE", "MEMORY_COLOURS", "MEMORY_TOLERANCE", "MOE_VALIDATION", "PNG_DPI", "UNITS",
+           "VALIDATION", "VALIDATION_MODELS", "Hardware", "PlanInput", "estimate", "format_validation", "step_plan",
+           "memory_png", "memory_rows", "report", "sends", "state_bytes", "traffic", "validate_one", "validation_cases",
+           "within_tolerance"]

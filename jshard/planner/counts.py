@@ -1,14 +1,15 @@
 """What the planner counts of a decoder's config, beyond its sizes: quantities no model code
-reads, so they live beside their one reader (`estimate.py`) rather than on the configs.
+reads, so they live beside their readers (the planner's formulas) rather than on the configs.
 """
 
 from __future__ import annotations
 
 from jshard.models import DecoderConfig, LlamaConfig
+from jshard.moe import capacity
 
 
 def input_projections(config: DecoderConfig, combined: bool = False) -> int:
-    """The reductions of a block's input gradients under TP (`estimate.tensor_traffic`): XLA:CPU
+    """The reductions of a block's input gradients under TP (`communication.tensor_traffic`): XLA:CPU
     reduces each column-parallel linear's own (a GPT's qkv and up: 2; a Llama's q, kv and
     gate_up: 3); XLA:GPU (`combined`) sums those of linears reading the same normed input first,
     one reduction per input (attention's and the MLP's: 2)."""
@@ -46,3 +47,13 @@ def fp8_cast_widths(config: DecoderConfig) -> int:
     if isinstance(config, LlamaConfig):
         return 7 * config.embed + 2 * config.kv_heads * config.head_dim + 3 * config.mlp
     return 8 * config.embed + 2 * config.mlp
+
+
+def is_moe(config: DecoderConfig) -> bool:
+    return bool(getattr(config, "experts", 0))
+
+
+def slots_per_token(config: DecoderConfig) -> float:
+    """A MoE layer's dispatch buffer slots per token, E · C / seq (C = `moe.capacity` of a whole
+    row): what the experts compute, filled or not (about capacity factor × top_k; E when dropless)."""
+    return config.experts * capacity(config.seq_len, config.experts, config.top_k, config.capacity_factor) / config.seq_len

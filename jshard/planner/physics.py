@@ -1,5 +1,5 @@
 """What one device's work and one collective cost: the planner's step-time model, term by term
-(`estimate` adds them up; docs/planning.md gives each term's source).
+(`timing` adds them up; docs/planning.md gives each term's source).
 
     GEMMs        a roofline on each per-device shape: the longer of FLOPs at the FLOP/s this
                  device sustains at that shape and the bytes of its operands and result at HBM
@@ -104,7 +104,7 @@ def projections(config: DecoderConfig, tensor: int) -> list[tuple[int, int]]:
 
 
 def gemm_seconds(m: int, n: int, k: int, dtype: str, hw) -> float:
-    """One GEMM (m × k) @ (k × n) on one device of `hw` (a `plan.estimate.Hardware`):
+    """One GEMM (m × k) @ (k × n) on one device of `hw` (a `hardware.Hardware`):
     the roofline of its FLOPs and its bytes, and no shorter than one kernel."""
     fp8 = dtype == "fp8"
     kept = measured(hw.name)

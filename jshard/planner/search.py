@@ -27,7 +27,8 @@ import math
 
 from jshard.layout import Layout
 from jshard.mesh import default_mesh
-from jshard.planner.estimate import Hardware, PlanInput, estimate
+from jshard.planner.estimate import PlanInput, estimate
+from jshard.planner.hardware import Hardware
 from jshard.placement import format_bytes
 from jshard.rules import CONTEXT_PRESETS, ShardingError, preset
 

@@ -20,10 +20,12 @@ from jshard import hlo
 from jshard.layout import Layout
 from jshard.mesh import default_mesh, format_mesh, make_mesh, mesh_shape
 from jshard.models import LLAMA_SIZES, DecoderConfig, GPTConfig, LlamaConfig, decoder, gpt_loss
-from jshard.parallel.pipelining import compile_program
+from jshard.parallel.tick_program import compile_program
 from jshard.parallel.state import abstract_batch
 from jshard.parallel.step import build_step
-from jshard.planner.estimate import HARDWARE, PlanInput, computed, estimate
+from jshard.planner.planned_step import computed
+from jshard.planner.estimate import PlanInput, estimate
+from jshard.planner.hardware import HARDWARE
 from jshard.precision import precision as precision_policy
 from jshard.rules import ShardingError, preset
 

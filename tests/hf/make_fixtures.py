@@ -69,7 +69,7 @@ from transformers import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-CORPUS = ROOT / "jshard" / "corpus.txt"
+CORPUS = ROOT / "jshard" / "app" / "corpus.txt"
 OUT = Path(__file__).resolve().parent / "fixtures"
 
 VOCAB = 320

@@ -1,0 +1,95 @@
+"""The hardware profiles the planner estimates for: a device's FLOP/s, HBM and its bandwidth, the
+links inside and between nodes (`Hardware`, `HARDWARE`), which profile a JAX device is
+(`hardware_of`), and which link a group of mesh axes falls on (`link`, `nodes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jshard.mesh import STANDARD_AXES as AXES
+
+GiB = 2**30
+
+
+# A GPU step's memory-bound work between its GEMMs (`compute_terms`), as bytes of HBM traffic
+# at the profile's bandwidth: what a step measured on one H100 takes beyond its GEMMs and
+# attention (`physics`, the measured sweep), AdamW's pass and the launches, fitted over the
+# runs of docs/results/bench-step-h100-jax0.11.2-2026-11-27.json, each checked with it left out
+# (`jshard bench fit`, docs/planning.md):
+ELEMENTWISE_LAYER_BYTES = 47  # per token, layer and element of embed + mlp: norms, activations,
+#                                residuals, the layer scan's stacking of what backward keeps
+ELEMENTWISE_LOGIT_BYTES = 22  # per token and vocabulary entry: the loss over the logits, in fp32
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s per device (fp32 matmuls: half, as TF32)
+    hbm_bytes: float
+    hbm_bw: float  # bytes/s
+    intra_bw: float  # bytes/s per device, one direction, inside a node (NVLink)
+    inter_bw: float  # bytes/s per device, one direction, between nodes (one NIC per GPU)
+    gpus_per_node: int
+    # Fraction of peak that a step's matmuls sustain. Measured on one H100 (`jshard bench gpu`,
+    # docs/benchmarks.md): an 8192² bf16 matmul 681-806 TFLOP/s, a 1B model's matmul and
+    # attention kernels 732 (its profile): 0.74-0.75 of the 989 datasheet.
+    matmul_efficiency: float = 0.75
+    # Where attention may run as cuDNN's fused flash kernel, which keeps no (seq × seq) scores
+    # (`nn.attention_implementation`: GPUs, in bf16); XLA's materialises them for backward.
+    platform: str = "gpu"
+    # Dense FP8 FLOP/s per device (the `fp8` policy's projections); None: no FP8 tensor cores.
+    # A CPU has none either, but computes FP8 products in bf16 (`nn.fp8`): its bf16 peak.
+    fp8_peak_flops: float | None = None
+    # A GPU step's memory-bound work between its GEMMs, as bytes of HBM traffic (below).
+    elementwise_layer_bytes: float = ELEMENTWISE_LAYER_BYTES
+    elementwise_logit_bytes: float = ELEMENTWISE_LOGIT_BYTES
+    # Fake CPU devices (`platform` "cpu") share one host: what a pipeline tick and a ZeRO-3 gather
+    # or scatter (per other device of its group: a rendezvous of their threads) cost the host
+    # beyond its FLOPs (`host_step_seconds`).
+    tick_s: float = 0.0
+    call_s: float = 0.0
+
+
+# Datasheets (SXM parts; NVLink 4 = 450 GB/s each way, 400 Gb/s InfiniBand NIC per GPU).
+# cpu: this repository's 2-core host (README: a measured 206 GFLOP/s), threads as "links".
+# The CPU profile's host constants (`bench fit` of a `bench search --json` result)
+CPU_HOST = dict(matmul_efficiency=0.732, tick_s=1.88e-3, call_s=5.63e-5)
+HARDWARE = {
+    "h100": Hardware("h100", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, 8, fp8_peak_flops=1979e12),
+    "h200": Hardware("h200", 989e12, 141e9, 4.8e12, 450e9, 50e9, 8, fp8_peak_flops=1979e12),
+    "a100": Hardware("a100", 312e12, 80 * GiB, 2.04e12, 300e9, 25e9, 8),
+    # matmul_efficiency, tick_s, call_s: fitted (`bench.fit.fit_host`) to `jshard bench search` of
+    # the small GPT on 8 fake devices of this 2-core host (jax 0.12.0.1, timed in rounds), checked
+    # on the small Llama (docs/planning.md).
+    "cpu": Hardware("cpu", 0.206e12, 16 * GiB, 20e9, 10e9, 10e9, 8, matmul_efficiency=CPU_HOST["matmul_efficiency"],
+                    platform="cpu", tick_s=CPU_HOST["tick_s"], call_s=CPU_HOST["call_s"], fp8_peak_flops=0.206e12),
+}
+# A device's kind, as JAX names it, to its profile (the parts the profiles describe).
+KINDS = {"H100": "h100", "H200": "h200", "A100": "a100"}
+
+
+def hardware_of(device) -> Hardware | None:
+    """The profile of a JAX device: `cpu` for a CPU (fake devices: the host's), a GPU's by its
+    kind; None where there is none."""
+    if device.platform == "cpu":
+        return HARDWARE["cpu"]
+    return next((HARDWARE[name] for kind, name in KINDS.items() if kind in device.device_kind), None)
+
+
+def link(axes: str, sizes: dict[str, int], hw: Hardware) -> tuple[float, str]:
+    """Bandwidth of a mesh axis group: intra-node when its devices and every axis inside it
+    (mesh order data, stage, fsdp, context, expert, tensor: tensor innermost) fit in one node."""
+    first = min(AXES.index(a) for a in axes.split("+"))
+    span = math.prod(sizes[a] for a in AXES[first:])
+    return (hw.intra_bw, "intra") if span <= hw.gpus_per_node else (hw.inter_bw, "inter")
+
+
+def nodes(axes: str, sizes: dict[str, int], hw: Hardware) -> int:
+    """The nodes a group of `axes` spans: one inside a node, else its devices and those of the
+    axes inside it (`link`) over `gpus_per_node`, at most one a member."""
+    if link(axes, sizes, hw)[1] == "intra":
+        return 1
+    first = min(AXES.index(a) for a in axes.split("+"))
+    span = math.prod(sizes[a] for a in AXES[first:])
+    return min(math.prod(sizes[a] for a in axes.split("+")), math.ceil(span / hw.gpus_per_node))

@@ -1,0 +1,219 @@
+"""The step's time on one device: its compute by term (`compute_terms`: the GEMMs, attention,
+the memory-bound work between them, launches, the optimizer; `physics`), the ring's overlap
+condition (`context_overlap`), what fake CPU devices cost their shared host (`host_work`,
+`host_step_seconds`), and `step_time`: compute, the bubble and the communication the overlap
+leaves exposed, as a step time and MFU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+from jshard import metrics
+from jshard.models import DecoderConfig
+from jshard.parallel.tick_program import work as pipeline_work
+from jshard.parallel.step_plan import Plan
+from jshard.planner import physics
+from jshard.planner.planned_step import PlannedStep, local
+from jshard.planner.counts import fp8_cast_widths, is_moe, slots_per_token
+from jshard.planner.hardware import Hardware, link
+from jshard.planner.memory import state_bytes
+
+
+# XLA's attention (not cuDNN's fused kernel) computes the seq × seq scores in HBM: masking,
+# softmax and their gradients in fp32. Bytes per score element (one query, key, head and layer):
+# a step with XLA's attention less the rest of its prediction (its QK^T and PV as batched GEMMs
+# on the sweep), over its scores: 38 (Llama-3.2-1B), 20 (GPT-1B), measured on one H100 with
+# `nn.xla_attention` (docs/results/gpu-check-h100-jax0.11.2-2026-11-26-softmax.json), their mean.
+XLA_SCORE_BYTES = 29
+# FP8 (`nn.fp8`): each cast reads its bf16 operand twice (its max, then the cast) and writes one
+# byte: activations and gradients per token (`counts.fp8_cast_widths`), the weights forward and
+# again in backward. Counted from the bytes, not fitted (docs/planning.md).
+FP8_CAST_BYTES = 5
+
+
+def compute_terms(config: DecoderConfig, step: Plan, hw: Hardware, rows: int, seq: int, passes: int, layers: int,
+                  tensor: int, sp: bool, attention: str, optimizer_traffic: float, stage_recompute: bool) -> dict:
+    """One device's compute in a step, by term (`physics`): `passes` forward-backward passes
+    (micro-batches × accumulation) of `rows` rows of `seq` tokens through its `layers` and the
+    head, then the optimizer once. On a GPU also the memory-bound work between the GEMMs (bytes
+    per element, measured: `ELEMENTWISE_*`), kernel launches and the layers' loops; XLA:CPU
+    runs the elementwise work beside its matmuls (measured: none to add)."""
+    tokens, gpu = rows * seq, hw.platform == "gpu"
+    dtype = "bf16" if jnp.dtype(config.dtype) == jnp.bfloat16 else "f32"
+    # remat full (or a pipeline stage's) runs the forward again; selective, attention's core
+    forwards = 2.0 if config.remat == "full" or stage_recompute else 1.0
+    core_forwards = 2.0 if config.remat != "none" or stage_recompute else 1.0
+    moe_layers = config.moe_layers * layers // config.layers if is_moe(config) else 0
+    shapes = physics.projections(config, tensor)
+    gemms = layers * physics.training_gemms_seconds(shapes[:-2], tokens, "fp8" if step.fp8 else dtype, hw, forwards)
+    mlp = physics.training_gemms_seconds(shapes[-2:], tokens, "fp8" if step.fp8 else dtype, hw, forwards)
+    gemms += (layers - moe_layers) * mlp
+    if moe_layers:  # each slot through an expert's MLP: the tokens' slots, spread over the experts
+        gemms += moe_layers * physics.training_gemms_seconds(
+            shapes[-2:], math.ceil(tokens * slots_per_token(config)), dtype, hw, forwards)
+    gemms += physics.training_gemms_seconds([(config.embed, config.vocab // tensor)], tokens, dtype, hw)  # the head
+    if attention == "cudnn":
+        core = layers * physics.attention_seconds(config, tokens, config.seq_len, tensor, hw, core_forwards)
+    else:  # QK^T and PV per head as batched GEMMs: forward two, backward four
+        hd, keys, batch = config.head_dim, config.seq_len, rows * config.heads // tensor
+        core = layers * batch * ((core_forwards + 1) * physics.gemm_seconds(seq, keys, hd, dtype, hw)
+                                 + (core_forwards + 1) * physics.gemm_seconds(seq, hd, keys, dtype, hw))
+    terms = dict(gemms=passes * gemms, attention=passes * core, memory_bound=0.0, launches=0.0, optimizer=0.0)
+    if not gpu:  # XLA:CPU runs the elementwise work beside its matmuls; a host's ops: `host_step_seconds`
+        return terms
+    recompute = forwards if config.remat == "full" or stage_recompute else 1.0
+    width = config.embed / (tensor if sp else 1) + config.mlp / tensor
+    per_element = jnp.dtype(config.dtype).itemsize / 2
+    memory = (hw.elementwise_layer_bytes * per_element * tokens * layers * width * recompute
+              + hw.elementwise_logit_bytes * tokens * config.vocab / tensor)  # the loss is fp32 in any compute dtype
+    if step.fp8:
+        memory += FP8_CAST_BYTES * tokens * layers * fp8_cast_widths(config) / tensor * recompute
+    if attention != "cudnn":  # XLA's kernel, or jshard's own under cp: each local query's scores over the sequence
+        memory += XLA_SCORE_BYTES * layers * config.heads / tensor * rows * seq * config.seq_len * recompute
+    terms["memory_bound"] = passes * memory / hw.hbm_bw
+    terms["launches"] = passes * (physics.launch_seconds(layers, hw) + physics.loop_seconds(2 * layers, hw))
+    fp8_weights = sum(local(p.elements, p.param, step.mesh_sizes) for p in step.params if p.fp8)
+    terms["optimizer"] = (optimizer_traffic + FP8_CAST_BYTES * 2 * fp8_weights * passes) / hw.hbm_bw
+    return terms
+
+
+def scheduled_step_seconds(est: dict, overlapped: dict[tuple[str, str], float]) -> float:
+    """The estimate's step with its communication exposed as a compiled program schedules it:
+    each collective's time but the share of its bytes a matmul runs beside (`overlapped`:
+    {(kind, axes): share}, `aot.GpuProgram.overlapped_share`) added to the compute (stretched
+    by the bubble, the optimizer after it), in place of the overlap ratios' guess."""
+    terms = est["compute_terms"]
+    compute = (est["compute_s"] - terms["optimizer"]) / (1 - est["bubble_fraction"]) + terms["optimizer"]
+    return compute + sum(r["seconds"] * (1 - overlapped.get((r["kind"], r["axes"]), 0.0)) for r in est["collectives"])
+
+
+def host_work(step: Plan, collectives: list[dict], ticks: int) -> dict:
+    """What fake CPU devices' program costs their host beyond its FLOPs: a pipeline's ticks, and
+    ZeRO-3's gathers and scatters (XLA:CPU's, one a param: `calls`), each counted once per other
+    device of its group, whose threads must all reach it on the host's few cores. (TP's and SP's
+    collectives, of activations inside a layer, measured to add nothing: docs/planning.md.)"""
+    zero = set(step.zero_axes) if step.rules.zero == 3 else set()
+    members = sum(c["calls"] * (c["group"] - 1) for c in collectives
+                  if c["kind"] in ("all-gather", "reduce-scatter") and set(c["axes"].split("+")) <= zero)
+    return dict(ticks=ticks, zero3_member_calls=members)
+
+
+def host_step_seconds(terms: dict, host: dict, hw: Hardware, devices: int) -> float:
+    """A step of fake CPU devices: they share the host's cores, so the host runs every device's
+    compute (the step costs their sum; an idle pipeline stage costs nothing: no bubble), plus
+    `tick_s` a pipeline tick and `call_s` per ZeRO-3 collective and other member (`host_work`;
+    measured: `jshard bench search`)."""
+    return devices * sum(terms.values()) + host["ticks"] * hw.tick_s + host["zero3_member_calls"] * hw.call_s
+
+
+def context_overlap(config: DecoderConfig, cp: int, flops: float, bandwidth: float) -> float:
+    """Ring attention's overlap condition: one K/V block's send over one ring step's attention.
+
+    A step after the first computes half a block, (seq/cp) queries × (seq/2cp) keys, per head:
+    4 · rows · heads/tensor · head_dim · seq²/(2cp²) FLOPs forward, while K and V of seq/cp
+    tokens travel (2 · rows · seq/cp · kv_heads/tensor · head_dim · itemsize bytes). Their ratio:
+
+        t_send / t_block = (cp / seq) · (kv_heads / heads) · itemsize · flops / bandwidth
+
+    rows, head_dim and tensor parallelism cancel; it falls with the sequence, as the attention per byte grows. (In
+    backward each step computes 2.5× the FLOPs and sends K, V and their fp32 gradients.)"""
+    kv_heads = getattr(config, "kv_heads", config.heads)
+    itemsize = jnp.dtype(config.dtype).itemsize
+    return cp / config.seq_len * kv_heads / config.heads * itemsize * flops / bandwidth
+
+
+def adamw_traffic(state: dict[str, int]) -> int:
+    """AdamW's pass over the state once a step (`memory.state_bytes`, as held): reads and writes
+    params, master and moments, reads the gradients."""
+    return 2 * (state["params"] + state.get("master", 0) + state["optimizer"]) + state["grads"]
+
+
+def step_time(planned: PlannedStep, collectives: list[dict]) -> dict:
+    """The step's FLOPs, compute (`compute_terms`), overlap ratios, bubble and predicted time and
+    MFU, with `collectives` (`communication.communication`) exposed where they do not hide behind
+    compute; on fake CPU devices, the host's time (`host_step_seconds`)."""
+    config, hw, step, sizes = planned.config, planned.hw, planned.step, planned.sizes
+    rules, schedule, stage_remat = step.rules, step.schedule, step.stage_remat
+    batch_axes, data_shards, context, cp = step.batch_axes, step.data_shards, step.context_axes, step.context_shards
+    tensor_axes, sp, tensor, stage_axis = step.tensor_axes, step.sequence_parallel, planned.tensor, step.stage_axis
+    rows, local_seq, m, accum = planned.rows, planned.local_seq, planned.microbatches, planned.grad_accum
+    layers_local, attention = planned.layers_local, planned.attention
+    n_devices = math.prod(sizes.values())
+    optimizer_traffic = adamw_traffic(state_bytes(step, config.layers, hw.platform))
+    tokens = rows * config.seq_len * m * data_shards * accum
+    flops_model = metrics.flops_per_token(config, config.seq_len) * tokens
+    # The FLOPs run count what the experts compute: every slot of the buffer, filled or not,
+    # E·C/seq per token where the model FLOPs (and MFU) count top_k.
+    flops_base, expert_forward = flops_model, 0.0
+    if is_moe(config):
+        per_slot = 2 * 3 * config.embed * config.mlp * config.moe_layers * tokens  # the experts' forward, a slot per token
+        flops_base += 3 * per_slot * (slots_per_token(config) - config.top_k)
+        expert_forward = per_slot * slots_per_token(config)  # what selective remat runs again
+    if schedule and stage_remat == "full":  # one more forward: +1/3 of 6N (ZB-H1: one for B, one for W)
+        flops_run = flops_base * pipeline_work(schedule, stage_remat)
+    elif config.remat == "full":
+        flops_run = flops_base * 8 / 6
+    elif config.remat == "selective":  # the attention core's forward again: QK^T and PV; and the experts'
+        flops_run = flops_base + 4 * config.layers * config.seq_len * config.embed * tokens + expert_forward
+    else:
+        flops_run = flops_base
+    peak = hw.peak_flops * (1 if jnp.dtype(config.dtype) == jnp.bfloat16 else 0.5)
+    terms = compute_terms(config, step, hw, rows, local_seq, m * accum, layers_local, tensor, sp, attention,
+                          optimizer_traffic, stage_recompute=bool(schedule) and stage_remat == "full")
+    t_compute = sum(terms.values())
+    times = {(r["kind"], r["axes"]): r["seconds"] for r in collectives}
+
+    def t_of(pred):
+        return sum(t for (kind, axes), t in times.items() if pred(kind, axes))
+
+    zero = set(step.zero_axes)
+    t_tp = t_of(lambda k, a: a == "+".join(tensor_axes))
+    t_zero = t_of(lambda k, a: set(a.split("+")) <= zero and k in ("all-gather", "reduce-scatter"))
+    plain = ({a for a in batch_axes if sizes[a] > 1} | set(context)) - zero  # the gradient all-reduce's axes
+    t_dp = t_of(lambda k, a: k == "all-reduce" and set(a.split("+")) <= plain) if plain else 0.0
+    t_pp = t_of(lambda k, a: a == stage_axis)
+    t_cp = t_of(lambda k, a: a == "+".join(context) and k != "all-reduce") if cp > 1 else 0.0
+    # ZeRO-3's lookup of the token table (`lookup_axes`): the other all-to-all, over the ZeRO axes
+    t_lookup = t_of(lambda k, a: k == "all-to-all" and set(a.split("+")) <= zero and a != "+".join(context)
+                    ) if rules.zero == 3 else 0.0
+    # All-to-all CP's (`context_attention` "a2a"), like EP's, on the critical path: attention waits for its heads
+    t_ep = t_of(lambda k, a: k == "all-to-all" and a != "+".join(context)) - t_lookup
+    bubble = schedule.bubble_fraction_of_step if schedule else 0.0
+    ratios = {
+        "dp": t_dp / (t_compute * 2 / 3) if t_dp else None,  # the gradient all-reduce hides behind backward
+        "zero3": t_zero / t_compute if t_zero and rules.zero == 3 else None,
+        "tp": t_tp / t_compute if t_tp else None,
+        "ep": t_ep / t_compute if t_ep else None,
+        "pp": t_pp / t_compute if t_pp else None,
+        "cp": context_overlap(config, cp, peak * hw.matmul_efficiency, link("+".join(context), sizes, hw)[0])
+        if cp > 1 and rules.context_attention == "ring" else None,
+    }
+    # TP sits on the critical path (each block waits for its reduction), and so do EP's
+    # all-to-alls (the experts wait for their rows, the rows for the experts' outputs) and the
+    # lookup's (the first layer waits for its rows, the table's gradient for theirs); the
+    # others overlap compute and show only where they are longer than it.
+    # The ring's sends overlap attention only: what the ratio leaves of them is exposed.
+    t_cp_exposed = t_cp * max(0.0, 1 - 1 / ratios["cp"]) if t_cp and rules.context_attention == "ring" else t_cp
+    # Collective matmuls (`sp-overlap`) take SP's transfers off the critical path, each ring step
+    # beside a partial matmul (91% of their bytes in the compiled H100 program, docs/gpu-compile.md).
+    t_ring = t_of(lambda k, a: k == "collective-permute" and a == "+".join(tensor_axes)) if rules.collective_matmul else 0.0
+    # The optimizer runs once, after the pipeline drains: the bubble stretches the rest.
+    step_s = ((t_compute - terms["optimizer"]) / (1 - bubble) + terms["optimizer"] + t_tp - t_ring + t_ep + t_lookup
+              + t_cp_exposed + max(0.0, t_dp + t_zero + t_pp + t_ring - t_compute))
+    host = None
+    if hw.platform == "cpu":
+        host = host_work(step, collectives, schedule.ticks * accum if schedule else 0)
+        # XLA:CPU: a layer's recompute (remat) measured to cost the host a quarter to a third of its
+        # FLOPs (+8-12% a step for +33% FLOPs at remat full: docs/planning.md): not counted
+        host_terms = terms if config.remat == "none" else compute_terms(
+            dataclasses.replace(config, remat="none"), step, hw, rows, local_seq, m * accum, layers_local, tensor, sp,
+            attention, optimizer_traffic, stage_recompute=bool(schedule) and stage_remat == "full")
+        step_s = host_step_seconds(host_terms, host, hw, n_devices)
+    mfu = flops_model / (step_s * n_devices * peak)
+    return dict(tokens_per_step=tokens, flops_per_step=dict(model=flops_model, run=flops_run), compute_s=t_compute,
+                compute_terms=terms, host=host, overlap_ratios=ratios, bubble_fraction=bubble, predicted_step_s=step_s,
+                predicted_mfu=mfu)
