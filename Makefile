@@ -5,6 +5,8 @@
 #   make coverage   - the suite with branch coverage of jshard/ (docs/testing.md)
 #   make gpu-check  - on a GPU machine: the device tier of the tests there, then `jshard bench gpu`
 #                     and `jshard bench kernels` (docs/benchmarks.md); DRY=1 runs the same path here with tiny models
+#   make maxtext-compare - MaxText's 8B step beside jshard's, both compiled for 8 H100s here (not in CI;
+#                     its own virtualenv, Python >= 3.12; docs/gpu-compile.md)
 # The suite's seed is fixed; JSHARD_TEST_SEED=<int> replaces it to fuzz (pytest's header shows it).
 # Another Python gets its own virtualenv, e.g. the newest JAX (which needs Python >= 3.12):
 #   make test PYTHON=python3.12 VENV=.venv-py3.12
@@ -18,7 +20,7 @@ GPU_COMPILE ?=
 GPU_STAMP := $(VENV)/.gpu-compile
 NEEDS     := $(STAMP) $(if $(GPU_COMPILE),$(GPU_STAMP))
 
-.PHONY: train test test-fast coverage gpu-check venv versions clean
+.PHONY: train test test-fast coverage gpu-check maxtext-compare venv versions clean
 
 # Re-install only when the package definition changes.
 $(STAMP): pyproject.toml
@@ -79,4 +81,27 @@ gpu-check: $(if $(filter $(VENV)/bin/python,$(GPU_CHECK_PYTHON)),$(STAMP))
 	exit $$(( tests || bench || kernels ))
 
 clean:
-	rm -rf $(VENV) .venv-py* .venv-hf build *.egg-info
+	rm -rf $(VENV) .venv-py* .venv-hf .venv-maxtext build *.egg-info
+
+# MaxText 0.2.5 in a virtualenv of its own: its accelerator-free requirements (they bring the JAX
+# and Flax it is built on, inside jshard's ranges), XLA's GPU compiler for that JAX, and jshard.
+MAXTEXT_PYTHON ?= python3.12
+MAXTEXT_VENV   ?= .venv-maxtext
+MAXTEXT_STAMP  := $(MAXTEXT_VENV)/.installed
+
+$(MAXTEXT_STAMP): pyproject.toml
+	$(MAXTEXT_PYTHON) -m venv $(MAXTEXT_VENV)
+	$(MAXTEXT_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(MAXTEXT_VENV)/bin/python -m pip install --quiet maxtext==0.2.5
+	$(MAXTEXT_VENV)/bin/python -m pip install --quiet -r $$($(MAXTEXT_VENV)/bin/python -c 'import maxtext, pathlib; \
+	    print(pathlib.Path(maxtext.__file__).parent.parent / "dependencies/requirements/generated_requirements/decoupled-requirements.txt")')
+	v=$$($(MAXTEXT_VENV)/bin/python -c 'import jax; print(jax.__version__)') && \
+	$(MAXTEXT_VENV)/bin/python -m pip install --quiet "jax-cuda13-plugin==$$v" "jax-cuda13-pjrt==$$v" nvidia-cudnn-cu13
+	$(MAXTEXT_VENV)/bin/python -m pip install --quiet -e .
+	touch $(MAXTEXT_STAMP)
+
+MAXTEXT_JSON ?= out/maxtext-side-by-side.json
+
+maxtext-compare: $(MAXTEXT_STAMP)
+	mkdir -p $(dir $(MAXTEXT_JSON))
+	$(MAXTEXT_VENV)/bin/python benchmarks/maxtext_side_by_side.py --json $(MAXTEXT_JSON)
