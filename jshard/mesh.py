@@ -202,6 +202,11 @@ def format_mesh(sizes: Mapping[str, int]) -> str:
     return ",".join(f"{axis}={size}" for axis, size in sizes.items() if size != 1)
 
 
+def mesh_text(sizes: Mapping[str, int]) -> str:
+    """`format_mesh`'s text as commands print a mesh: 'data=2,tensor=4', or 'one device'."""
+    return format_mesh(sizes) or "one device"
+
+
 def default_mesh(rules, devices: int) -> dict[str, int]:
     """The mesh every command uses when given no --mesh: each axis the rules (a `jshard.Rules`)
     name, innermost first, gets 2 devices while 2 divides what is left; the outermost takes the rest.

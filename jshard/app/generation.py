@@ -39,10 +39,10 @@ from jshard.app import hf
 from jshard.app import tokenizer as tokenizers
 from jshard.app.checkpoint import Checkpoints, model_of
 from jshard.app.config import write_json
-from jshard.app.startup import mesh_text, start_devices
+from jshard.app.startup import start_devices
 from jshard.distributed import is_main_process
 from jshard.layout import Layout
-from jshard.mesh import format_mesh, mesh_shape, mesh_sizes
+from jshard.mesh import format_mesh, mesh_shape, mesh_sizes, mesh_text
 from jshard.models import DecoderConfig, decoder
 from jshard.parallel.step_plan import make_plan
 from jshard.rules import PRESET_PARTS, ShardingError
@@ -455,7 +455,7 @@ def run_generation(c: GenerateConfig, out=None) -> GenerateResult:
         f"from {s.directory} step {s.step}, {s.tokenizer.kind} tokenizer")
     say(f"  {c.num_samples} sample(s) of {len(s.prompt)} prompt + {sampling.max_tokens} new tokens, "
         f"temperature {sampling.temperature:g}, top-k {sampling.top_k or 'all'}, seed {sampling.seed}, "
-        f"{'KV cache' if c.cache else 'no cache'}; {s.rules.name} on {mesh_text(s.mesh)} "
+        f"{'KV cache' if c.cache else 'no cache'}; {s.rules.name} on {mesh_text(mesh_shape(s.mesh))} "
         f"({_devices(s.mesh)})")
     model = load_model(s)
     generated = generate(model, np.tile(s.prompt, (c.num_samples, 1)), sampling, s.mesh, s.rules, c.cache)

@@ -10,9 +10,8 @@ import numpy as np
 
 from jshard.app.components import Checkpointer, Evaluator, MetricsWriter, NonFiniteGuard, Profiler, RouterStats
 from jshard.app.prepare import Setup
-from jshard.app.startup import mesh_text
 from jshard.distributed import axes_across_processes
-from jshard.mesh import mesh_shape, xla_flags_line
+from jshard.mesh import mesh_shape, mesh_text, xla_flags_line
 from jshard.models import DecoderConfig
 from jshard.placement import describe, format_bytes
 
@@ -100,7 +99,7 @@ def title(p: Setup) -> str:
     """The run as a command: the summary's and the plot's title."""
     m = p.config.model
     return (f"jshard train {f'--init-from {m.init_from}' if m.init_from else f'--model {m.model}'} "
-            f"--strategy {p.rules.name} --mesh {mesh_text(p.mesh)}")
+            f"--strategy {p.rules.name} --mesh {mesh_text(mesh_shape(p.mesh))}")
 
 
 def summary(p: Setup, start: int, wall: float, metrics: MetricsWriter, evaluator: Evaluator,

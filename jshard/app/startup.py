@@ -1,9 +1,9 @@
-"""The device start-up `jshard train` and `jshard generate` share, and how they name a mesh."""
+"""The device start-up `jshard train` and `jshard generate` share."""
 
 from __future__ import annotations
 
 from jshard.distributed import initialize
-from jshard.mesh import fake_device_count, format_mesh, mesh_shape, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags
+from jshard.mesh import fake_device_count, use_fake_cpu_devices_unless_accelerated, use_gpu_xla_flags
 
 
 def start_devices(fake_devices: int | None, default: int) -> None:
@@ -13,8 +13,3 @@ def start_devices(fake_devices: int | None, default: int) -> None:
     use_gpu_xla_flags()
     initialize()
     use_fake_cpu_devices_unless_accelerated(fake_device_count(fake_devices, default))
-
-
-def mesh_text(mesh) -> str:
-    """'data=2,tensor=4' as --mesh takes it, or 'one device'."""
-    return format_mesh(mesh_shape(mesh)) or "one device"

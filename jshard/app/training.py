@@ -40,9 +40,9 @@ from jshard.app import curves, data, hf, optim, report
 from jshard.app.components import (Checkpointer, Evaluator, MetricsWriter, NonFiniteGuard, Profiler, RouterStats,
                                    Throughput)
 from jshard.app.prepare import Setup, model_identity, set_up
-from jshard.app.startup import mesh_text
 from jshard.app.train_config import TrainConfig
 from jshard.distributed import is_main_process
+from jshard.mesh import mesh_shape, mesh_text
 from jshard.models import decoder, gpt_loss
 from jshard.parallel import ShardedStep, TrainState
 from jshard.parallel.step import step_from_plan
@@ -173,6 +173,6 @@ def _record(p: Setup, step: int, position: int, loss: float) -> dict:
     """The JSON saved with a checkpoint: what resuming needs, and what it was saved under."""
     c = p.config
     return dict(step=step, data_position=position, model=model_identity(p.model), family=p.model.family,
-                seed=p.seed, loss=loss, strategy=p.rules.name, mesh=mesh_text(p.mesh), batch_size=c.data.batch_size,
+                seed=p.seed, loss=loss, strategy=p.rules.name, mesh=mesh_text(mesh_shape(p.mesh)), batch_size=c.data.batch_size,
                 seq_len=p.seq_len, precision=c.layout.precision, data=p.data.identity, eval_split=c.data.eval_split,
                 tokenizer=p.data.tokenizer_identity, schedule=c.optimizer.schedule())

@@ -45,7 +45,7 @@ import jshard
 from jshard import hlo
 from jshard.aot import attention_kernel, memory_of
 from jshard.layout import Layout
-from jshard.mesh import format_mesh, mesh_shape
+from jshard.mesh import mesh_shape, mesh_text
 from jshard.metrics import (CPU_MATMUL, PROFILE_STEPS, best_seconds, device_peak, flops_per_token,
                             measured_fp8_matmul_flops, measured_matmul_flops)
 from jshard.bench.plain import PlainDecoder, plain_from, plain_loss
@@ -187,7 +187,7 @@ def measure(sizes: dict[str, int], strategy: str, name: str, config: DecoderConf
         datasheet_source=datasheet.source if datasheet else None, loss=loss, plain_loss=plain_first_loss,
         plain_tokens_per_s=batch * seq / plain_s, plain_tflops=flops * step_s / plain_s / 1e12,
         plain_mfu_measured_peak=flops * step_s / plain_s / measured_peak, n_devices=len(devices),
-        mesh=format_mesh(mesh_shape(mesh)) or "one device", strategy=strategy, repeats=repeats, profile=profile,
+        mesh=mesh_text(mesh_shape(mesh)), strategy=strategy, repeats=repeats, profile=profile,
         grad_accum=grad_accum,
     )
 

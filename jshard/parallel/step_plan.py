@@ -39,7 +39,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from jshard.layout import Layout, LayoutError
 from jshard.mesh import (COLLECTIVES_IN_FLIGHT_OPTION, TRITON_GEMM_OPTION, ZERO3_COLLECTIVES_IN_FLIGHT, abstract_mesh,
-                         format_mesh, make_mesh, mesh_shape)
+                         make_mesh, mesh_shape, mesh_text)
 from jshard.models.stack import StagedLoss, has_stack
 from jshard.parallel import tick_program
 from jshard.parallel.model_state import check_no_pipeline
@@ -367,7 +367,7 @@ def step_mesh(layout: Layout, mesh: Mesh | AbstractMesh | None = None, abstract:
     named = {a: n for a, n in layout.mesh if n != -1}
     wild = len(named) < len(layout.mesh)
     if layout.mesh and (any(shape.get(a, 1) != n for a, n in named.items()) or (not wild and set(shape) - set(named))):
-        raise LayoutError(f"Layout.mesh {layout.mesh_text} is not the mesh given ({format_mesh(shape) or 'one device'}). "
+        raise LayoutError(f"Layout.mesh {layout.mesh_text} is not the mesh given ({mesh_text(shape)}). "
                           "Fix: the same sizes in both, or leave the layout's mesh empty (it then takes the mesh's).")
     return mesh
 

@@ -4,7 +4,7 @@ device's HBM (`memory_png`); under a pipeline one bar per `--stage-remat` mode (
 
 from __future__ import annotations
 
-from jshard.mesh import format_mesh
+from jshard.mesh import mesh_text
 from jshard.parallel.schedules import SCHEDULES
 from jshard.placement import format_bytes
 from jshard.planner.hardware import GiB
@@ -97,7 +97,7 @@ def _schedule_name(est: dict) -> str:
 
 
 def _memory_title(est: dict) -> str:
-    model, mesh = est["model"], format_mesh(est["mesh"]) or "one device"
+    model, mesh = est["model"], mesh_text(est["mesh"])
     pipeline = f", {_schedule_name(est)} m={est['microbatches']}" if est["schedule"] else ""
     return (f"{model['kind']} {_count(model['params'])} params, {model['layers']} layers, seq {model['seq_len']}, "
             f"{model['dtype']}, remat {model['remat']}\n"
