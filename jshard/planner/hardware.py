@@ -18,16 +18,21 @@ GiB = 2**30
 # attention (`physics`, the measured sweep), AdamW's pass and the launches, fitted over the
 # runs of docs/results/bench-step-h100-jax0.11.2-2026-11-27.json, each checked with it left out
 # (`jshard bench fit`, docs/planning.md):
-ELEMENTWISE_LAYER_BYTES = 47  # per token, layer and element of embed + mlp: norms, activations,
+ELEMENTWISE_LAYER_BYTES = 30  # per token, layer and element of embed + mlp: norms, activations,
 #                                residuals, the layer scan's stacking of what backward keeps
-ELEMENTWISE_LOGIT_BYTES = 22  # per token and vocabulary entry: the loss over the logits, in fp32
+ELEMENTWISE_LOGIT_BYTES = 14  # per token and vocabulary entry: the loss over the logits, in fp32
+# The share of the datasheet's HBM bandwidth a streaming kernel (a copy, AdamW's pass, a fusion
+# of elementwise ops) reaches: 2482.6 GB/s of the H100's 3350, measured by `jshard bench kernels`
+# (docs/results/bench-kernels-h100-jax0.11.2-2026-11-27.json); GPUs with no measurement of their
+# own are taken to reach the same share.
+STREAM_SHARE = 0.741
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
     name: str
     peak_flops: float  # dense bf16 FLOP/s per device (fp32 matmuls: half, as TF32)
     hbm_bytes: float
-    hbm_bw: float  # bytes/s
+    hbm_bw: float  # bytes/s, the datasheet's
     intra_bw: float  # bytes/s per device, one direction, inside a node (NVLink)
     inter_bw: float  # bytes/s per device, one direction, between nodes (one NIC per GPU)
     gpus_per_node: int
@@ -49,6 +54,13 @@ class Hardware:
     # beyond its FLOPs (`host_step_seconds`).
     tick_s: float = 0.0
     call_s: float = 0.0
+    # The share of `hbm_bw` a streaming kernel reaches (`STREAM_SHARE`).
+    stream_share: float = STREAM_SHARE
+
+    @property
+    def stream_bw(self) -> float:
+        """Bytes/s a memory-bound kernel moves: what the step's streaming work is charged at."""
+        return self.hbm_bw * self.stream_share
 
 
 # Datasheets (SXM parts; NVLink 4 = 450 GB/s each way, 400 Gb/s InfiniBand NIC per GPU).
@@ -63,7 +75,8 @@ HARDWARE = {
     # the small GPT on 8 fake devices of this 2-core host (jax 0.12.0.1, timed in rounds), checked
     # on the small Llama (docs/planning.md).
     "cpu": Hardware("cpu", 0.206e12, 16 * GiB, 20e9, 10e9, 10e9, 8, matmul_efficiency=CPU_HOST["matmul_efficiency"],
-                    platform="cpu", tick_s=CPU_HOST["tick_s"], call_s=CPU_HOST["call_s"], fp8_peak_flops=0.206e12),
+                    platform="cpu", tick_s=CPU_HOST["tick_s"], call_s=CPU_HOST["call_s"], fp8_peak_flops=0.206e12,
+                    stream_share=1.0),
 }
 # A device's kind, as JAX names it, to its profile (the parts the profiles describe).
 KINDS = {"H100": "h100", "H200": "h200", "A100": "a100"}

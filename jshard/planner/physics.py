@@ -114,7 +114,7 @@ def gemm_seconds(m: int, n: int, k: int, dtype: str, hw) -> float:
         rate = (hw.fp8_peak_flops if fp8 else hw.peak_flops * (1 if dtype == "bf16" else 0.5)) * hw.matmul_efficiency
     itemsize = {"fp8": 1, "bf16": 2}.get(dtype, 4)
     nbytes = (m * k + k * n) * itemsize + m * n * (2 if fp8 else itemsize)
-    return max(2 * m * n * k / rate, nbytes / hw.hbm_bw, kept.kernel_s if kept else 0.0)
+    return max(2 * m * n * k / rate, nbytes / hw.stream_bw, kept.kernel_s if kept else 0.0)
 
 
 def training_gemms_seconds(shapes: list[tuple[int, int]], tokens: int, dtype: str, hw, forwards: float = 1.0) -> float:

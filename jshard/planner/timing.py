@@ -26,9 +26,10 @@ from jshard.planner.memory import state_bytes
 # XLA's attention (not cuDNN's fused kernel) computes the seq × seq scores in HBM: masking,
 # softmax and their gradients in fp32. Bytes per score element (one query, key, head and layer):
 # a step with XLA's attention less the rest of its prediction (its QK^T and PV as batched GEMMs
-# on the sweep), over its scores: 38 (Llama-3.2-1B), 20 (GPT-1B), measured on one H100 with
-# `nn.xla_attention` (docs/results/gpu-check-h100-jax0.11.2-2026-11-26-softmax.json), their mean.
-XLA_SCORE_BYTES = 29
+# on the sweep), over its scores, at the streaming bandwidth: 25 (Llama-3.2-1B), 19 (GPT-1B),
+# measured on one H100 with `nn.xla_attention` (docs/results/gpu-check-h100-jax0.11.2-2026-11-26-
+# softmax.json), their mean.
+XLA_SCORE_BYTES = 22
 # FP8 (`nn.fp8`): each cast reads its bf16 operand twice (its max, then the cast) and writes one
 # byte: activations and gradients per token (`counts.fp8_cast_widths`), the weights forward and
 # again in backward. Counted from the bytes, not fitted (docs/planning.md).
@@ -74,10 +75,10 @@ def compute_terms(config: DecoderConfig, step: Plan, hw: Hardware, rows: int, se
         memory += FP8_CAST_BYTES * tokens * layers * fp8_cast_widths(config) / tensor * recompute
     if attention != "cudnn":  # XLA's kernel, or jshard's own under cp: each local query's scores over the sequence
         memory += XLA_SCORE_BYTES * layers * config.heads / tensor * rows * seq * config.seq_len * recompute
-    terms["memory_bound"] = passes * memory / hw.hbm_bw
+    terms["memory_bound"] = passes * memory / hw.stream_bw
     terms["launches"] = passes * (physics.launch_seconds(layers, hw) + physics.loop_seconds(2 * layers, hw))
     fp8_weights = sum(local(p.elements, p.param, step.mesh_sizes) for p in step.params if p.fp8)
-    terms["optimizer"] = (optimizer_traffic + FP8_CAST_BYTES * 2 * fp8_weights * passes) / hw.hbm_bw
+    terms["optimizer"] = (optimizer_traffic + FP8_CAST_BYTES * 2 * fp8_weights * passes) / hw.stream_bw
     return terms
 
 
