@@ -8,6 +8,7 @@ row), then what only the GPU program shows: bf16 collectives under `mixed`, ZeRO
 asynchronous with a matmul scheduled beside them inside the layer scan, cuDNN's attention.
 """
 
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -21,6 +22,7 @@ from flax import nnx
 import jshard
 from jshard import aot
 from jshard.cli import main
+from jshard.mesh import SCATTER_OVERLAP_OPTIONS
 from jshard.models import GPTConfig, decoder, gpt_loss
 from jshard.parallel import make_plan
 from jshard.planner.estimate import PlanInput, estimate
@@ -228,24 +230,29 @@ def test_a_layer_keeps_no_more_than_megatrons_count_and_what_the_plan_says():
 
 def test_zero_steps_without_tensor_parallelism_get_their_own_xla_options(monkeypatch):
     """`Plan.xla_options`, per program: 4 collectives in flight (`mesh.ZERO3_COLLECTIVES_IN_FLIGHT`)
-    for ZeRO-3 steps without a tensor axis, and Triton GEMMs off for those in bf16 compute;
-    XLA_FLAGS that set them win."""
-    model = nnx.eval_shape(lambda: decoder(VALIDATION_MODELS["llama"], nnx.Rngs(0)))
+    for ZeRO-3 steps without a tensor axis, Triton GEMMs off for those in bf16 compute, and under
+    full remat `mesh.SCATTER_OVERLAP_OPTIONS`; XLA_FLAGS that set them win."""
     devices = aot.target_devices(aot.target("h100x8"))
 
-    def options(strategy: str, precision: str = "bf16", **sizes):
+    def options(strategy: str, precision: str = "bf16", remat: str = "full", **sizes):
+        config = dataclasses.replace(VALIDATION_MODELS["llama"], remat=remat)
         layout = jshard.Layout.of(strategy, sizes, precision=precision)
+        model = nnx.eval_shape(lambda: decoder(config, nnx.Rngs(0)))
         return make_plan(model, layout, jshard.make_mesh(devices, **sizes)).xla_options
 
     in_flight = {"xla_gpu_experimental_parallel_collective_overlap_limit": 4}
-    no_triton = {"xla_gpu_enable_triton_gemm": False}  # ZeRO-3's scatters beside cuBLAS matmuls, no tensor axis
+    # ZeRO-3's scatters beside cuBLAS matmuls, no tensor axis; under full remat the loop double-buffered
+    no_triton = {"xla_gpu_enable_triton_gemm": False} | SCATTER_OVERLAP_OPTIONS
     assert options("zero3", fsdp=8) == in_flight | no_triton
+    # without full remat the double buffering costs the gathers: Triton GEMMs off alone
+    assert options("zero3", remat="none", fsdp=8) == in_flight | {"xla_gpu_enable_triton_gemm": False}
     assert options("dp+zero3+tp", data=2, fsdp=2, tensor=2) == {} and options("dp", data=8) == {}
     assert options("zero2", fsdp=8) == {} and options("zero1", fsdp=8) == {}
     assert options("zero3", "fp32", fsdp=8) == in_flight  # fp32 compute keeps XLA's Triton GEMMs
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_experimental_parallel_collective_overlap_limit=2 "
-                                    "--xla_gpu_enable_triton_gemm=true")  # the user's flags win
-    assert options("zero3", fsdp=8) == {}
+                                    "--xla_gpu_enable_triton_gemm=true "
+                                    "--xla_gpu_enable_while_loop_double_buffering=false")  # the user's flags win
+    assert options("zero3", fsdp=8) == {k: v for k, v in SCATTER_OVERLAP_OPTIONS.items() if "double_buffering" not in k}
 
 
 def compile_8b(flags: str, tmp_path) -> dict:
@@ -277,10 +284,13 @@ def test_zero3_gathers_the_next_layer_while_this_one_computes_at_8b(tmp_path):
 def test_zero3_scatters_each_layers_gradients_beside_matmuls_under_full_remat(tmp_path):
     """Under `fsdp=8` with full remat, every byte the layer loop reduce-scatters has a matmul
     between start and done: Triton GEMMs off for this program (`Plan.xla_options`; 54% with them
-    on). (Without remat XLA:GPU overlaps 0% of them either way: docs/gpu-compile.md.)"""
+    on); and with the loop double-buffered and MaxText's combine thresholds
+    (`mesh.SCATTER_OVERLAP_OPTIONS`) at least 95% of the step's, the head's too (90% without).
+    (Without remat XLA:GPU overlaps 0% of them either way: docs/gpu-compile.md.)"""
     result = compile_8b("--strategy fsdp --mesh fsdp=8 --remat full", tmp_path)
     in_loops = result["compiled"]["overlap_in_loops"]
     assert in_loops["reduce-scatter"] >= 0.95 and in_loops["all-gather"] >= 0.9, in_loops
+    assert result["compiled"]["overlap"]["reduce-scatter"] >= 0.95, result["compiled"]["overlap"]
 
 
 def test_collective_matmuls_run_their_permutes_beside_matmuls_at_8b(tmp_path):

@@ -63,7 +63,13 @@ def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], count: int, rngs:
 
 def has_stack(model: nnx.Module) -> bool:
     """Whether `model` runs layers through `scan_layers` (a module made by `stack_layers`)."""
-    return any(isinstance(node, nnx.Module) and hasattr(node, "remat") for _, node in nnx.iter_graph(model))
+    return stack_remat(model) is not None
+
+
+def stack_remat(model: nnx.Module) -> str | None:
+    """The `remat` policy `model`'s layer stack runs with (`stack_layers`); None: it has none."""
+    return next((node.remat for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)
+                 and hasattr(node, "remat")), None)
 
 
 def layer_call(layers: nnx.Module) -> Callable[[nnx.Module, jax.Array], jax.Array]:

@@ -38,9 +38,9 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from jshard.layout import Layout, LayoutError
-from jshard.mesh import (COLLECTIVES_IN_FLIGHT_OPTION, TRITON_GEMM_OPTION, ZERO3_COLLECTIVES_IN_FLIGHT, abstract_mesh,
-                         make_mesh, mesh_shape, mesh_text)
-from jshard.models.stack import StagedLoss, has_stack
+from jshard.mesh import (COLLECTIVES_IN_FLIGHT_OPTION, SCATTER_OVERLAP_OPTIONS, TRITON_GEMM_OPTION,
+                         ZERO3_COLLECTIVES_IN_FLIGHT, abstract_mesh, make_mesh, mesh_shape, mesh_text)
+from jshard.models.stack import StagedLoss, has_stack, stack_remat
 from jshard.parallel import tick_program
 from jshard.parallel.model_state import check_no_pipeline
 from jshard.parallel.schedules import Schedule, make_schedule, stage_layers
@@ -75,6 +75,7 @@ class Plan:
     # A pipeline's layers per model chunk, in pipeline order (`schedules.stage_layers`; chunk k =
     # c·p + d is device d's chunk c, so with v = 1 the layers of each stage); None: no pipeline.
     stage_layers: tuple[int, ...] | None = None
+    layer_remat: str | None = None  # the layer stack's remat policy (`stack_layers`); None: no stack
 
     @property
     def layer_slots(self) -> int | None:
@@ -137,7 +138,11 @@ class Plan:
         XLA:GPU then schedules each layer's reduce-scatter beside the next layer's weight-gradient
         matmuls (Llama 3.1 8B on fsdp=8, bf16: 52% -> 91% of the reduce-scattered bytes
         overlapped, 100% in the layer loop); under tensor parallelism it does not help (dp+fsdp+tp
-        bf16: 62% -> 23%), so there they stay on (`scatters_without_tensor_axes`, docs/gpu-compile.md)."""
+        bf16: 62% -> 23%), so there they stay on (`scatters_without_tensor_axes`, docs/gpu-compile.md).
+        There, under full remat, also the layer loop double-buffered and MaxText's combine thresholds
+        (`mesh.SCATTER_OVERLAP_OPTIONS`: mixed 90% -> 97% of the step's reduce-scattered bytes
+        overlapped, bf16 91% -> 97% and 21.94 -> 21.02 GiB; without remat they cost the gathers:
+        92% -> 87% of the loop's)."""
         if self.platform != "gpu":
             return {}
         flags, options = os.environ.get("XLA_FLAGS", ""), {}
@@ -148,6 +153,8 @@ class Plan:
             options["xla_disable_hlo_passes"] = ",".join(filter(None, (disabled, "dot-merger")))
         if (self.fp8 or self.scatters_without_tensor_axes) and TRITON_GEMM_OPTION not in flags:
             options[TRITON_GEMM_OPTION] = False
+        if self.scatters_without_tensor_axes and self.layer_remat == "full":
+            options |= {name: value for name, value in SCATTER_OVERLAP_OPTIONS.items() if name not in flags}
         return options
 
     @property
@@ -307,7 +314,7 @@ def make_plan(model, layout: Layout | str | Mesh | AbstractMesh, mesh: Mesh | Ab
     plan = Plan(rules, mesh, collectives, rows, policy, plan_schedule, microbatches, stage_remat or "none",
                 has_stack(model), rules.axes("batch", mesh), rules.context_axes(mesh), stages[0] if stages else None,
                 split("experts"), split("mlp", "activation"), split("seq", "activation"), bool(has_aux),
-                grad_accum, stage_layers=layers)
+                grad_accum, stage_layers=layers, layer_remat=stack_remat(model))
     if has_aux and plan.schedule:
         raise ShardingError(
             f"build_step(has_aux=True): rules {rules.name!r} pipeline the layers, and a pipeline's loss is a "
