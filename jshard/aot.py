@@ -128,6 +128,7 @@ class GpuProgram:
     attention: str
     kernels: dict[str, int] = dataclasses.field(default_factory=dict)
     hlo: str = dataclasses.field(repr=False, default="")
+    xla_options: dict = dataclasses.field(default_factory=dict)  # this program's own (`Plan.xla_options`)
 
     @property
     def fits(self) -> bool:
@@ -219,7 +220,8 @@ def compile_step(model, tx, loss_fn, layout: Layout | str, t: Target, batch_shap
     except jax.errors.JaxRuntimeError as e:  # XLA's own failure: its first line, which names the check
         raise CompileError(f"XLA's GPU compiler failed on this step for {t.name}: {str(e).strip().splitlines()[0]}. "
                            "Fix: none in jshard's flags; report it with the command (a JAX/XLA issue)") from None
-    return program_of(compiled, mesh_shape(mesh), t, time.perf_counter() - start)
+    program = program_of(compiled, mesh_shape(mesh), t, time.perf_counter() - start)
+    return dataclasses.replace(program, xla_options=dict(step.plan.xla_options))
 
 
 def compared(program: GpuProgram, est: dict) -> dict:

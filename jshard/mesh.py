@@ -170,6 +170,12 @@ def xla_flags_line() -> str:
     return os.environ.get("XLA_FLAGS", "").strip() or "none"
 
 
+def xla_options_line(options: dict) -> str:
+    """A program's own XLA options (`Plan.xla_options`), written as flags, or 'none'."""
+    return " ".join(f"--{name}={str(value).lower() if isinstance(value, bool) else value}"
+                    for name, value in options.items()) or "none"
+
+
 def runs_on_cpu() -> bool:
     """Whether JAX will start on the CPU, asked without starting its backends: JAX_PLATFORMS=cpu,
     or it is unset and no accelerator (a CUDA plugin with an NVIDIA device, a TPU) is there."""

@@ -24,6 +24,7 @@ from jshard.parallel.schedules import make_schedule
 LLAMA_ROWS = {("dp", None, None, "none"), ("zero3", None, None, "none"), ("dp+tp+sp", None, None, "none"),
               ("dp+tp+sp", None, None, "full"), ("dp+tp+sp-overlap", None, None, "none"), ("dp+pp", 4, "1f1b", "none"),
               ("zero3", None, None, "none", "example", "mixed"), ("zero3", None, None, "none", "example", "fp8"),
+              ("zero3", None, None, "full", "example", "fp8"),
               ("dp+cp+tp", None, None, "none", "example", "fp32", None, 8)}
 CASES = ([(case, "gpt") for case in planner.VALIDATION] + [(case, "llama") for case in planner.VALIDATION if case in LLAMA_ROWS]
          + [(case, "moe") for case in planner.MOE_VALIDATION])

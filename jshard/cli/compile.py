@@ -12,7 +12,7 @@ from jshard import aot
 from jshard.cli import flags
 from jshard.cli.plan import auto_layout, plan_input
 from jshard.app.config import FlagError, write_json
-from jshard.mesh import use_gpu_xla_flags, xla_flags_line
+from jshard.mesh import use_gpu_xla_flags, xla_flags_line, xla_options_line
 from jshard.models import decoder, gpt_loss
 from jshard.planner.estimate import estimate
 from jshard.planner.hardware import HARDWARE
@@ -63,7 +63,7 @@ def run(args) -> int:
     devices = f"{target.hosts} × {target.per_host} × {HARDWARE[target.hardware].name.upper()}"
     scheduled = scheduled_step_seconds(est, program.overlapped_share())
     print(aot.report(program, est, devices, scheduled))
-    print(f"XLA_FLAGS in effect: {xla_flags_line()}")
+    print(f"XLA_FLAGS in effect: {xla_flags_line()}; this program's own options: {xla_options_line(program.xla_options)}")
     if args.hlo:
         with open(args.hlo, "w") as f:
             f.write(program.hlo)

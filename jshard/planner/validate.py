@@ -87,8 +87,9 @@ VALIDATION = (
     # Mixed precision (bf16 params and compute, fp32 master): see `validate_one` for what is compared.
     ("dp", None, None, "none", "example", "mixed"), ("zero2", None, None, "none", "example", "mixed"),
     ("zero3", None, None, "none", "example", "mixed"), ("dp+fsdp+tp", None, None, "none", "example", "mixed"),
-    # FP8 projections: ZeRO-3 gathers them in e4m3 and all-reduces their scales.
+    # FP8 projections: ZeRO-3 gathers them in e4m3 and all-reduces their scales (under remat once more).
     ("zero3", None, None, "none", "example", "fp8"), ("dp+fsdp+tp", None, None, "none", "example", "fp8"),
+    ("zero3", None, None, "full", "example", "fp8"),
     # Context parallelism, ring and all-gathered, with 8 rows per data shard: at 2 the chunks are
     # so short that what is not per token (the optimizer's temporaries) dominates memory.
     ("cp", None, None, "none", "example", "fp32", None, 8), ("dp+cp+tp", None, None, "none", "example", "fp32", None, 8),
