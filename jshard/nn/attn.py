@@ -14,7 +14,7 @@ from jax import lax
 
 from jshard.nn.context_parallel import context_attention, context_axes
 from jshard.nn.softmax import probabilities
-from jshard.nn.step_context import current_step
+from jshard.nn.step_context import compiled_for
 from jshard.rules import constrain
 
 
@@ -28,7 +28,7 @@ def attention_implementation(choice: str, dtype, head_dim: int, platform: str | 
     default is XLA everywhere). `platform`: given (the planner gives its hardware profile's), or
     the one the step in force is compiled for (a deviceless GPU compile's on a CPU host), or
     this host's default backend."""
-    platform = platform or current_step().platform or jax.default_backend()
+    platform = platform or compiled_for()
     fits = platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim <= 128 and head_dim % 8 == 0
     if choice not in ATTENTION:
         raise ValueError(f"attention {choice!r}: choose one of {', '.join(ATTENTION)}")

@@ -27,6 +27,7 @@ import contextvars
 import dataclasses
 from collections.abc import Iterator
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -52,6 +53,12 @@ _current: contextvars.ContextVar[StepContext] = contextvars.ContextVar("jshard_s
 def current_step() -> StepContext:
     """The step context in force (outside a step: the default, which records nothing)."""
     return _current.get()
+
+
+def compiled_for() -> str:
+    """The platform the step in force is compiled for (a deviceless GPU compile's on a CPU
+    host), else this host's default backend."""
+    return _current.get().platform or jax.default_backend()
 
 
 @contextlib.contextmanager

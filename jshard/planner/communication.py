@@ -206,9 +206,11 @@ def context_traffic(config: DecoderConfig, rows: int, seq: int, layers_run: int,
     reduce-scatters their gradients; "a2a" all-to-alls Q, K, V and the output forward (K and V
     with their heads repeated as often as n needs), and their gradients backward, each one
     device's share. Under remat the forward runs again in backward: the gathers and
-    all-to-alls once more; the ring's output and log-sum-exp are its backward's residuals, and
-    XLA runs its sends once (measured). (A stack of one layer, whose scan XLA unrolls, sends K
-    and V n-1 times in all: XLA merges the backward's sends with the forward's; not modelled.)"""
+    all-to-alls once more; the ring's sends too on GPUs, but for the first, which XLA shares
+    with the backward's ring (there each later send waits for the block before it,
+    `nn.context_parallel`, so the two rings differ from there); on a CPU, where the sends are
+    not so ordered, XLA merges the two rings (measured). (A stack of one layer, whose scan XLA unrolls, sends K and V n-1 times in all:
+    XLA merges the backward's sends with the forward's; not modelled.)"""
     if not context:
         return {}
     n = shards((context,), sizes)
@@ -227,6 +229,8 @@ def context_traffic(config: DecoderConfig, rows: int, seq: int, layers_run: int,
     else:
         home = itemsize if platform == "gpu" else 4  # the gradients' last send
         sends = 2 * block * (2 * (n - 1) * itemsize + (n - 1) * 4 + home)
+        if platform == "gpu" and config.remat != "none":  # the recomputed forward's, but the first
+            sends += 2 * block * (n - 2) * itemsize
         _add(out, "collective-permute", context, layers_run * sends)
     return out
 
