@@ -127,11 +127,11 @@ GPU_XLA_FLAGS = (
 COLLECTIVES_IN_FLIGHT_OPTION = "xla_gpu_experimental_parallel_collective_overlap_limit"
 ZERO3_COLLECTIVES_IN_FLIGHT = 4
 # Set per program (`Plan.xla_options`) where ZeRO-3 reduce-scatters each layer's gradients with
-# no tensor axis: the layer loop double-buffered (two trips an iteration, so a trip's scatters
-# and the next one's gathers each find the other trip's matmuls) and MaxText's H100 combine
-# thresholds. Llama 3.1 8B, fsdp=8, full remat, compiled for 8 H100s: mixed, reduce-scatter
-# 90% -> 97% of the bytes overlapped, 20.87 -> 20.72 GiB; neither alone helps (double buffering
-# alone: 70%; docs/gpu-compile.md).
+# no tensor axis, under full remat (without it they cost the gathers): the layer loop
+# double-buffered (two trips an iteration, so a trip's scatters and the next one's gathers each
+# find the other trip's matmuls) and MaxText's H100 combine thresholds. Llama 3.1 8B, fsdp=8,
+# full remat, compiled for 8 H100s: mixed, reduce-scatter 90% -> 97% of the bytes overlapped,
+# 20.87 -> 20.72 GiB; double buffering alone: 70% (docs/gpu-compile.md).
 SCATTER_OVERLAP_OPTIONS = {
     "xla_gpu_enable_while_loop_double_buffering": True,
     "xla_gpu_reduce_scatter_combine_threshold_bytes": 64 * 2**20,

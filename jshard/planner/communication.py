@@ -209,8 +209,9 @@ def context_traffic(config: DecoderConfig, rows: int, seq: int, layers_run: int,
     all-to-alls once more; the ring's sends too on GPUs, but for the first, which XLA shares
     with the backward's ring (there each later send waits for the block before it,
     `nn.context_parallel`, so the two rings differ from there); on a CPU, where the sends are
-    not so ordered, XLA merges the two rings (measured). (A stack of one layer, whose scan XLA unrolls, sends K and V n-1 times in all:
-    XLA merges the backward's sends with the forward's; not modelled.)"""
+    not so ordered, XLA merges the two rings (measured). (A stack of one layer, whose scan XLA
+    unrolls, sends K and V n-1 times in all: XLA merges the backward's sends with the forward's;
+    not modelled.)"""
     if not context:
         return {}
     n = shards((context,), sizes)
