@@ -61,13 +61,9 @@ def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], count: int, rngs:
     return layers
 
 
-def has_stack(model: nnx.Module) -> bool:
-    """Whether `model` runs layers through `scan_layers` (a module made by `stack_layers`)."""
-    return stack_remat(model) is not None
-
-
 def stack_remat(model: nnx.Module) -> str | None:
-    """The `remat` policy `model`'s layer stack runs with (`stack_layers`); None: it has none."""
+    """The `remat` policy `model`'s layer stack runs with (`stack_layers`); None: it runs no stack
+    (`scan_layers`)."""
     return next((node.remat for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)
                  and hasattr(node, "remat")), None)
 

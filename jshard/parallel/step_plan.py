@@ -40,7 +40,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jshard.layout import Layout, LayoutError
 from jshard.mesh import (COLLECTIVES_IN_FLIGHT_OPTION, SCATTER_OVERLAP_OPTIONS, TRITON_GEMM_OPTION,
                          ZERO3_COLLECTIVES_IN_FLIGHT, abstract_mesh, make_mesh, mesh_shape, mesh_text)
-from jshard.models.stack import StagedLoss, has_stack, stack_remat
+from jshard.models.stack import StagedLoss, stack_remat
 from jshard.parallel import tick_program
 from jshard.parallel.model_state import check_no_pipeline
 from jshard.parallel.schedules import Schedule, make_schedule, stage_layers
@@ -63,7 +63,7 @@ class Plan:
     schedule: Schedule | None  # None: no pipeline
     microbatches: int | None
     stage_remat: str  # what a pipeline stage keeps from F to its backward: "none" or "full"
-    has_stack: bool  # the model runs its layers through `scan_layers` (it remats them itself)
+    layer_remat: str | None  # the layer stack's remat policy (`stack_layers`); None: no stack
     batch_axes: tuple[str, ...]  # the batch dim's, size-1 axes included (a batch spec's)
     context_axes: tuple[str, ...]  # attention's seq: context parallelism's (size > 1)
     stage_axis: str | None  # the stacked layers' (size > 1): a pipeline's
@@ -75,7 +75,11 @@ class Plan:
     # A pipeline's layers per model chunk, in pipeline order (`schedules.stage_layers`; chunk k =
     # c·p + d is device d's chunk c, so with v = 1 the layers of each stage); None: no pipeline.
     stage_layers: tuple[int, ...] | None = None
-    layer_remat: str | None = None  # the layer stack's remat policy (`stack_layers`); None: no stack
+
+    @property
+    def has_stack(self) -> bool:
+        """Whether the model runs its layers through `scan_layers` (it remats them itself)."""
+        return self.layer_remat is not None
 
     @property
     def layer_slots(self) -> int | None:
@@ -312,9 +316,9 @@ def make_plan(model, layout: Layout | str | Mesh | AbstractMesh, mesh: Mesh | Ab
                  for placed, opt, (_, shape) in zip(place(held, sizes, rules, "param"), place(held, sizes, rules, "opt"),
                                                     paths_and_shapes(params)))
     plan = Plan(rules, mesh, collectives, rows, policy, plan_schedule, microbatches, stage_remat or "none",
-                has_stack(model), rules.axes("batch", mesh), rules.context_axes(mesh), stages[0] if stages else None,
+                stack_remat(model), rules.axes("batch", mesh), rules.context_axes(mesh), stages[0] if stages else None,
                 split("experts"), split("mlp", "activation"), split("seq", "activation"), bool(has_aux),
-                grad_accum, stage_layers=layers, layer_remat=stack_remat(model))
+                grad_accum, stage_layers=layers)
     if has_aux and plan.schedule:
         raise ShardingError(
             f"build_step(has_aux=True): rules {rules.name!r} pipeline the layers, and a pipeline's loss is a "
