@@ -263,6 +263,20 @@ def test_zero_steps_without_tensor_parallelism_get_their_own_xla_options(monkeyp
     assert options("zero3", fsdp=8) == {k: v for k, v in SCATTER_OVERLAP_OPTIONS.items() if "double_buffering" not in k}
 
 
+def test_train_prints_the_programs_own_options_on_a_gpu():
+    """`jshard train`'s devices line on a GPU names the flags in effect and the step's own options
+    (`app.report.xla_text`), as `jshard compile` does; on a CPU, neither."""
+    from jshard.app.report import xla_text
+
+    devices = aot.target_devices(aot.target("h100x8"))
+    model = nnx.eval_shape(lambda: decoder(dataclasses.replace(VALIDATION_MODELS["llama"], remat="full"), nnx.Rngs(0)))
+    plan = make_plan(model, jshard.Layout.of("zero3", dict(fsdp=8), precision="bf16"), jshard.make_mesh(devices, fsdp=8))
+    text = xla_text(plan, "gpu")
+    assert text.startswith("; XLA_FLAGS ") and "; this program's own options " in text
+    assert "--xla_gpu_experimental_parallel_collective_overlap_limit=4" in text and "--xla_gpu_enable_triton_gemm=false" in text
+    assert xla_text(plan, "cpu") == ""
+
+
 def compile_8b(flags: str, tmp_path) -> dict:
     """`jshard compile --json` of Llama 3.1 8B (8192 tokens a row, `mixed`) on 8 H100s."""
     out = tmp_path / "compile.json"

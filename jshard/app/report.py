@@ -11,7 +11,7 @@ import numpy as np
 from jshard.app.components import Checkpointer, Evaluator, MetricsWriter, NonFiniteGuard, Profiler, RouterStats
 from jshard.app.prepare import Setup
 from jshard.distributed import axes_across_processes
-from jshard.mesh import mesh_shape, mesh_text, xla_flags_line
+from jshard.mesh import mesh_shape, mesh_text, xla_flags_line, xla_options_line
 from jshard.models import DecoderConfig
 from jshard.placement import describe, format_bytes
 
@@ -21,6 +21,14 @@ def _count(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n:.0f}"
+
+
+def xla_text(plan, platform: str) -> str:
+    """On a GPU, the devices line's tail: the XLA flags in effect and the step's own options
+    (`Plan.xla_options`), as `jshard compile` prints them; elsewhere nothing."""
+    if platform != "gpu":
+        return ""
+    return f"; XLA_FLAGS {xla_flags_line()}; this program's own options {xla_options_line(plan.xla_options)}"
 
 
 def setup_lines(p: Setup, abstract_model, abstract_opt) -> list[str]:
@@ -48,7 +56,7 @@ def setup_lines(p: Setup, abstract_model, abstract_opt) -> list[str]:
         + (f" (table {m.vocab_rows}: padded to split, the pad never a token)" if m.vocab_rows != m.vocab else "")
         + _experts_line(m),
         f"devices     {jax.device_count()} × {jax.devices()[0].device_kind}, mesh {mesh}" + _processes(p.mesh)
-        + (f"; XLA_FLAGS {xla_flags_line()}" if jax.devices()[0].platform == "gpu" else ""),
+        + xla_text(p.plan, jax.devices()[0].platform),
         f"strategy    {p.rules.name} (ZeRO stage {p.rules.zero}){pipeline}" + (f"; {p.auto}" if p.auto else ""),
         f"per device  {_count(per_device)} params ({format_bytes(per_device * held)} in {p.precision.param.name} "
         f"of {format_bytes(count * held)}), {master}optimizer state {format_bytes(opt.bytes_per_device)} of "
