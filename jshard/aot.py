@@ -171,8 +171,11 @@ class GpuProgram:
 
 
 def attention_kernel(hlo_text: str) -> str:
-    """"cudnn" where the program calls cuDNN's fused attention, else "xla" (its own fusions)."""
-    return "cudnn" if re.search(r'custom_call_target="__cudnn\$fmha', hlo_text) else "xla"
+    """"cudnn" where the program calls cuDNN's fused attention, "pallas" where it calls jshard's
+    flash kernel (`nn.flash`, a Triton call named jshard_flash_*), else "xla" (its own fusions)."""
+    if re.search(r'custom_call_target="__cudnn\$fmha', hlo_text):
+        return "cudnn"
+    return "pallas" if re.search(r'name = \\?"jshard_flash_forward', hlo_text) else "xla"
 
 
 def memory_of(compiled) -> dict[str, int]:
@@ -284,6 +287,7 @@ def report(program: GpuProgram, est: dict, devices: str, scheduled_step_s: float
         lines.append(f"step time: {scheduled_step_s * 1e3:.1f} ms with each collective exposed but for the share the "
                      f"compiled schedule overlaps (`planner.timing.scheduled_step_seconds`; the plan's, by overlap "
                      f"ratios: {est['predicted_step_s'] * 1e3:.1f} ms)")
-    kernel = {"cudnn": "cuDNN's fused flash attention (__cudnn$fmha)", "xla": "XLA's own fusions (scores kept)"}
+    kernel = {"cudnn": "cuDNN's fused flash attention (__cudnn$fmha)", "xla": "XLA's own fusions (scores kept)",
+              "pallas": "jshard's flash kernel (Pallas, Triton: jshard_flash_*)"}
     lines.append(f"attention: {kernel[program.attention]}; planned: {est['attention']}")
     return "\n".join(lines)

@@ -315,12 +315,15 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?:\(.*?\)
 _TARGET = re.compile(r'custom_call_target="(?P<target>[^"]+)"')
 
 
+_KERNEL_TARGETS = (("cublas", "__cublas"), ("cudnn", "__cudnn"), ("triton", "__gpu$xla.gpu.triton"))
+
+
 def kernel_counts(hlo_text: str) -> dict[str, int]:
     """The launches written in an optimized GPU program, by kind (each instruction once, not
     per loop trip): XLA's fusions, cuBLAS matmuls (and of them, `cublas_fp8`: FP8 GEMMs), cuDNN
-    calls (attention), other custom calls. Two compiles of one step compare by these (a device's
+    calls (attention), Triton kernels (Pallas's: `nn.flash`), other custom calls. Two compiles of one step compare by these (a device's
     own against a deviceless one)."""
-    counts = dict(fusion=0, cublas=0, cublas_fp8=0, cudnn=0, other=0)
+    counts = dict(fusion=0, cublas=0, cublas_fp8=0, cudnn=0, triton=0, other=0)
     for line in hlo_text.splitlines():
         if not (m := _INSTRUCTION.match(line)) or m["op"] not in ("fusion", "custom-call"):
             continue
@@ -328,7 +331,8 @@ def kernel_counts(hlo_text: str) -> dict[str, int]:
             counts["fusion"] += 1
             continue
         target = t["target"] if (t := _TARGET.search(line)) else ""
-        counts["cublas" if target.startswith("__cublas") else "cudnn" if target.startswith("__cudnn") else "other"] += 1
+        kind = next((k for k, prefix in _KERNEL_TARGETS if target.startswith(prefix)), "other")
+        counts[kind] += 1
         counts["cublas_fp8"] += target.startswith("__cublas") and target.endswith("$f8")
     return counts
 
@@ -435,13 +439,14 @@ def _groups(line: str, devices: int) -> frozenset | None:
 
 _PAIRS = re.compile(r"source_target_pairs=\{(?:\{\d+,\d+\},?)*\}")
 _DONE = re.compile(r"\s(?:[\w\-]+-done|async-done)\(%(?P<start>[\w.\-]+)\)")
-_LIBRARY_MATMUL = re.compile(r'custom_call_target="__(?:cublas|cudnn)')
+# cuBLAS's GEMMs, cuDNN's attention, and Triton kernels (Pallas's: jshard's flash attention, `nn.flash`)
+_LIBRARY_MATMUL = re.compile(r'custom_call_target="__(?:cublas|cudnn|gpu\$xla\.gpu\.triton)')
 
 
 def overlapped(hlo_text: str) -> dict[str, bool]:
     """For each asynchronous collective's start in a scheduled module (XLA:GPU's, whose
     instruction order is the schedule): whether a matmul (a dot, a fusion or call that runs one,
-    a cuBLAS or cuDNN call) is scheduled between its start and its done, so that the transfer
+    a cuBLAS, cuDNN or Triton call) is scheduled between its start and its done, so that the transfer
     can hide behind it."""
     blocks, _ = _computations(hlo_text)
     memo: dict[str, bool] = {}

@@ -87,10 +87,11 @@ def test_kernel_counts_read_launches_by_kind():
         '%fusion.1 = bf16[4,8]{1,0} fusion(%p0), kind=kLoop, calls=%fused_computation',
         '%gemm = (bf16[8,8]{1,0}, s8[0]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul"',
         '%fmha = (bf16[1,2]{1,0}, u8[0]{0}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax"',
+        '%flash = f32[4]{0} custom-call(%q), custom_call_target="__gpu$xla.gpu.triton", backend_config={name = "f"}',
         '%sort = f32[4]{0} custom-call(%x), custom_call_target="my_sort"',
         '%add = f32[4]{0} add(%x, %y)',
     ])
-    assert hlo.kernel_counts(text) == dict(fusion=1, cublas=1, cublas_fp8=0, cudnn=1, other=1)
+    assert hlo.kernel_counts(text) == dict(fusion=1, cublas=1, cublas_fp8=0, cudnn=1, triton=1, other=1)
 
 
 # -- the planner against the H100 ----------------------------------------------------------

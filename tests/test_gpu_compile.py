@@ -350,16 +350,31 @@ def test_128k_tokens_of_an_8b_fit_8_h100s_under_all_to_all_context_parallelism(t
 
 
 def test_the_ring_at_32k_sends_beside_attention_the_bytes_planned(tmp_path):
-    """The ring in `mixed` on 8 H100s at 32k (context=4): K and V travel in bf16, their fp32
+    """The ring in `mixed` on 8 H100s at 32k (context=4): each block by jshard's flash kernel
+    (`nn.flash`, Triton), the memory the planner's (within 10%). K and V travel in bf16, their fp32
     gradients n-1 times and, the last send home, in bf16 (XLA:GPU moves the cast after it before
     it), the recomputed forward's sends but its first once more: the bytes the planner says (15.00
     GiB). Each send waits for the block before it (`nn.context_parallel`), so that at least 80%
-    of the loop's permuted bytes have attention beside them (100%; 58% before: the sends ran
+    of the loop's permuted bytes have attention beside them (83-100%; 58% before: the sends ran
     first, back to back)."""
     result = compile_8b("--strategy zero3+cp --mesh fsdp=2,context=4 --seq-len 32768 --micro-batch-size 1 "
                         "--remat full", tmp_path)
-    assert result["compared"]["bytes_exact"], result["compared"]["bytes"]
-    assert result["compiled"]["overlap_in_loops"]["collective-permute"] >= 0.8, result["compiled"]["overlap_in_loops"]
+    compared, compiled = result["compared"], result["compiled"]
+    assert compiled["attention"] == "pallas" and compiled["kernels"]["triton"] >= 3, compiled["kernels"]
+    assert compared["bytes_exact"], compared["bytes"]
+    assert abs(compared["memory_rel_err"]) <= MEMORY_TOLERANCE and compiled["fits"], compared
+    assert compiled["overlap_in_loops"]["collective-permute"] >= 0.8, compiled["overlap_in_loops"]
+
+
+def test_128k_tokens_of_an_8b_fit_8_h100s_under_all_gathered_keys_by_the_flash_kernel(tmp_path):
+    """cp-gather at 128k over context=8: the local queries over all 131072 keys by jshard's flash
+    kernel (no scores held: 26.9 GiB; XLA's attention there needs 851 GiB), every collective's
+    bytes the planner's, memory within 10% of its plan."""
+    result = compile_8b("--strategy zero3+cp-gather --mesh context=8 --seq-len 131072 --micro-batch-size 1 "
+                        "--remat full", tmp_path)
+    compared, compiled = result["compared"], result["compiled"]
+    assert compiled["attention"] == "pallas" and compared["bytes_exact"], compared["bytes"]
+    assert abs(compared["memory_rel_err"]) <= MEMORY_TOLERANCE and compiled["fits"], compared
 
 
 def _compile_in_a_process(xla_flags: str | None, tmp_path: Path, name: str) -> tuple[dict, str]:

@@ -11,6 +11,7 @@ import pytest
 from jshard.layout import Layout
 from jshard import moe
 from jshard import planner
+from jshard.rules import ShardingError
 from jshard.planner import physics
 from jshard.cli import main
 from jshard.models import GPT_SIZES, SIZES
@@ -201,3 +202,29 @@ def test_context_parallel_moe_is_refused(strategy, mesh, capsys):
     assert main(["plan", "--model", "moe-tiny", "--strategy", strategy, "--mesh", mesh]) == 2
     err = capsys.readouterr().err
     assert "but the model has a mixture of experts" in err and "Fix: a preset without cp" in err  # the step's own check
+
+
+@pytest.mark.fast
+def test_context_parallel_blocks_are_planned_as_the_kernel_that_runs_them():
+    """On a GPU the ring's and cp-gather's blocks run jshard's flash kernel: attention charged as
+    a flash kernel's (no score bytes streamed, none held), and at 32k over context=4 the ring is
+    planned at >= 35% MFU (issue 55); `--attention xla` plans XLA's blocks (scores streamed, and
+    under cp-gather held). On the CPU profile the blocks are XLA's."""
+    config = dataclasses.replace(SIZES["llama-3.1-8b"], seq_len=32768, remat="full")
+    sizes = {"fsdp": 2, "context": 4}
+
+    def plan(strategy, attention="auto", hardware="h100"):
+        model = dataclasses.replace(config, attention=attention)
+        layout = Layout.of(strategy, sizes, precision="mixed", micro_batch_size=1)
+        return planner.estimate(planner.PlanInput(model, layout, planner.HARDWARE[hardware]))
+
+    for strategy in ("zero3+cp", "zero3+cp-gather"):
+        flash, xla = plan(strategy), plan(strategy, "xla")
+        assert "flash kernel blocks" in flash["attention"] and "XLA blocks" in xla["attention"]
+        assert flash["compute_terms"]["memory_bound"] < xla["compute_terms"]["memory_bound"] / 10
+        assert flash["memory_bytes_per_device"]["total"] <= xla["memory_bytes_per_device"]["total"]
+    assert plan("zero3+cp")["predicted_mfu"] >= 0.35
+    assert plan("zero3+cp-gather", "xla")["memory_bytes_per_device"]["total"] > 80 * 2**30  # the scores
+    assert "XLA blocks" in plan("zero3+cp", hardware="cpu")["attention"]
+    with pytest.raises(ShardingError, match="attention cudnn: attention 'cudnn' cannot run a ring's"):
+        plan("zero3+cp", "cudnn")

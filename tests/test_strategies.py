@@ -80,8 +80,10 @@ FAST = {("gpt", "dp", "data=8"), ("gpt", "zero1", "fsdp=8"), ("gpt", "zero2", "f
         ("gpt", "dp+tp+sp", "data=2,tensor=4"), ("gpt", "dp+cp", "data=2,context=4"), ("moe", "dp+ep", "data=2,expert=4")}
 # Context parallelism's cases whose compiled collectives are also counted (test_context.py's check:
 # the planner's bytes, the ring's by hand), on the step compiled here anyway.
+# zero2+cp-gather: its K/V gathered once, kept for backward though the context axis is a ZeRO axis.
 BYTES_COUNTED = {("gpt", "cp", "context=8"), ("llama", "dp+cp+tp", "data=2,context=2,tensor=2"),
-                 ("gpt", "fsdp+cp+sp", "fsdp=2,context=2,tensor=2"), ("gpt", "fsdp+cp-a2a+sp", "fsdp=2,context=2,tensor=2")}
+                 ("gpt", "fsdp+cp+sp", "fsdp=2,context=2,tensor=2"), ("gpt", "fsdp+cp-a2a+sp", "fsdp=2,context=2,tensor=2"),
+                 ("gpt", "zero2+cp-gather", "fsdp=2,context=4")}
 
 
 def case(model, preset, sizes):

@@ -64,7 +64,9 @@ def add_model(parser, default: str | None, shown: str | None = None, seq_len_hel
         add(f"--{field.replace('_', '-')}", type=positive_int, help=f"override the model's {field}")
     add("--seq-len", type=positive_int, help=seq_len_help)
     add("--attention", choices=ATTENTION, help="attention kernel: auto (cuDNN's flash kernel on a GPU in bf16 where "
-                                               "the head dim allows, else XLA's), xla or cudnn (default: auto)")
+                                               "the head dim allows, else XLA's; under the ring and cp-gather "
+                                               "jshard's flash kernel on a GPU), xla, cudnn or pallas (jshard's "
+                                               "flash kernel, a GPU's) (default: auto)")
 
 
 def add_bench(parser, model_shown: str, batch_size: int, repeats: int = 5) -> None:

@@ -32,7 +32,9 @@ One module per idea, lower first (none imports a higher one, nor anything above 
 - `softmax.py`, `collective_matmul.py`, `fp8.py`: attention's softmax, the overlapped
   gather/scatter matmuls, FP8 projections;
 - `context_parallel.py`: context parallelism (`split_input`, `positions`, `ring_attention`,
-  `gathered_kv_attention`, `balanced_order`, `QUERY_TILE`);
+  `gathered_kv_attention`, `balanced_order`, `block_kernel`, `QUERY_TILE`);
+- `flash.py`: jshard's flash-attention kernel in Pallas (`flash_forward`, `flash_backward` under
+  given statistics, `flash_attention`), Triton on a GPU, for the ring's and gathered keys' blocks;
 - `layers.py`: `matmul`, `Linear`, `Embed`, `LayerNorm`, `RMSNorm`, `recomputed`, `gelu`, `swiglu`;
 - `attn.py`: the kernel choice (`ATTENTION`, `attention_implementation`, `attention`,
   `xla_attention`) and the KV cache (`KVCache`, `cached_attention`);

@@ -13,21 +13,23 @@ import numpy as np
 from jax import lax
 
 from jshard.nn.context_parallel import context_attention, context_axes
+from jshard.nn.flash import causal_flash_attention, check_pallas
 from jshard.nn.softmax import probabilities
 from jshard.nn.step_context import compiled_for
 from jshard.rules import constrain
 
 
-ATTENTION = ("auto", "xla", "cudnn")
+ATTENTION = ("auto", "xla", "cudnn", "pallas")
 
 
 def attention_implementation(choice: str, dtype, head_dim: int, platform: str | None = None) -> str:
-    """Which kernel `attention` runs: "xla" (XLA's: keeps the seq × seq scores for backward)
-    or "cudnn" (cuDNN's fused flash kernel: no scores kept). cuDNN needs a GPU, bf16 or fp16,
-    and a head dim <= 128 and a multiple of 8; "auto" takes it where those hold (JAX's own
-    default is XLA everywhere). `platform`: given (the planner gives its hardware profile's), or
-    the one the step in force is compiled for (a deviceless GPU compile's on a CPU host), or
-    this host's default backend."""
+    """Which kernel `attention` runs: "xla" (XLA's: keeps the seq × seq scores for backward),
+    "cudnn" (cuDNN's fused flash kernel: no scores kept) or "pallas" (jshard's own flash kernel,
+    `nn.flash`: no scores kept; a GPU's, through Triton). cuDNN
+    needs a GPU, bf16 or fp16, and a head dim <= 128 and a multiple of 8; "auto" takes it where
+    those hold (JAX's own default is XLA everywhere). `platform`: given (the planner gives its
+    hardware profile's), or the one the step in force is compiled for (a deviceless GPU
+    compile's on a CPU host), or this host's default backend."""
     platform = platform or compiled_for()
     fits = platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim <= 128 and head_dim % 8 == 0
     if choice not in ATTENTION:
@@ -36,6 +38,8 @@ def attention_implementation(choice: str, dtype, head_dim: int, platform: str | 
         raise ValueError(
             f"attention 'cudnn' needs a GPU, bf16 or fp16 and a head dim <= 128 and a multiple of 8; here: "
             f"{platform}, {jnp.dtype(dtype).name}, head dim {head_dim}. Fix: attention 'auto' or 'xla'.")
+    if choice == "pallas":
+        check_pallas(head_dim, platform)
     return "cudnn" if choice == "auto" and fits else "xla" if choice == "auto" else choice
 
 
@@ -45,16 +49,20 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, choice: str = "auto") ->
 
     Inside a step whose rules split attention's `seq` (context parallelism), each device holds
     chunks of the sequence and attends over every device's keys and values: `context_attention`
-    (which runs this kernel over the whole sequence under all-to-all CP)."""
+    (which runs this kernel over the whole sequence under all-to-all CP, and `choice`'s block
+    kernel, `context_parallel.block_kernel`, under the ring and all-gathered keys)."""
     if context_axes():
-        return context_attention(q, k, v, lambda q, k, v: whole_sequence_attention(q, k, v, choice))
+        return context_attention(q, k, v, lambda q, k, v: whole_sequence_attention(q, k, v, choice), choice)
     return whole_sequence_attention(q, k, v, choice)
 
 
 def whole_sequence_attention(q: jax.Array, k: jax.Array, v: jax.Array, choice: str) -> jax.Array:
     """Causal attention over every position of the sequence, by `choice`'s kernel."""
-    if attention_implementation(choice, q.dtype, q.shape[-1]) == "cudnn":
+    kernel = attention_implementation(choice, q.dtype, q.shape[-1])
+    if kernel == "cudnn":
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    if kernel == "pallas":
+        return causal_flash_attention(q, k, v)
     return xla_attention(q, k, v)
 
 

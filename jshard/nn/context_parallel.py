@@ -10,7 +10,9 @@ tokens. Attention over the split sequence is `context_attention`, as the rules c
 - a ring (`ring_attention`) or all-gathered keys and values (`gathered_kv_attention`): each
   device's queries over every device's keys. Causal attention gives later tokens more work, so
   the split is load-balanced, as Megatron's CP: over n devices the sequence is cut into 2n
-  chunks and device i holds chunks i and 2n-1-i, one early and one late (`balanced_order`);
+  chunks and device i holds chunks i and 2n-1-i, one early and one late (`balanced_order`).
+  Their blocks run jshard's Pallas flash kernel (`nn.flash`, "pallas": no scores in HBM) or
+  XLA's ops a tile of queries at a time ("xla"), as `block_kernel` chooses;
 - all-to-all (`all_to_all_attention`, DeepSpeed-Ulysses): the split traded for one of the
   heads around attention, which runs over the whole sequence by the model's own kernel
   (cuDNN's flash kernel on a GPU). Every device then does the same work whatever the order, so
@@ -25,8 +27,10 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jshard import vma
+from jshard.nn.flash import HEAD_DIMS, check_flash, check_pallas, flash_attention, flash_backward, flash_forward, untiled
 from jshard.nn.layouts import Layout, layout, relayout_local
 from jshard.nn.softmax import probabilities
 from jshard.nn.step_context import compiled_for, current_step, in_step
@@ -110,19 +114,40 @@ def positions(x: jax.Array, names, dim: int = 1) -> jax.Array:
     return laid_out_input(jnp.arange(whole), ("seq",), (have,))  # positions as a step input would be
 
 
-def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, kernel) -> jax.Array:
+def block_kernel(choice: str, head_dim: int, chunk: int, n: int, platform: str | None = None) -> str:
+    """The kernel of the ring's and the gathered keys' blocks for attention `choice` ("auto",
+    "xla", "cudnn", "pallas"), over n devices holding 2 chunks of `chunk` tokens each: "pallas"
+    (`nn.flash`, fused, no scores in HBM) where asked, and by "auto" on a GPU for the head dims
+    and lengths it takes; else "xla". cuDNN's kernel cannot be merged across blocks (its
+    statistics: docs/strategies.md) and is refused. `platform` as `attn.attention_implementation`'s."""
+    lengths = (chunk, 2 * chunk, 2 * chunk * n)  # a ring's half and whole blocks, the gathered keys
+    if choice == "cudnn":
+        raise ValueError("attention 'cudnn' cannot run a ring's or gathered keys' blocks (its log-sum-exp is cast to "
+                         "the output's dtype and its backward takes no merged statistics). Fix: attention 'auto' or "
+                         "'pallas' (jshard's flash kernel), or context attention 'a2a' (strategy cp-a2a), which runs cuDNN's.")
+    platform = platform or compiled_for()
+    if choice == "pallas":
+        check_pallas(head_dim, platform)
+        check_flash(head_dim, *lengths)
+        return "pallas"
+    fits = platform == "gpu" and head_dim in HEAD_DIMS and not untiled(*lengths)
+    return "pallas" if choice == "auto" and fits else "xla"
+
+
+def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, kernel, choice: str = "auto") -> jax.Array:
     """Causal attention under context parallelism, as the active rules choose (`Rules.context_attention`):
     "ring" passes each device's keys and values round the context axes (`ring_attention`);
     "gather" all-gathers them (Llama 3's choice: one collective, the whole K/V held at once);
-    "a2a" runs `kernel(q, k, v)`, causal attention over a whole sequence, on a share of the
-    heads (`all_to_all_attention`)."""
+    both run their blocks by `block_kernel(choice)`. "a2a" runs `kernel(q, k, v)`, causal
+    attention over a whole sequence, on a share of the heads (`all_to_all_attention`)."""
     axes = context_axes()
-    choice = active_rules().context_attention
-    if choice == "a2a":
+    context = active_rules().context_attention
+    if context == "a2a":
         return all_to_all_attention(q, k, v, axes, kernel)
-    if choice == "gather":
-        return gathered_kv_attention(q, k, v, axes)
-    return ring_attention(q, k, v, axes)
+    blocks = block_kernel(choice, q.shape[-1], q.shape[1] // 2, lax.axis_size(axes))
+    if context == "gather":
+        return gathered_kv_attention(q, k, v, axes, blocks)
+    return ring_attention(q, k, v, axes, blocks)
 
 
 def check_all_to_all_heads(heads: int, n: int, axes) -> None:
@@ -166,13 +191,20 @@ def _ungroup(x):
     return jnp.moveaxis(x.reshape(b, hk * g, sq, *x.shape[4:]), 2, 1)
 
 
-def gathered_kv_attention(q, k, v, axes):
+def gathered_kv_attention(q, k, v, axes, kernel: str = "xla"):
     """Queries of this device's chunks over every device's keys and values, all-gathered (their
-    transpose in backward: a reduce-scatter of dK, dV), masked by the positions both hold."""
-    k, v = (lax.all_gather(t, axes, axis=1, tiled=True) for t in (k, v))
+    transpose in backward: a reduce-scatter of dK, dV), masked by the positions both hold; by
+    `kernel` ("pallas": the flash kernel, each tile of keys no query sees skipped; "xla": the
+    scores of every local query over the sequence, kept for backward)."""
+    # Named, so that ZeRO's remat policy (`params.remat_policy`, which gathers again whatever was
+    # gathered over ZeRO axes: the context axes are ZeRO's too under zero+cp) keeps them, as the
+    # activations they are; a remat of the layer gathers them again.
+    k, v = (checkpoint_name(lax.all_gather(t, axes, axis=1, tiled=True), "context_kv") for t in (k, v))
     n = lax.axis_size(axes)
     whole = balanced_order(k.shape[1], n)
     mine = whole.reshape(n, -1)[lax.axis_index(axes)]
+    if kernel == "pallas":
+        return flash_attention(q, k, v, mine, whole)
     s = _scores(q, k, mine[:, None] >= whole[None, :])
     out = jnp.einsum("bhgqk,bkhd->bhgqd", probabilities(s, v.dtype), v, preferred_element_type=jnp.float32)
     return _ungroup(out).astype(q.dtype)
@@ -218,10 +250,19 @@ def _join_rows(x, dim: int):
     return jnp.moveaxis(x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]), 0, dim)
 
 
-def _block_forward(q, k, v, mask):
+def _causal(q, k, causal: bool):
+    """The mask of a block: causal (q, k) (a device's own chunks, whose order makes it so), or None."""
+    return jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool)) if causal else None
+
+
+def _block_forward(q, k, v, causal: bool, kernel: str):
     """One block: output (batch, q, heads, d) in fp32, and log-sum-exp (batch, kv_heads, group, q),
-    of queries over keys where `mask` (q, k) allows (None: everywhere), a tile of queries at a time."""
-    tile = query_tile(q.shape[1])
+    of queries over keys, causal or whole; by the flash kernel, or XLA's a tile of queries at a time."""
+    b, sq, h, _ = q.shape
+    if kernel == "pallas":
+        out, lse = flash_forward(q, k, v, (jnp.arange(sq), jnp.arange(k.shape[1])) if causal else None)
+        return out, lse.reshape(b, k.shape[2], h // k.shape[2], sq)
+    mask, tile = _causal(q, k, causal), query_tile(sq)
 
     def one_tile(tiles):
         q, mask = tiles
@@ -235,11 +276,15 @@ def _block_forward(q, k, v, mask):
     return _join_rows(out, 1), _join_rows(lse, 3)
 
 
-def _block_backward(q, k, v, d_out, lse, delta, mask):
+def _block_backward(q, k, v, d_out, lse, delta, causal: bool, kernel: str):
     """One block's dq (batch, q, heads, d), dk, dv (batch, k, kv_heads, d), fp32, from the
-    output's gradient, the rows' log-sum-exp over every block and delta = rowsum(dO · O), a tile
-    of queries at a time (dk and dv summed over the tiles)."""
-    hk, tile = k.shape[2], query_tile(q.shape[1])
+    output's gradient, the rows' log-sum-exp over every block and delta = rowsum(dO · O); by the
+    flash kernel, or XLA's a tile of queries at a time (dk and dv summed over the tiles)."""
+    b, sq, h, _ = q.shape
+    if kernel == "pallas":
+        positions = (jnp.arange(sq), jnp.arange(k.shape[1])) if causal else None
+        return flash_backward(q, k, v, d_out, lse.reshape(b, h, sq), delta.reshape(b, h, sq), positions)
+    hk, tile, mask = k.shape[2], query_tile(sq), _causal(q, k, causal)
     k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
 
     def one_tile(dkv, tiles):
@@ -260,13 +305,6 @@ def _block_backward(q, k, v, d_out, lse, delta, mask):
     return _join_rows(dq, 1), dk, dv
 
 
-def _own_block_mask(c: int) -> jax.Array:
-    """Causality within a device's own block of chunks (i, 2n-1-i), c tokens each: each chunk
-    causal over itself; the late chunk sees the early one whole, the early one nothing of the late."""
-    tril = jnp.tril(jnp.ones((c, c), bool))
-    return jnp.block([[tril, jnp.zeros((c, c), bool)], [jnp.ones((c, c), bool), tril]])
-
-
 def _from_earlier(axes, t):
     """Whether ring step t's block comes from a device j < i (else j > i; t = 0: j = i)."""
     i = lax.axis_index(axes)
@@ -280,32 +318,32 @@ def _half(x, dim, second: bool, empty: float):
     return jnp.concatenate([fill, x] if second else [x, fill], axis=dim)
 
 
-def _ring_forward_step(q, k, v, t, axes):
+def _ring_forward_step(q, k, v, t, axes, kernel):
     c = q.shape[1] // 2
-    if t == 0:
-        return _block_forward(q, k, v, _own_block_mask(c))
+    if t == 0:  # its own chunks (i, 2n-1-i): each causal over itself, the late one seeing the early one
+        return _block_forward(q, k, v, True, kernel)  # whole: causal over the two as one
 
     def earlier(q, k, v):  # both query chunks over key chunk j
-        return _block_forward(q, k[:, :c], v[:, :c], None)
+        return _block_forward(q, k[:, :c], v[:, :c], False, kernel)
 
     def later(q, k, v):  # query chunk 2n-1-i over both of j's
-        out, lse = _block_forward(q[:, c:], k, v, None)
+        out, lse = _block_forward(q[:, c:], k, v, False, kernel)
         return _half(out, 1, True, 0.0), _half(lse, 3, True, -jnp.inf)
 
     return lax.cond(_from_earlier(axes, t), earlier, later, q, k, v)
 
 
-def _ring_backward_step(q, k, v, d_out, lse, delta, t, axes):
+def _ring_backward_step(q, k, v, d_out, lse, delta, t, axes, kernel):
     c = q.shape[1] // 2
     if t == 0:
-        return _block_backward(q, k, v, d_out, lse, delta, _own_block_mask(c))
+        return _block_backward(q, k, v, d_out, lse, delta, True, kernel)
 
     def earlier(q, k, v, d_out, lse, delta):
-        dq, dk, dv = _block_backward(q, k[:, :c], v[:, :c], d_out, lse, delta, None)
+        dq, dk, dv = _block_backward(q, k[:, :c], v[:, :c], d_out, lse, delta, False, kernel)
         return dq, _half(dk, 1, False, 0.0), _half(dv, 1, False, 0.0)
 
     def later(q, k, v, d_out, lse, delta):
-        dq, dk, dv = _block_backward(q[:, c:], k, v, d_out[:, c:], lse[..., c:], delta[..., c:], None)
+        dq, dk, dv = _block_backward(q[:, c:], k, v, d_out[:, c:], lse[..., c:], delta[..., c:], False, kernel)
         return _half(dq, 1, True, 0.0), dk, dv
 
     return lax.cond(_from_earlier(axes, t), earlier, later, q, k, v, d_out, lse, delta)
@@ -317,7 +355,7 @@ def _pass_on(x, axes):
     return lax.ppermute(x, axes, [(i, (i + 1) % n) for i in range(n)])
 
 
-def _ring_attention_fwd(q, k, v, axes):
+def _ring_attention_fwd(q, k, v, axes, kernel):
     n = lax.axis_size(axes)
     # Sends ordered after the blocks where they run asynchronously, beside compute (a GPU's);
     # XLA:CPU's wait for their peers anyway, and there the recomputed forward's ring (remat)
@@ -326,7 +364,7 @@ def _ring_attention_fwd(q, k, v, axes):
     kv, out, lse = (k, v), None, None
     for t in range(n):
         following = _pass_on(kv, axes) if t < n - 1 else None  # the next block travels while this one computes
-        block_out, block_lse = _ring_forward_step(q, *kv, t, axes)
+        block_out, block_lse = _ring_forward_step(q, *kv, t, axes, kernel)
         if out is None:
             out, lse = block_out, block_lse
         else:  # the online softmax: both weighted by their share of the merged normaliser
@@ -343,7 +381,7 @@ def _ring_attention_fwd(q, k, v, axes):
     return out, (q, k, v, out, lse)
 
 
-def _ring_attention_bwd(axes, residuals, d_out):
+def _ring_attention_bwd(axes, kernel, residuals, d_out):
     q, k, v, out, lse = residuals
     n = lax.axis_size(axes)
     hk = k.shape[2]
@@ -352,7 +390,7 @@ def _ring_attention_bwd(axes, residuals, d_out):
     kv, dq, dkv = (k, v), None, None
     for t in range(n):
         following = _pass_on(kv, axes) if t < n - 1 else None
-        block_dq, dk, dv = _ring_backward_step(q, *kv, d_out, lse, delta, t, axes)
+        block_dq, dk, dv = _ring_backward_step(q, *kv, d_out, lse, delta, t, axes, kernel)
         dq = block_dq if dq is None else dq + block_dq
         dkv = (dk, dv) if dkv is None else (dkv[0] + dk, dkv[1] + dv)
         dkv = _pass_on(dkv, axes)  # with its block: after n steps, home with every device's share
@@ -360,11 +398,12 @@ def _ring_attention_bwd(axes, residuals, d_out):
     return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axes: tuple[str, ...], kernel: str = "xla") -> jax.Array:
     """Causal attention of this device's load-balanced chunks of queries over every device's
-    keys and values, passed round the ring of mesh `axes` (see above); inside a step."""
-    return _ring_attention_fwd(q, k, v, axes)[0]
+    keys and values, passed round the ring of mesh `axes` (see above), each block by `kernel`
+    ("pallas" or "xla", `block_kernel`); inside a step."""
+    return _ring_attention_fwd(q, k, v, axes, kernel)[0]
 
 
 ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)

@@ -33,7 +33,7 @@ from jshard.layout import Layout
 from jshard.models import DecoderConfig
 from jshard.moe import capacity
 from jshard.nn.attn import attention_implementation
-from jshard.nn.context_parallel import check_all_to_all_heads
+from jshard.nn.context_parallel import block_kernel, check_all_to_all_heads
 from jshard.parallel.step_plan import Plan
 from jshard.placement import format_bytes
 from jshard.planner.planned_step import PlannedStep, cached_step_plan, computed, local, shards, stage_layers_run
@@ -100,17 +100,23 @@ def planned_step(inputs: PlanInput) -> PlannedStep:
         attention = attention_implementation(config.attention, config.dtype, config.head_dim, hw.platform)
     except ValueError as e:  # cudnn asked of a profile or dtype it cannot run on
         raise ShardingError(f"DecoderConfig.attention {config.attention}: {e}") from None
-    flash = attention == "cudnn"
+    flash = fused = attention in ("cudnn", "pallas")
     if cp > 1 and rules.context_attention == "a2a":
         check_all_to_all_heads(config.heads // tensor, cp, context)
     if cp > 1 and rules.context_attention != "a2a":  # attention is jshard's own, not the model's kernel
-        # (all-to-all CP runs the model's, on its share of the heads): the ring keeps no scores (each
-        # block's are recomputed in its backward); "gather" keeps each local query's scores over
-        # the whole sequence, as XLA's kernel does.
-        attention, flash = f"{rules.context_attention} (context parallel)", rules.context_attention == "ring"
+        # (all-to-all CP runs the model's, on its share of the heads), its blocks by the flash kernel
+        # or XLA's ops: the ring keeps no scores either way (each block's are recomputed in its
+        # backward); "gather" by XLA's keeps each local query's scores over the whole sequence.
+        try:
+            blocks = block_kernel(config.attention, config.head_dim, config.seq_len // (2 * cp), cp, hw.platform)
+        except ValueError as e:
+            raise ShardingError(f"DecoderConfig.attention {config.attention}: {e}") from None
+        fused = blocks == "pallas"
+        attention = f"{rules.context_attention} (context parallel, {'flash kernel' if fused else 'XLA'} blocks)"
+        flash = fused or rules.context_attention == "ring"
     return PlannedStep(config=config, hw=hw, step=step, sizes=sizes, rows=rows, microbatches=inputs.microbatches or 1,
                        grad_accum=inputs.grad_accum, local_seq=config.seq_len // cp, tensor=tensor,
-                       layers_local=stage_layers_run(config, step), attention=attention, flash=flash)
+                       layers_local=stage_layers_run(config, step), attention=attention, flash=flash, fused=fused)
 
 
 def estimate(inputs: PlanInput) -> dict:

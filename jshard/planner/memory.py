@@ -314,13 +314,19 @@ def memory_per_device(planned: PlannedStep) -> MemoryEstimate:
         # one layer's scores in backward (each local query's over the whole sequence) beyond the freed logits
         scores = act.score_backward * rows * config.heads // tensor * local_seq * config.seq_len
         memory["activations"] += max(0, int(scores - rows * local_seq * logits))
-    if cp > 1 and rules.context_attention == "ring":
-        # The ring's working set, one tile of queries of one block at a time: over the largest
+    if cp > 1 and rules.context_attention == "ring" and not planned.fused:
+        # The ring's working set by XLA's blocks, one tile of queries of one block at a time: over the largest
         # block (its own, local_seq keys), scores, probabilities and their two gradients in fp32,
         # in backward (measured: the compiled temporaries at seq 4096 over 2, 4, 8 devices,
         # examples/context_parallel.py).
         tile = query_tile(local_seq)
         memory["activations"] += RING_BLOCK_FP32 * 4 * rows * config.heads // tensor * tile * local_seq
+    if cp > 1 and rules.context_attention == "gather" and config.remat == "none" and not schedule:
+        # Each layer's all-gathered K and V, kept for backward (`nn.context_parallel`, named so that
+        # ZeRO's remat policy keeps them too): the whole sequence's keys and values, every layer.
+        kv_heads = getattr(config, "kv_heads", config.heads) // tensor
+        memory["activations"] += (config.layers * 2 * rows * config.seq_len * kv_heads * config.head_dim
+                                  * jnp.dtype(config.dtype).itemsize)
     if hw.platform == "gpu":  # the larger of backward's peak and the reduction's (above what backward counts)
         memory["reduction"] = max(0, reduction_bytes(step) - memory["grads"] - memory["activations"])
     memory["batch"] = rows * planned.microbatches * planned.grad_accum * (config.seq_len + 1) * 4

@@ -83,3 +83,4 @@ class PlannedStep:
     layers_local: int  # the layers the busiest stage runs (`stage_layers_run`)
     attention: str  # the attention's kernel (`nn.attention_implementation`), or context parallelism's
     flash: bool  # attention keeps no (seq × seq) scores
+    fused: bool  # attention's core is a flash kernel (cuDNN's, or jshard's Pallas kernel): no scores in HBM

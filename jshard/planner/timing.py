@@ -37,7 +37,7 @@ FP8_CAST_BYTES = 5
 
 
 def compute_terms(config: DecoderConfig, step: Plan, hw: Hardware, rows: int, seq: int, passes: int, layers: int,
-                  tensor: int, sp: bool, attention: str, optimizer_traffic: float, stage_recompute: bool) -> dict:
+                  tensor: int, sp: bool, fused: bool, optimizer_traffic: float, stage_recompute: bool) -> dict:
     """One device's compute in a step, by term (`physics`): `passes` forward-backward passes
     (micro-batches × accumulation) of `rows` rows of `seq` tokens through its `layers` and the
     head, then the optimizer once. On a GPU also the memory-bound work between the GEMMs (bytes
@@ -57,7 +57,7 @@ def compute_terms(config: DecoderConfig, step: Plan, hw: Hardware, rows: int, se
         gemms += moe_layers * physics.training_gemms_seconds(
             shapes[-2:], math.ceil(tokens * slots_per_token(config)), dtype, hw, forwards)
     gemms += physics.training_gemms_seconds([(config.embed, config.vocab // tensor)], tokens, dtype, hw)  # the head
-    if attention == "cudnn":
+    if fused:  # a flash kernel (cuDNN's; jshard's Pallas kernel under cp, unmeasured: charged as cuDNN's)
         core = layers * physics.attention_seconds(config, tokens, config.seq_len, tensor, hw, core_forwards)
     else:  # QK^T and PV per head as batched GEMMs: forward two, backward four
         hd, keys, batch = config.head_dim, config.seq_len, rows * config.heads // tensor
@@ -73,7 +73,7 @@ def compute_terms(config: DecoderConfig, step: Plan, hw: Hardware, rows: int, se
               + hw.elementwise_logit_bytes * tokens * config.vocab / tensor)  # the loss is fp32 in any compute dtype
     if step.fp8:
         memory += FP8_CAST_BYTES * tokens * layers * fp8_cast_widths(config) / tensor * recompute
-    if attention != "cudnn":  # XLA's kernel, or jshard's own under cp: each local query's scores over the sequence
+    if not fused:  # XLA's kernel, or XLA's blocks under cp: each local query's scores over the sequence
         memory += XLA_SCORE_BYTES * layers * config.heads / tensor * rows * seq * config.seq_len * recompute
     terms["memory_bound"] = passes * memory / hw.stream_bw
     terms["launches"] = passes * (physics.launch_seconds(layers, hw) + physics.loop_seconds(2 * layers, hw))
@@ -142,7 +142,7 @@ def step_time(planned: PlannedStep, collectives: list[dict]) -> dict:
     batch_axes, data_shards, context, cp = step.batch_axes, step.data_shards, step.context_axes, step.context_shards
     tensor_axes, sp, tensor, stage_axis = step.tensor_axes, step.sequence_parallel, planned.tensor, step.stage_axis
     rows, local_seq, m, accum = planned.rows, planned.local_seq, planned.microbatches, planned.grad_accum
-    layers_local, attention = planned.layers_local, planned.attention
+    layers_local, fused = planned.layers_local, planned.fused
     n_devices = math.prod(sizes.values())
     optimizer_traffic = adamw_traffic(state_bytes(step, config.layers, hw.platform))
     tokens = rows * config.seq_len * m * data_shards * accum
@@ -163,7 +163,7 @@ def step_time(planned: PlannedStep, collectives: list[dict]) -> dict:
     else:
         flops_run = flops_base
     peak = hw.peak_flops * (1 if jnp.dtype(config.dtype) == jnp.bfloat16 else 0.5)
-    terms = compute_terms(config, step, hw, rows, local_seq, m * accum, layers_local, tensor, sp, attention,
+    terms = compute_terms(config, step, hw, rows, local_seq, m * accum, layers_local, tensor, sp, fused,
                           optimizer_traffic, stage_recompute=bool(schedule) and stage_remat == "full")
     t_compute = sum(terms.values())
     times = {(r["kind"], r["axes"]): r["seconds"] for r in collectives}
@@ -212,7 +212,7 @@ def step_time(planned: PlannedStep, collectives: list[dict]) -> dict:
         # FLOPs (+8-12% a step for +33% FLOPs at remat full: docs/planning.md): not counted
         host_terms = terms if config.remat == "none" else compute_terms(
             dataclasses.replace(config, remat="none"), step, hw, rows, local_seq, m * accum, layers_local, tensor, sp,
-            attention, optimizer_traffic, stage_recompute=bool(schedule) and stage_remat == "full")
+            fused, optimizer_traffic, stage_recompute=bool(schedule) and stage_remat == "full")
         step_s = host_step_seconds(host_terms, host, hw, n_devices)
     mfu = flops_model / (step_s * n_devices * peak)
     return dict(tokens_per_step=tokens, flops_per_step=dict(model=flops_model, run=flops_run), compute_s=t_compute,
