@@ -165,7 +165,10 @@ def test_bench_kernels_dry_run(tmp_path, capsys):
         assert g["seconds"] > 0 and g["intensity"] == pytest.approx(
             2 * g["m"] * g["n"] * g["k"] / ((g["m"] * g["k"] + g["k"] * g["n"]) * (1 if g["dtype"] == "fp8" else 2)
                                             + g["m"] * g["n"] * 2))
-    assert "bf16 GEMM TFLOP/s" in capsys.readouterr().out
+    assert [(a["kernel"], a["seq"]) for a in result["attention"]] == [("xla", 256), ("pallas", 256)]
+    assert all(a["seconds"] > 0 for a in result["attention"]) and result["attention"][0]["over_first"] == 1
+    text = capsys.readouterr().out
+    assert "bf16 GEMM TFLOP/s" in text and "attention pallas seq    256" in text
 
 
 @pytest.mark.fast

@@ -12,6 +12,12 @@ step-time model reads (`docs/planning.md`).
   loop    the same chain as a `fori_loop`: what each iteration of a device loop adds (the
           layers' scan, a pipeline's ticks).
   hbm     a large copy on the device: GB/s read + written.
+  attention  causal attention's forward and backward over one row of `ATTENTION_SEQS` tokens,
+          Llama 3.1 8B's heads (32 sharing 8 KV heads of 128), bf16: cuDNN's kernel and jshard's
+          flash kernel (`nn.flash`, which the ring's and cp-gather's blocks run) on a GPU; XLA's
+          and the flash kernel in Pallas's interpreter on a CPU (`--dry`, a tiny shape). Seconds,
+          TFLOP/s of the causal half (3 × 4·s²/2·h·d: forward and a backward of twice its work,
+          the planner's `physics.attention_seconds`), and each kernel's time over the first's.
 
 The shapes run in a fixed shuffled order until `deadline_s`, so a run cut short still spans the
 grid; the result names the shapes it did not reach. On a CPU (`--dry`), tiny shapes: the same path.
@@ -29,6 +35,7 @@ import jax.numpy as jnp
 
 from jshard.mesh import TRITON_GEMM_OPTION
 from jshard.metrics import best_seconds, device_peak
+from jshard.nn.flash import causal_flash_attention
 from jshard.nn.fp8 import FORWARD, dequantize
 
 GRID = dict(m=(512, 2048, 8192, 32768), n=(128, 256, 512, 1024, 2048, 4096, 8192, 16384),
@@ -41,6 +48,9 @@ MAX_PRODUCTS, MAX_BYTES = 128, 8 * 2**30  # per program: its compile time, its m
 CHAIN, TINY = 256, 64
 COPY_BYTES = {"gpu": 2**31, "cpu": 2**26}
 REPEATS = 5
+ATTENTION_SEQS = {"gpu": (8192, 32768), "cpu": (256,)}
+ATTENTION_HEADS = {"gpu": (32, 8, 128), "cpu": (4, 2, 16)}  # heads, KV heads, head dim
+ATTENTION_KERNELS = {"gpu": ("cudnn", "pallas"), "cpu": ("xla", "pallas")}
 
 
 def products(m: int, n: int, k: int, platform: str) -> int:
@@ -83,6 +93,48 @@ def gemm(dtype: str, m: int, n: int, k: int, device, repeats: int = REPEATS) -> 
                 intensity=flops / nbytes, compile_s=compile_s)
 
 
+def attention(kernel: str, seq: int, device, repeats: int = REPEATS) -> dict:
+    """Causal attention forward + backward of one row of `seq` tokens by `kernel` ("cudnn",
+    "xla" or "pallas"): seconds and TFLOP/s of the causal half."""
+    platform = "cpu" if device.platform == "cpu" else "gpu"
+    heads, kv_heads, d = ATTENTION_HEADS[platform]
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, d_out = (jax.device_put(jax.random.normal(k, (1, seq, heads, d), jnp.bfloat16), device) for k in keys[:2])
+    k, v = (jax.device_put(jax.random.normal(x, (1, seq, kv_heads, d), jnp.bfloat16), device) for x in keys[2:])
+
+    def forward(q, k, v):
+        if kernel == "pallas":
+            return causal_flash_attention(q, k, v)
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=kernel)
+
+    step = jax.jit(lambda q, k, v, d_out: jax.vjp(forward, q, k, v)[1](d_out))
+    compiled = step.lower(q, k, v, d_out).compile()
+    seconds = best_seconds(lambda: jax.block_until_ready(compiled(q, k, v, d_out)), repeats)
+    flops = 3 * 4 * seq * seq / 2 * heads * d
+    return dict(kernel=kernel, seq=seq, heads=heads, kv_heads=kv_heads, head_dim=d, seconds=seconds,
+                tflops=flops / seconds / 1e12)
+
+
+def attention_rows(device) -> list[dict]:
+    """`attention` of each of the platform's kernels at each of its lengths; each row's time over
+    the first kernel's at its length (`over_first`). A kernel that fails to build or run (a first
+    run of the Triton kernel on a GPU model) is a row with its error's first line, and the sweep
+    goes on."""
+    platform = "cpu" if device.platform == "cpu" else "gpu"
+    rows = []
+    for seq in ATTENTION_SEQS[platform]:
+        first = None
+        for kernel in ATTENTION_KERNELS[platform]:
+            try:
+                row = attention(kernel, seq, device)
+            except Exception as e:  # noqa: BLE001 (a benchmark on unknown hardware keeps what it measured)
+                rows.append(dict(kernel=kernel, seq=seq, error=f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"))
+                continue
+            first = first or row["seconds"]
+            rows.append(row | dict(over_first=row["seconds"] / first))
+    return rows
+
+
 def launch_and_loop(device, repeats: int = REPEATS) -> dict:
     """Seconds per kernel of a dependent chain of tiny matmuls, unrolled and as a device loop."""
     x = jax.device_put(jnp.eye(TINY, dtype=jnp.float32), device)
@@ -123,7 +175,8 @@ def run(dry: bool = False, deadline_s: float = 300.0, dtypes=DTYPES, on_row=None
     started = time.perf_counter()
     result = dict(jax=jax.__version__, device=f"{device.device_kind} ({device.platform})", dry=dry,
                   peak_tflops={d: p and p.flops / 1e12 for d, p in peaks.items()},
-                  hbm_gbps=hbm_gbps(device), **launch_and_loop(device), gemms=[], not_reached=[])
+                  hbm_gbps=hbm_gbps(device), **launch_and_loop(device), attention=attention_rows(device),
+                  gemms=[], not_reached=[])
     todo = shapes(DRY_GRID if dry else GRID, dtypes)
     for i, (dtype, m, n, k) in enumerate(todo):
         if time.perf_counter() - started > deadline_s:
@@ -146,6 +199,13 @@ def report(result: dict) -> str:
              f"  hbm copy {result['hbm_gbps']:.0f} GB/s; a kernel at least {result['kernel_s'] * 1e6:.2f} us "
              f"({result['chain']} dependent {TINY}x{TINY} matmuls); a device loop's iteration "
              f"{result['loop_iteration_s'] * 1e6:.2f} us ({result['loop_overhead_s'] * 1e6:+.2f} us over its kernel)"]
+    for a in result.get("attention", []):
+        if "error" in a:
+            lines.append(f"  attention {a['kernel']:>6} seq {a['seq']:>6}: failed: {a['error']}")
+            continue
+        lines.append(f"  attention {a['kernel']:>6} seq {a['seq']:>6} ({a['heads']}/{a['kv_heads']} heads of {a['head_dim']}), "
+                     f"forward + backward: {a['seconds'] * 1e3:.3f} ms, {a['tflops']:.3g} TFLOP/s, "
+                     f"{a['over_first']:.2f}x the first")
     for dtype in sorted({g["dtype"] for g in result["gemms"]}):
         rows = [g for g in result["gemms"] if g["dtype"] == dtype]
         ns = sorted({g["n"] for g in rows})

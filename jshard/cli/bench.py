@@ -236,7 +236,7 @@ def run_gpu(args) -> int:
 
 def add_kernels(benches) -> None:
     parser = benches.add_parser(
-        "kernels", help="what this device's kernels cost by shape: GEMMs in bf16 and FP8, a launch, a loop, HBM",
+        "kernels", help="what this device's kernels cost by shape: GEMMs in bf16 and FP8, a launch, a loop, HBM, attention",
         description=inspect.cleandoc(kernels.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--deadline", type=flags.positive_int, default=300, metavar="S",
