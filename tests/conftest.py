@@ -35,7 +35,7 @@ def pytest_report_header(config):
 
 # The files of the device tier: on a device only these are imported (the others build 8-device
 # meshes as they load).
-DEVICE_FILES = ("test_on_device.py",)
+DEVICE_FILES = ("test_on_device.py", "test_flash.py")
 
 
 def pytest_ignore_collect(collection_path, config):

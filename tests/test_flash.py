@@ -13,6 +13,10 @@ from jshard.nn import flash
 from jshard.nn.context_parallel import balanced_order, block_kernel
 
 B, Q, K, HEADS, KV_HEADS, D = 1, 128, 256, 4, 2, 16  # 2 backward tiles of queries, 4 of keys; grouped KV heads
+# The kernel checks are of the device tier: `make gpu-check` runs them on a GPU, where Triton runs
+# the kernel and both it and XLA's reference multiply fp32 in TF32 (about 1e-3).
+ON_GPU = jax.default_backend() == "gpu"
+RTOL, ATOL = (2e-2, 2e-2) if ON_GPU else (1e-5, 1e-5)
 
 
 def inputs(dtype=jnp.float32, seed=0):
@@ -42,26 +46,29 @@ def reference_lse(q, k, positions):
     return jax.nn.logsumexp(scores, axis=-1)
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("name", POSITIONS)
 def test_forward_is_attention_and_its_log_sum_exp(name):
     q, k, v, _ = inputs()
     out, lse = flash.flash_forward(q, k, v, POSITIONS[name])
     assert out.dtype == lse.dtype == jnp.float32 and lse.shape == (B, HEADS, Q)
-    np.testing.assert_allclose(out, reference(q, k, v, POSITIONS[name]), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(lse, reference_lse(q, k, POSITIONS[name]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, reference(q, k, v, POSITIONS[name]), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(lse, reference_lse(q, k, POSITIONS[name]), rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("name", ["causal", "balanced"])
 def test_gradients_are_attentions(name):
     q, k, v, d_out = inputs()
     q_pos, k_pos = POSITIONS[name]
     out, vjp = jax.vjp(lambda q, k, v: flash.flash_attention(q, k, v, q_pos, k_pos), q, k, v)
     expected_out, expected_vjp = jax.vjp(lambda q, k, v: reference(q, k, v, POSITIONS[name]), q, k, v)
-    np.testing.assert_allclose(out, expected_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, expected_out, rtol=RTOL, atol=ATOL)
     for got, want, what in zip(vjp(d_out), expected_vjp(d_out), "qkv"):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"d{what}")
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, err_msg=f"d{what}")
 
 
+@pytest.mark.device
 def test_two_blocks_merged_and_differentiated_under_the_merged_statistics():
     """A ring's use: each block's output and log-sum-exp merged (online softmax), and each
     block's backward given the merged log-sum-exp and rowsum(dO · O): together, attention over
@@ -73,15 +80,16 @@ def test_two_blocks_merged_and_differentiated_under_the_merged_statistics():
     lse = jnp.logaddexp(parts[0][1], parts[1][1])
     out = sum(o * jnp.exp(part_lse - lse).transpose(0, 2, 1)[..., None] for o, part_lse in parts)
     expected_out, expected_vjp = jax.vjp(lambda q, k, v: reference(q, k, v, POSITIONS["causal"]), q, k, v)
-    np.testing.assert_allclose(out, expected_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, expected_out, rtol=RTOL, atol=ATOL)
     delta = jnp.einsum("bqhd,bqhd->bhq", d_out, out)
     grads = [flash.flash_backward(q, k[:, s], v[:, s], d_out, lse, delta, pos) for s, pos in halves]
     dq = grads[0][0] + grads[1][0]
     dk, dv = (jnp.concatenate([g[i] for g in grads], axis=1) for i in (1, 2))
     for got, want, what in zip((dq, dk, dv), expected_vjp(d_out), "qkv"):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"d{what}")
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, err_msg=f"d{what}")
 
 
+@pytest.mark.device
 def test_bf16_inputs_are_near_fp32_attention():
     q, k, v, _ = inputs()
     low = [x.astype(jnp.bfloat16) for x in (q, k, v)]

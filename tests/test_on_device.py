@@ -4,7 +4,8 @@ plain Flax NNX + optax step from the same weights, and cuDNN's attention against
 In the suite these run on a fake CPU device like every test. `make gpu-check` runs them on a
 GPU (JSHARD_TEST_DEVICE=1: conftest leaves JAX's platform alone and collects this tier only),
 where the bf16 steps call cuDNN's fused attention and XLA:GPU's kernels: what no CPU shows.
-Head dims are 64, so cuDNN takes them.
+Head dims are 64, so cuDNN (and jshard's Triton flash kernel) take them. test_flash.py's
+kernel checks are of this tier too: there Triton runs the kernel, not Pallas's interpreter.
 """
 
 import contextlib
@@ -69,20 +70,23 @@ def _loss_and_grads(model, tokens):
     return jax.jit(jax.value_and_grad(lambda p: gpt_loss(nnx.merge(graph, p, rest), tokens)))(params)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="cuDNN's attention needs a GPU")
+@pytest.mark.skipif(not ON_GPU, reason="cuDNN's attention and jshard's Triton kernel need a GPU")
+@pytest.mark.parametrize("kernel", ["cudnn", "pallas"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_cudnn_attention_matches_xlas(name):
+def test_fused_attention_matches_xlas(name, kernel):
+    """cuDNN's fused attention and jshard's flash kernel (`nn.flash`, Triton: the ring's and
+    cp-gather's blocks run it) against XLA's: loss and gradients in bf16."""
     tokens = _batches(CONFIGS[name])[0]
     results = {}
-    for kernel in ("cudnn", "xla"):
-        config = dataclasses.replace(CONFIGS[name], dtype=jax.numpy.bfloat16, attention=kernel)
-        results[kernel] = _loss_and_grads(decoder(config, nnx.Rngs(SEED)), tokens)
-    (loss, grads), (xla_loss, xla_grads) = results["cudnn"], results["xla"]
+    for choice in (kernel, "xla"):
+        config = dataclasses.replace(CONFIGS[name], dtype=jax.numpy.bfloat16, attention=choice)
+        results[choice] = _loss_and_grads(decoder(config, nnx.Rngs(SEED)), tokens)
+    (loss, grads), (xla_loss, xla_grads) = results[kernel], results["xla"]
     assert relative_error(loss, xla_loss) <= BF16_TOLERANCE
     for (path, g), (xla_path, want) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(xla_grads), strict=True):
         assert path == xla_path
         error = relative_error(np.asarray(g.get_value(), np.float32), np.asarray(want.get_value(), np.float32))
-        assert error <= BF16_TOLERANCE, f"{name} {'/'.join(map(str, path))}: cuDNN vs XLA gradient {error:.2e}"
+        assert error <= BF16_TOLERANCE, f"{name} {'/'.join(map(str, path))}: {kernel} vs XLA gradient {error:.2e}"
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
