@@ -255,12 +255,17 @@ def _causal(q, k, causal: bool):
     return jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool)) if causal else None
 
 
+def _causal_positions(q, k, causal: bool):
+    """The flash kernel's form of `_causal`: (query positions, key positions), or None."""
+    return (jnp.arange(q.shape[1]), jnp.arange(k.shape[1])) if causal else None
+
+
 def _block_forward(q, k, v, causal: bool, kernel: str):
     """One block: output (batch, q, heads, d) in fp32, and log-sum-exp (batch, kv_heads, group, q),
     of queries over keys, causal or whole; by the flash kernel, or XLA's a tile of queries at a time."""
     b, sq, h, _ = q.shape
     if kernel == "pallas":
-        out, lse = flash_forward(q, k, v, (jnp.arange(sq), jnp.arange(k.shape[1])) if causal else None)
+        out, lse = flash_forward(q, k, v, _causal_positions(q, k, causal))
         return out, lse.reshape(b, k.shape[2], h // k.shape[2], sq)
     mask, tile = _causal(q, k, causal), query_tile(sq)
 
@@ -282,8 +287,7 @@ def _block_backward(q, k, v, d_out, lse, delta, causal: bool, kernel: str):
     flash kernel, or XLA's a tile of queries at a time (dk and dv summed over the tiles)."""
     b, sq, h, _ = q.shape
     if kernel == "pallas":
-        positions = (jnp.arange(sq), jnp.arange(k.shape[1])) if causal else None
-        return flash_backward(q, k, v, d_out, lse.reshape(b, h, sq), delta.reshape(b, h, sq), positions)
+        return flash_backward(q, k, v, d_out, lse.reshape(b, h, sq), delta.reshape(b, h, sq), _causal_positions(q, k, causal))
     hk, tile, mask = k.shape[2], query_tile(sq), _causal(q, k, causal)
     k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
 

@@ -84,9 +84,8 @@ def _params(head_dim: int):
                 interpret=compiled_for() != "gpu")
 
 
-def _visible(q_pos, k_pos_ref, keys):
-    """This tile's mask (q_pos over the keys' positions), and whether any query sees any key."""
-    k_pos = k_pos_ref[keys]
+def _visible(q_pos, k_pos):
+    """A tile's mask (queries' positions over keys'), and whether any query sees any key."""
     return q_pos[:, None] >= k_pos[None, :], jnp.max(q_pos) >= jnp.min(k_pos)
 
 
@@ -123,7 +122,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, scale, block_k, masked):
 
     carry = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
     acc, m, l = _over_tiles(k_ref.shape[0] // block_k, body, carry, masked,
-                            lambda j: _visible(q_pos, k_pos_ref, pl.ds(j * block_k, block_k)))
+                            lambda j: _visible(q_pos, k_pos_ref[pl.ds(j * block_k, block_k)]))
     out_ref[...] = (acc / l[:, None]).astype(out_ref.dtype)
     lse_ref[...] = m + jnp.log(l)
 
@@ -147,14 +146,16 @@ def _varying_as(outputs, x):
     return [vma.vary(o, vma.varying_axes(x)) for o in outputs]
 
 
-def _position_args(positions, q_block: int | None):
-    """The positions' inputs and specs: the queries' tiled by `q_block` (None: whole), the keys' whole."""
+def _position_args(positions, q_block: int, k_block: int):
+    """The positions (int32) as a call's inputs, and their specs for a grid whose first index
+    tiles the queries (k_block whole) or the keys (q_block whole); none where `positions` is None."""
     if positions is None:
         return [], []
     q_pos, k_pos = (jnp.asarray(p, jnp.int32) for p in positions)
-    q_spec = (pl.BlockSpec((q_block,), lambda i, b, h: (i,)) if q_block
-              else pl.BlockSpec((q_pos.shape[0],), lambda i, b, h: (0,)))
-    return [q_pos, k_pos], [q_spec, pl.BlockSpec((k_pos.shape[0],), lambda i, b, h: (0,))]
+    tiles_queries = k_block == k_pos.shape[0]
+    specs = [pl.BlockSpec((q_block,), lambda i, b, h: (i if tiles_queries else 0,)),
+             pl.BlockSpec((k_block,), lambda i, b, h: (0 if tiles_queries else i,))]
+    return [q_pos, k_pos], specs
 
 
 def flash_forward(q: jax.Array, k: jax.Array, v: jax.Array, positions=None,
@@ -168,7 +169,7 @@ def flash_forward(q: jax.Array, k: jax.Array, v: jax.Array, positions=None,
     positions = positions or None
     block_q, block_k = min(FORWARD_TILES[0], sq), min(FORWARD_TILES[1], k.shape[1])
     rows, whole_kv = _specs(q, k, block_q)
-    extra, extra_specs = _position_args(positions, block_q)
+    extra, extra_specs = _position_args(positions, block_q, k.shape[1])
     kernel = functools.partial(_forward_kernel, scale=1 / math.sqrt(d), block_k=block_k, masked=positions is not None)
     out, lse = pl.pallas_call(
         kernel, grid=(sq // block_q, b, h), in_specs=[rows, whole_kv, whole_kv, *extra_specs],
@@ -195,7 +196,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale, bl
         return dq + plgpu.dot(ds.astype(k.dtype), k)
 
     dq = _over_tiles(k_ref.shape[0] // block_k, body, jnp.zeros(q.shape, jnp.float32), masked,
-                     lambda j: _visible(q_pos, k_pos_ref, pl.ds(j * block_k, block_k)))
+                     lambda j: _visible(q_pos, k_pos_ref[pl.ds(j * block_k, block_k)]))
     dq_ref[...] = dq
 
 
@@ -220,8 +221,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale, b
         return dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True), dv
 
     def tile_pos(i):
-        q_pos = q_pos_ref[pl.ds(i * block_q, block_q)]
-        return q_pos[:, None] >= k_pos[None, :], jnp.max(q_pos) >= jnp.min(k_pos)
+        return _visible(q_pos_ref[pl.ds(i * block_q, block_q)], k_pos)
 
     carry = (jnp.zeros(k.shape, jnp.float32),) * 2
     for head in range(q_ref.shape[1]):  # the group's query heads, unrolled
@@ -244,7 +244,7 @@ def flash_backward(q, k, v, d_out, lse, delta, positions=None):
     d_out = d_out.astype(q.dtype)
     stats_rows = pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))
     rows, whole_kv = _specs(q, k, block_q)
-    extra, extra_specs = _position_args(positions, block_q)
+    extra, extra_specs = _position_args(positions, block_q, sk)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, scale=scale, block_k=block_k, masked=masked),
         grid=(sq // block_q, b, h), in_specs=[rows, whole_kv, whole_kv, rows, stats_rows, stats_rows, *extra_specs],
@@ -256,10 +256,7 @@ def flash_backward(q, k, v, d_out, lse, delta, positions=None):
     key_rows = pl.BlockSpec((None, block_k, None, d), lambda j, b, g: (b, j, g, 0))
     group_q = pl.BlockSpec((None, sq, group, d), lambda j, b, g: (b, 0, g, 0))
     group_stats = pl.BlockSpec((None, group, sq), lambda j, b, g: (b, g, 0))
-    if masked:
-        q_pos, k_pos = (jnp.asarray(p, jnp.int32) for p in positions)
-        extra = [q_pos, k_pos]
-        extra_specs = [pl.BlockSpec((sq,), lambda j, b, h: (0,)), pl.BlockSpec((block_k,), lambda j, b, h: (j,))]
+    extra, extra_specs = _position_args(positions, sq, block_k)
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, scale=scale, block_q=block_q, masked=masked),
         grid=(sk // block_k, b, kv_heads),
