@@ -156,24 +156,31 @@ _PROGRAM_OP = re.compile(r'"stablehlo\.(?P<kind>all_reduce|all_gather|reduce_sca
 _PROGRAM_TYPES = re.compile(r"[)>]\s*:\s*\((?P<operands>[^)]*)\)\s*->\s*(?P<results>.*)$")
 _TENSOR = re.compile(r"tensor<(?P<dims>(?:\d+x)*)(?P<dtype>[a-z]+\d*(?:[A-Z]+\d*)*)>")  # f32, bf16, f8E4M3FN
 _SPLIT_COUNT = re.compile(r"split_count = (?P<n>\d+)")
+_PROGRAM_GROUPS = re.compile(r"replica_groups = dense<(\[\[[\d, \[\]]*\]\])>")
 
 
-def program_dtypes(program_text: str) -> dict[tuple[str, int], set[str]]:
-    """{(kind, elements of K): the dtypes the program gives such buffers}, from StableHLO text."""
-    found: dict[tuple[str, int], set[str]] = collections.defaultdict(set)
-    kind, parts = None, 1
+def program_dtypes(program_text: str) -> dict[tuple, set[str]]:
+    """{(kind, elements of K): the dtypes the program gives such buffers}, from StableHLO text;
+    also {(kind, elements, replica groups): ...} for ops that name their groups (two collectives
+    of one size over other axes, say a bf16 activation's over `tensor` and an fp32 gradient's
+    over `data`, are told apart by their groups)."""
+    found: dict[tuple, set[str]] = collections.defaultdict(set)
+    kind, parts, groups = None, 1, None
     for line in program_text.splitlines():
         if m := _PROGRAM_OP.search(line):
             kind = m["kind"].replace("_", "-")
             parts = int(n["n"]) if kind == "all-to-all" and (n := _SPLIT_COUNT.search(line)) else 1
+            dense = _PROGRAM_GROUPS.search(line)
+            groups = frozenset(frozenset(_dims(g)) for g in re.findall(r"\[([\d, ]+)\]", dense[1])) if dense else None
         if kind and (types := _PROGRAM_TYPES.search(line)):
             # K: the operand of a reduce-scatter, the result of the others (module docstring)
             for t in _TENSOR.finditer(types["operands" if kind == "reduce-scatter" else "results"]):
                 elements = math.prod(int(d) for d in t["dims"].split("x") if d)
                 dtype = {"i1": "pred"}.get(t["dtype"], t["dtype"].lower())
-                found[kind, elements].add(dtype)
-                if parts > 1:  # XLA:CPU sends an all-to-all's parts as buffers of their own
-                    found[kind, elements // parts].add(dtype)
+                for n in (elements, elements // parts) if parts > 1 else (elements,):  # XLA:CPU sends an
+                    found[kind, n].add(dtype)                                       # all-to-all's parts apart
+                    if groups:
+                        found[kind, n, groups].add(dtype)
             kind = None
     return found
 
@@ -227,12 +234,13 @@ def collectives(hlo_text: str, program: str | None = None) -> list[Collective]:
             if not (m := _OP.search(line)):
                 continue
             group = _group_size(line, devices)
+            groups = _groups(line, devices) if asked else None
             buffers, dtypes = [], []
             for dtype, elements in _k_shapes(m["kind"], m["result"], bool(m["start"]), group):
-                # The program's dtype for buffers of this kind and size; where it has such
-                # buffers in two dtypes, the one XLA:CPU widens to the compiled one; else
-                # (or none) the compiled one stands.
-                asked_dtypes = asked.get((m["kind"], elements), set())
+                # The program's dtype for buffers of this kind and size (over these groups, where
+                # the program names them); where it has such buffers in two dtypes, the one
+                # XLA:CPU widens to the compiled one; else (or none) the compiled one stands.
+                asked_dtypes = asked.get((m["kind"], elements, groups)) or asked.get((m["kind"], elements), set())
                 if len(asked_dtypes) > 1:
                     asked_dtypes = {d for d in asked_dtypes if _WIDENED.get(d, d) == dtype}
                 buffers.append(elements * _itemsize(next(iter(asked_dtypes)) if len(asked_dtypes) == 1 else dtype))

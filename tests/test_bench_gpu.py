@@ -17,6 +17,7 @@ RESULTS = pathlib.Path(__file__).parent.parent / "docs" / "results"
 XLA_SOFTMAX_CHECK = RESULTS / "gpu-check-h100-jax0.11.2-2026-11-26-softmax.json"
 
 
+@pytest.mark.gpu_compile  # compiles each case for an H100 where XLA:GPU is installed (.ci/run's second pass)
 @pytest.mark.slow
 def test_dry_run_writes_every_case(tmp_path, capsys):
     assert main(["bench", "gpu", "--dry", "--out", str(tmp_path), "--repeats", "2"]) == 0

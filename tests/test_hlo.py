@@ -230,3 +230,15 @@ def test_xla_cpus_widened_buffers_take_the_programs_dtype_they_were_widened_from
     compiled = module("%ag.1 = f32[512]{0} all-gather(%a), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}",
                       "%ag.2 = f16[512]{0} all-gather(%b), channel_id=2, replica_groups=[1,8]<=[8], dimensions={0}")
     assert [c.bytes for c in hlo.collectives(compiled, program)] == [512 * 2, 512]
+
+
+def test_buffers_of_one_size_over_other_groups_take_their_own_groups_dtype():
+    """A bf16 activation's all-reduce over `tensor` and an fp32 gradient's over `data`, of one
+    size: XLA:CPU widens the first to f32, and the program's replica groups say which is which."""
+    program = "\n".join(
+        f'%{n} = "stablehlo.all_reduce"(%x) <{{replica_groups = dense<{groups}> : tensor<4x2xi64>}}> ({{\n'
+        f'}}) : (tensor<512x{t}>) -> tensor<512x{t}>'
+        for n, t, groups in (("0", "bf16", "[[0, 1], [2, 3], [4, 5], [6, 7]]"), ("1", "f32", "[[0, 4], [1, 5], [2, 6], [3, 7]]")))
+    compiled = module("%ar.1 = f32[512]{0} all-reduce(%a), channel_id=1, replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add",
+                      "%ar.2 = f32[512]{0} all-reduce(%b), channel_id=2, replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add")
+    assert [c.bytes for c in hlo.collectives(compiled, program)] == [512 * 2, 512 * 4]

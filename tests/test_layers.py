@@ -56,8 +56,8 @@ def test_values_and_gradients_are_the_plain_formulas(name):
     argnums = tuple(range(len(args)))
     ours = jax.grad(lambda *a: jnp.sum(jnp.sin(jshard_fn(*a))), argnums)(*args)
     theirs = jax.grad(lambda *a: jnp.sum(jnp.sin(plain(*a))), argnums)(*args)
-    for a, b in zip(ours, theirs):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(ours, theirs):  # a scale's gradient sums 32 rows' terms of ~1: f32's order of summation
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)  # (XLA's vector width, per CPU) moves it ~1e-6
 
 
 def _kept_bytes(f, *args) -> int:

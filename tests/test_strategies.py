@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 import jshard
+from jshard import hlo
 from jshard.models import GPT, DeepMLP, GPTConfig, MLPConfig, gpt_loss, mlp_loss
 from jshard.parallel import build_step
 from jshard.mesh import format_mesh
@@ -187,6 +188,26 @@ def test_tensor_parallel_block_traffic_is_textbook(preset, expected):
     per_layer = traffic(make_gpt, gpt_loss, GPT_BATCH, preset, dict(tensor=4), devices=jax.devices()[:4],
                         min_bytes=activation - 1, inside_loop_of=GPT_CONFIG.layers)
     assert per_layer == {kind: n * activation * GPT_CONFIG.layers for kind, n in expected.items()}
+
+
+@pytest.mark.parametrize("preset, sizes, in_loop", [
+    ("dp+fsdp+tp", dict(data=2, fsdp=2, tensor=2), True),  # beside the next layer's backward
+    ("dp+fsdp", dict(data=2, fsdp=4), False),  # after the backward: XLA:GPU hides the scatters there
+])
+def test_zero3_sums_layer_gradients_over_data_in_the_backward_loop_under_tensor_parallelism(preset, sizes, in_loop):
+    """HSDP's data-parallel all-reduce: under tensor parallelism each stacked layer's weight
+    gradient is summed over `data` inside the layer loop, once a layer, its block's bytes; the
+    weights outside the stack (embedding, head, final norm) after the backward."""
+    step = counted_step(make_gpt, gpt_loss, preset, tuple(sizes.items()), None)
+    lowered = step.lower(step.state, step.shard_batch(GPT_BATCH))
+    summed = {}
+    for c in hlo.collectives(lowered.compile().as_text(), lowered.as_text()):
+        if c.kind == "all-reduce" and c.bytes > 8 and hlo.group_axes(c.line, sizes) == ("data",):
+            where = "loop" if c.count == GPT_CONFIG.layers else "after"
+            summed[where] = summed.get(where, 0) + c.bytes * c.count
+    stacked = sum(p.placement.bytes_per_device for p in step.plan.params if p.placement.names[0] == "layers")
+    others = sum(p.placement.bytes_per_device for p in step.plan.params if p.placement.names[0] != "layers")
+    assert summed == ({"loop": stacked, "after": others} if in_loop else {"after": stacked + others})
 
 
 def test_collective_matmul_sends_sequence_parallels_bytes_as_permutes():

@@ -110,17 +110,30 @@ for _op in ("add sub mul matmul truediv floordiv mod pow lshift rshift and xor o
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LocalBlock(_SplitParam):
-    """A split param's block on this device (`param` gathers its ZeRO axes)."""
+    """A split param's block on this device (`param` gathers its ZeRO axes).
+
+    With `summed` axes (a ZeRO-3 layer's weight, `Plan.summed_in_backward`), its gradient is
+    summed over them where the backward produces it, just after the gather's reduce-scatter:
+    layer by layer inside the backward loop, where a step's end would sum every layer at once
+    with nothing left to hide behind. The sum runs in `reduce` (fp32 under `mixed`) and its
+    result is the block's gradient, in the block's dtype (bf16 under `mixed`, as the
+    reduce-scatter's: an fp32 gradient here would hold the whole stack's in fp32).
+    """
 
     block: jax.Array
     split: Layout = dataclasses.field(metadata=dict(static=True))  # its layout, less a pipeline's stage axis
     batch_axes: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))
     path: str = dataclasses.field(metadata=dict(static=True))
+    summed: tuple[str, ...] = dataclasses.field(default=(), metadata=dict(static=True))
+    reduce: object = dataclasses.field(default=None, metadata=dict(static=True))  # the sum's dtype (None: the gradient's)
 
     def _local(self):
-        return self.block
+        if not self.summed:
+            return self.block
+        return _with_reduced_grad(self.block, self.block, None, (), self.summed, self.summed, self.reduce)
 
-    _held = _local
+    def _held(self):
+        return self.block
 
 
 @jax.tree_util.register_dataclass
@@ -144,7 +157,7 @@ class ShardWithReplica(_SplitParam):
     reduce: object = dataclasses.field(default=None, metadata=dict(static=True))  # the scatter's dtype (None: the gradient's)
 
     def _local(self):
-        return _replica_with_scattered_grad(self.shard, self.replica, self.dim, self.axes, self.vary, self.reduce)
+        return _with_reduced_grad(self.shard, self.replica, self.dim, self.axes, (), self.vary, self.reduce)
 
     def _held(self):  # what `_local` computes with, for its shape and dtype
         return self.replica
@@ -157,27 +170,33 @@ def _note_whole_read(path: str, split: Layout) -> None:
         whole_reads[path] = tuple(a for axes in split for a in axes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _replica_with_scattered_grad(shard, replica, dim, axes, vary, reduce):
-    # Varying over the batch (and context) axes, so autodiff hands backward this device's own gradient.
-    return vma.vary(replica, vary)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _with_reduced_grad(source, value, dim, scattered, summed, vary, reduce):
+    """`value`, whose gradient goes to `source` reduced: reduce-scattered over `scattered` onto
+    `dim` (ZeRO-2's shard of a replica), then summed over `summed` (ZeRO-3's batch axes), in
+    `reduce`. Varying over `vary` (the batch and context axes), so that autodiff hands the
+    backward this device's own gradient."""
+    return vma.vary(value, vary)
 
 
-def _replica_fwd(shard, replica, dim, axes, vary, reduce):
-    # The shard is kept only for its type (a param: alive anyway).
-    return _replica_with_scattered_grad(shard, replica, dim, axes, vary, reduce), shard
+def _reduced_grad_fwd(source, value, dim, scattered, summed, vary, reduce):
+    # The source is kept only for its type (a param or its master: alive anyway).
+    return _with_reduced_grad(source, value, dim, scattered, summed, vary, reduce), source
 
 
-def _replica_bwd(dim, axes, vary, reduce, shard, cotangent):
-    grad = lax.psum_scatter(cotangent.astype(reduce or cotangent.dtype), axes,
-                            scatter_dimension=dim % cotangent.ndim, tiled=True)
-    # Typed as the shard, which may vary where the replica does not (a pipeline's stage axis),
-    # in its dtype (the master's, where the shard is the fp32 master of a bf16 replica).
-    # The replica is not differentiated (None: a zero cotangent, never materialised).
-    return vma.vary(grad.astype(shard.dtype), vma.varying_axes(shard)), None
+def _reduced_grad_bwd(dim, scattered, summed, vary, reduce, source, cotangent):
+    grad = cotangent.astype(reduce or cotangent.dtype)
+    if scattered:
+        grad = lax.psum_scatter(grad, scattered, scatter_dimension=dim % cotangent.ndim, tiled=True)
+    if summed:
+        grad = lax.psum(grad, summed)
+    # Typed as the source, which may vary where the value does not (a pipeline's stage axis),
+    # in its dtype (the master's, where the source is the fp32 master of a bf16 value).
+    # The value is not differentiated (None: a zero cotangent, never materialised).
+    return vma.vary(grad.astype(source.dtype), vma.varying_axes(source)), None
 
 
-_replica_with_scattered_grad.defvjp(_replica_fwd, _replica_bwd)
+_with_reduced_grad.defvjp(_reduced_grad_fwd, _reduced_grad_bwd)
 
 
 def gathered_layout(names) -> Layout:
@@ -193,7 +212,7 @@ def held(variable: nnx.Variable, dtype=None) -> jax.Array:
     if isinstance(value, ShardWithReplica):
         return value._local().astype(dtype or value.dtype)
     if isinstance(value, LocalBlock):
-        value = value.block
+        value = value._local()
     return value if dtype is None else value.astype(dtype)
 
 

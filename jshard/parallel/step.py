@@ -6,10 +6,12 @@ the batch axes (activation rule `batch`). The body:
 
     1. differentiable view: DP / ZeRO-1 / ZeRO-3 the param itself; ZeRO-2 its `opt`
        shard, paired with the replica the forward uses (`nn.params.ShardWithReplica`). Cast to
-       varying over the batch axes, so autodiff leaves batch reductions to step 3.
+       varying over the batch axes, so autodiff leaves batch reductions to step 3; but a
+       ZeRO-3 layer's weight, whose gradient its gather sums (`Plan.summed_in_backward`).
     2. loss and grads of this device's share of the batch. Inside, layers gather ZeRO-3
-       weights (the transpose: a reduce-scatter) and reduce-scatter ZeRO-2 gradients per
-       layer; tensor / sequence parallel collectives follow from the names (`jshard.nn`).
+       weights (the transpose: a reduce-scatter, then the sum over the other batch axes) and
+       reduce-scatter ZeRO-2 gradients per layer; tensor / sequence parallel collectives
+       follow from the names (`jshard.nn`).
     3. grads to the `opt` layout: reduce-scatter over ZeRO axes not yet scattered, sum
        over the other batch axes (in the precision's reduction dtype), divide by the
        number of batch shards.
@@ -272,7 +274,12 @@ class ShardedStep(PlannedStep):
         """Step 1: what autodiff sees, and the layout its gradient comes out in. ZeRO-2's
         shard is the master where there is one: its gradient then leaves in the master's dtype."""
         if self.rules.zero != 2:
-            return self._per_leaf(self._vary, params, self.param_layouts), self.param_layouts
+            # A weight whose gradient the backward sums itself (`Plan.summed_in_backward`) stays
+            # invariant over those axes.
+            def view(w, layout, summed):
+                return w if summed else self._vary(w, layout)
+
+            return self._per_leaf(view, params, self.param_layouts, self.plan.summed_in_backward), self.param_layouts
         if master is not None:
             return self._per_leaf(self._vary, master, self.opt_layouts), self.opt_layouts
 
@@ -281,11 +288,14 @@ class ShardedStep(PlannedStep):
 
         return self._per_leaf(shard, params, self.param_layouts, self.opt_layouts), self.opt_layouts
 
-    def _local(self, block, layout: AxesLayout, path: str):
+    def _local(self, block, layout: AxesLayout, path: str, summed: tuple[str, ...] = ()):
         """A param's block as the model holds it: where it is split, an `nn.params.LocalBlock` that
-        `nn.params.param` computes with as it is and a plain layer's read gathers whole."""
+        `nn.params.param` computes with as it is and a plain layer's read gathers whole (its
+        gradient summed over `summed` where it is produced)."""
         split = _split(layout, self.plan.stage_axis)
-        return LocalBlock(block, split, self.plan.batch_axes, path) if split else block
+        if not split:
+            return block
+        return LocalBlock(block, split, self.plan.batch_axes, path, summed, self._reduce_dtype if summed else None)
 
     def _with_replicas(self, shards, params):
         """ZeRO-2: each param that the opt layout splits, as (shard, replica) for `nn.params.param`."""
@@ -314,7 +324,8 @@ class ShardedStep(PlannedStep):
             if self.rules.zero == 2:
                 blocks = self._with_replicas(diff, params)
             else:
-                blocks = self._per_leaf(self._local, diff, self.param_layouts, self._param_paths)
+                blocks = self._per_leaf(self._local, diff, self.param_layouts, self._param_paths,
+                                        self.plan.summed_in_backward)
             # Copies: Flax writes only to Variables made in the trace that writes (BatchNorm's).
             model = nnx.merge(self.graphdef, blocks, mine, copy=True)
             sync_batch_norms(model, self.batch_axes)
@@ -381,13 +392,13 @@ class ShardedStep(PlannedStep):
                 loss, metrics = over_micro_batches(values)
         written = self.others.written(others, mine)
 
-        def reduce(g, have, want):
-            pending = [a for a in self.plan.grad_axes if a not in _axes_in(have)]
+        def reduce(g, have, want, summed):
+            pending = [a for a in self.plan.grad_axes if a not in _axes_in(have) and a not in summed]
             if self._reduce_dtype is not None:
                 g = g.astype(self._reduce_dtype)
             return relayout_local(g, have, want, pending) / (self.data_shards * steps)
 
-        grads = self._per_leaf(reduce, grads, grad_layouts, self.opt_layouts)
+        grads = self._per_leaf(reduce, grads, grad_layouts, self.opt_layouts, self.plan.summed_in_backward)
         value = (loss, metrics) if self.plan.has_aux else loss
         return over_batch_shards(value, self.batch_axes), grads, written
 

@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
+from jshard.distributed import axes_across_processes
 from jshard.layout import Layout, LayoutError
 from jshard.mesh import (COLLECTIVES_IN_FLIGHT_OPTION, SCATTER_OVERLAP_OPTIONS, TRITON_GEMM_OPTION,
                          ZERO3_COLLECTIVES_IN_FLIGHT, abstract_mesh, make_mesh, mesh_shape, mesh_text)
@@ -169,6 +170,38 @@ class Plan:
         partials; there, and in fp32 compute, XLA keeps its Triton GEMMs.)"""
         return (self.rules.zero == 3 and bool(self.zero_axes) and not self.tensor_axes
                 and self.compute is not None and np.dtype(self.compute) == np.dtype(jnp.bfloat16))
+
+    @functools.cached_property
+    def summed_in_backward(self) -> tuple[tuple[str, ...], ...]:
+        """Per param: the batch (and context) axes its gradient is summed over inside the backward,
+        where it is produced (`nn.params.LocalBlock`); () where the step sums it after the backward.
+
+        A ZeRO-3 layer's weight, in a stack, gathered over a ZeRO axis: summed just after the
+        gather's reduce-scatter, so each layer's data-parallel all-reduce (HSDP's) runs beside
+        the next layer's backward, where after the backward it runs exposed (the 8B on 8 H100s
+        under `dp+fsdp+tp`: 0% of it hidden → 62% bf16, 84% mixed, and more of the scatters
+        too; docs/gpu-compile.md). That under tensor parallelism, or where the sum crosses hosts
+        (the network, slower than the scatters' NVLink). Otherwise XLA:GPU hides the scatters
+        themselves by moving each into the next layer's trip, which it no longer does with an
+        all-reduce chained after it (90% → 3% hidden), and on one host that costs more than the
+        sum's exposure: there the sum stays after the backward. Not with accumulated
+        micro-batches (summed once a step, after the last) nor in a pipeline (whose executor runs
+        its own backward); nor the weights outside the stack (the embedding and head: read more
+        than once, each read would sum its own part).
+        """
+        if self.rules.zero != 3 or self.schedule or self.grad_accum > 1 or not self.zero_axes:
+            return ((),) * len(self.params)
+        across_hosts = set(axes_across_processes(self.mesh)) if isinstance(self.mesh, Mesh) else set()
+
+        def summed(p: ParamLayout) -> tuple[str, ...]:
+            held = {a for axes in p.param for a in axes}
+            stacked = bool(p.placement.names) and p.placement.names[0] == "layers"
+            if not stacked or not held & set(self.zero_axes) or p.param != p.opt:
+                return ()
+            axes = tuple(a for a in self.grad_axes if a not in held and self.mesh_sizes[a] > 1)
+            return axes if self.tensor_axes or across_hosts & set(axes) else ()
+
+        return tuple(summed(p) for p in self.params)
 
     @property
     def sequence_parallel(self) -> bool:
