@@ -157,11 +157,12 @@ _PROGRAM_TYPES = re.compile(r"[)>]\s*:\s*\((?P<operands>[^)]*)\)\s*->\s*(?P<resu
 _TENSOR = re.compile(r"tensor<(?P<dims>(?:\d+x)*)(?P<dtype>[a-z]+\d*(?:[A-Z]+\d*)*)>")  # f32, bf16, f8E4M3FN
 _SPLIT_COUNT = re.compile(r"split_count = (?P<n>\d+)")
 _PROGRAM_GROUPS = re.compile(r"replica_groups = dense<(\[\[[\d, \[\]]*\]\])>")
+_PROGRAM_MESH_AXES = re.compile(r"replica_group_mesh_axes<[^>]*?axes = \[(?P<axes>[^\]]*)\]")
 
 
 def program_dtypes(program_text: str) -> dict[tuple, set[str]]:
     """{(kind, elements of K): the dtypes the program gives such buffers}, from StableHLO text;
-    also {(kind, elements, replica groups): ...} for ops that name their groups (two collectives
+    also {(kind, elements, replica groups or mesh axes): ...} for ops that name them (two collectives
     of one size over other axes, say a bf16 activation's over `tensor` and an fp32 gradient's
     over `data`, are told apart by their groups)."""
     found: dict[tuple, set[str]] = collections.defaultdict(set)
@@ -170,8 +171,12 @@ def program_dtypes(program_text: str) -> dict[tuple, set[str]]:
         if m := _PROGRAM_OP.search(line):
             kind = m["kind"].replace("_", "-")
             parts = int(n["n"]) if kind == "all-to-all" and (n := _SPLIT_COUNT.search(line)) else 1
-            dense = _PROGRAM_GROUPS.search(line)
-            groups = frozenset(frozenset(_dims(g)) for g in re.findall(r"\[([\d, ]+)\]", dense[1])) if dense else None
+            if dense := _PROGRAM_GROUPS.search(line):  # JAX <= 0.10: device ids
+                groups = frozenset(frozenset(_dims(g)) for g in re.findall(r"\[([\d, ]+)\]", dense[1]))
+            elif named := _PROGRAM_MESH_AXES.search(line):  # JAX >= 0.11: mesh axes, by name
+                groups = frozenset(re.findall(r'name = "([^"]+)"', named["axes"]))
+            else:
+                groups = None
         if kind and (types := _PROGRAM_TYPES.search(line)):
             # K: the operand of a reduce-scatter, the result of the others (module docstring)
             for t in _TENSOR.finditer(types["operands" if kind == "reduce-scatter" else "results"]):
@@ -234,7 +239,7 @@ def collectives(hlo_text: str, program: str | None = None) -> list[Collective]:
             if not (m := _OP.search(line)):
                 continue
             group = _group_size(line, devices)
-            groups = _groups(line, devices) if asked else None
+            groups = (_groups(line, devices) or _named_axes(line)) if asked else None
             buffers, dtypes = [], []
             for dtype, elements in _k_shapes(m["kind"], m["result"], bool(m["start"]), group):
                 # The program's dtype for buffers of this kind and size (over these groups, where
@@ -427,6 +432,13 @@ def _axes_groups(ids: np.ndarray, names: list[str], axes: tuple[str, ...]) -> fr
 
 
 _IOTA = re.compile(r"replica_groups=\[(?P<shape>[\d,]+)\]<=\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?")
+
+
+def _named_axes(line: str) -> frozenset | None:
+    """The mesh axes a collective in the mesh form of replica groups names; None in the others."""
+    if m := _GROUPS_MESH.search(line):
+        return frozenset(a["name"] for a in _GROUP_AXIS.finditer(m["axes"]) if a["name"])
+    return None
 
 
 def _groups(line: str, devices: int) -> frozenset | None:

@@ -232,13 +232,27 @@ def test_xla_cpus_widened_buffers_take_the_programs_dtype_they_were_widened_from
     assert [c.bytes for c in hlo.collectives(compiled, program)] == [512 * 2, 512]
 
 
-def test_buffers_of_one_size_over_other_groups_take_their_own_groups_dtype():
+# An all-reduce's groups over `tensor` and over `data` of MESH, as each JAX prints them:
+# (the program's, the compiled program's) for JAX <= 0.10, then for JAX >= 0.11.
+TENSOR_AND_DATA_GROUPS = [
+    (("dense<[[0, 1], [2, 3], [4, 5], [6, 7]]> : tensor<4x2xi64>", "{{0,1},{2,3},{4,5},{6,7}}"),
+     ("dense<[[0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>", "{{0,4},{1,5},{2,6},{3,7}}")),
+    (('#stablehlo.replica_group_mesh_axes<mesh = @mesh_0, axes = [#stablehlo.axis_ref<name = "tensor">]>',
+      f"{MESH} {{'tensor'}}"),
+     ('#stablehlo.replica_group_mesh_axes<mesh = @mesh_0, axes = [#stablehlo.axis_ref<name = "data">]>',
+      f"{MESH} {{'data'}}")),
+]
+
+
+@pytest.mark.parametrize("over_tensor, over_data", TENSOR_AND_DATA_GROUPS, ids=["ids", "mesh-axes"])
+def test_buffers_of_one_size_over_other_groups_take_their_own_groups_dtype(over_tensor, over_data):
     """A bf16 activation's all-reduce over `tensor` and an fp32 gradient's over `data`, of one
-    size: XLA:CPU widens the first to f32, and the program's replica groups say which is which."""
+    size: XLA:CPU widens the first to f32, and the program's replica groups (device ids, or the
+    mesh axes they name) say which is which."""
     program = "\n".join(
-        f'%{n} = "stablehlo.all_reduce"(%x) <{{replica_groups = dense<{groups}> : tensor<4x2xi64>}}> ({{\n'
+        f'%{n} = "stablehlo.all_reduce"(%x) <{{replica_groups = {groups[0]}}}> ({{\n'
         f'}}) : (tensor<512x{t}>) -> tensor<512x{t}>'
-        for n, t, groups in (("0", "bf16", "[[0, 1], [2, 3], [4, 5], [6, 7]]"), ("1", "f32", "[[0, 4], [1, 5], [2, 6], [3, 7]]")))
-    compiled = module("%ar.1 = f32[512]{0} all-reduce(%a), channel_id=1, replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add",
-                      "%ar.2 = f32[512]{0} all-reduce(%b), channel_id=2, replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add")
+        for n, t, groups in (("0", "bf16", over_tensor), ("1", "f32", over_data)))
+    compiled = module(f"%ar.1 = f32[512]{{0}} all-reduce(%a), channel_id=1, replica_groups={over_tensor[1]}, to_apply=%add",
+                      f"%ar.2 = f32[512]{{0}} all-reduce(%b), channel_id=2, replica_groups={over_data[1]}, to_apply=%add")
     assert [c.bytes for c in hlo.collectives(compiled, program)] == [512 * 2, 512 * 4]
