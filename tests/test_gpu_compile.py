@@ -6,35 +6,29 @@ Per case (a covering set: dp, ZeRO-3, tp, tp + sp, a 1F1B pipeline, cp, ep, a tw
 collective bytes equal to the planner's for the GPU (`jshard plan --validate --target` on that
 row), then what only the GPU program shows: bf16 collectives under `mixed`, ZeRO-3's gathers
 asynchronous with a matmul scheduled beside them inside the layer scan, cuDNN's attention.
+The programs at real shapes (Llama 3.1 8B, GPT layers 2048 wide) are `test_gpu_compile_8b.py`'s:
+the tier's other half, so that pytest-xdist's two workers share it.
 """
 
 import dataclasses
 import functools
-import importlib.util
-import json
-from pathlib import Path
 
-import jax.numpy as jnp
 import optax
 import pytest
 from flax import nnx
 
 import jshard
+from gpu_compiler import GPU_COMPILE, NEEDS_CUDNN
 from jshard import aot
-from jshard.cli import main
 from jshard.mesh import SCATTER_OVERLAP_OPTIONS
-from jshard.models import GPTConfig, decoder, gpt_loss
+from jshard.models import decoder, gpt_loss
 from jshard.parallel import make_plan
 from jshard.planner.estimate import PlanInput, estimate
 from jshard.planner.hardware import HARDWARE
-from jshard.planner.memory import ACTIVATIONS, activation_bytes_per_token_layer
 from jshard.planner.validate import (MEMORY_TOLERANCE, VALIDATION_MODELS, example_mesh, validate_one,
                                   validation_models)
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-pytestmark = [pytest.mark.gpu_compile,
-              pytest.mark.skipif(aot.gpu_compiler_missing() is not None, reason=str(aot.gpu_compiler_missing()))]
+pytestmark = GPU_COMPILE
 
 
 @functools.cache
@@ -198,42 +192,10 @@ def test_fp8_zero3_gathers_move_e4m3_bytes_as_planned(zero3_fp8, zero3_mixed):
     assert compared["bytes_exact"], compared["bytes"]
 
 
-def cudnn_installed() -> bool:
-    return importlib.util.find_spec("nvidia") is not None and importlib.util.find_spec("nvidia.cudnn") is not None
-
-
-@pytest.mark.skipif(not cudnn_installed(), reason="cuDNN is not installed (nvidia-cudnn-cu13)")
+@NEEDS_CUDNN
 def test_attention_is_cudnns_for_the_gpu_on_a_cpu_host(zero3_mixed):
     """`--attention auto` picks the kernel for the step's devices, not this host's backend."""
     assert zero3_mixed.attention == "cudnn" and "__cudnn$fmha" in zero3_mixed.hlo
-
-
-def test_full_remat_keeps_each_layers_bf16_input():
-    """examples/gpu_activations.py's measure at docs/gpu-compile.md's shape: under full remat a
-    layer keeps its bf16 input alone, Korthikanti's 2·s·b·h. (At smaller shapes XLA's buffer
-    reuse moves the double difference: at h = s = 1024 it reads 1.0.)"""
-    spec = importlib.util.spec_from_file_location("gpu_activations", EXAMPLES / "gpu_activations.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    config = GPTConfig(vocab=1024, seq_len=2048, embed=2048, heads=16, mlp=8192, layers=2, remat="full")
-    kept, _ = example.kept_per_token_layer(config, "dp", dict(data=8), aot.target("h100x8"))
-    assert kept == 2 * config.embed
-
-
-@pytest.mark.skipif(not cudnn_installed(), reason="cuDNN is not installed (nvidia-cudnn-cu13)")
-def test_a_layer_keeps_no_more_than_megatrons_count_and_what_the_plan_says():
-    """With cuDNN's attention and no remat, a GPT layer keeps at most Korthikanti et al.'s 34
-    s·b·h bytes (the norms and the GELU recomputed in backward, `nn.recomputed`: 76 before),
-    and the planner's GPU activation model (`ACTIVATIONS["gpu"]`) says so within 5%."""
-    spec = importlib.util.spec_from_file_location("gpu_activations", EXAMPLES / "gpu_activations.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    config = GPTConfig(vocab=1024, seq_len=2048, embed=2048, heads=16, mlp=8192, layers=2, attention="cudnn",
-                       dtype=jnp.bfloat16)
-    kept, kernel = example.kept_per_token_layer(config, "dp", dict(data=8), aot.target("h100x8"))
-    assert kernel == "cudnn" and kept <= 34 * config.embed
-    planned = activation_bytes_per_token_layer(config, 1, False, True, ACTIVATIONS["gpu"])
-    assert planned == pytest.approx(kept, rel=0.05)
 
 
 def test_zero_steps_without_tensor_parallelism_get_their_own_xla_options(monkeypatch):
@@ -296,145 +258,3 @@ def test_train_prints_the_programs_own_options_on_a_gpu():
     assert text.startswith("; XLA_FLAGS ") and "; this program's own options " in text
     assert "--xla_gpu_experimental_parallel_collective_overlap_limit=4" in text and "--xla_gpu_enable_triton_gemm=false" in text
     assert xla_text(plan, "cpu") == ""
-
-
-def compile_8b(flags: str, tmp_path) -> dict:
-    """`jshard compile --json` of Llama 3.1 8B (8192 tokens a row, `mixed`) on 8 H100s."""
-    out = tmp_path / "compile.json"
-    assert main(["compile", "--model", "llama-3.1-8b", *flags.split(), "--target", "h100x8", "--precision", "mixed",
-                 "--json", str(out)]) == 0
-    return json.loads(out.read_text())
-
-
-@pytest.mark.parametrize("flags", ["--strategy fsdp --mesh fsdp=8 --remat full", "--strategy tp+sp --mesh tensor=8"])
-def test_the_plans_memory_for_llama_8b_is_the_compilers(flags, tmp_path):
-    """At a real shape the planner's memory per device is within 10% of what XLA:GPU assigns
-    (docs/gpu-compile.md's table)."""
-    compared = compile_8b(flags, tmp_path)["compared"]
-    assert abs(compared["memory_rel_err"]) <= MEMORY_TOLERANCE, compared
-
-
-def test_zero3_gathers_the_next_layer_while_this_one_computes_at_8b(tmp_path):
-    """ZeRO-3's prefetch, in the compiled H100 program: under `fsdp=8` (no remat) at least 90% of
-    the bytes the layer loop gathers have a matmul scheduled between start and done, with
-    jshard's GPU flags (`mesh.GPU_XLA_FLAGS`: pipelined gathers, 4 collectives in flight)."""
-    result = compile_8b("--strategy fsdp --mesh fsdp=8", tmp_path)
-    assert result["compared"]["bytes_exact"]
-    in_loops = result["compiled"]["overlap_in_loops"]
-    assert in_loops["all-gather"] >= 0.9, in_loops
-
-
-def test_zero3_scatters_each_layers_gradients_beside_matmuls_under_full_remat(tmp_path):
-    """Under `fsdp=8` with full remat, every byte the layer loop reduce-scatters has a matmul
-    between start and done: Triton GEMMs off for this program (`Plan.xla_options`; 54% with them
-    on); and with the loop double-buffered and MaxText's combine thresholds
-    (`mesh.SCATTER_OVERLAP_OPTIONS`) at least 95% of the step's, the head's too (90% without).
-    (Without remat XLA:GPU overlaps 0% of them either way: docs/gpu-compile.md.)"""
-    result = compile_8b("--strategy fsdp --mesh fsdp=8 --remat full", tmp_path)
-    in_loops = result["compiled"]["overlap_in_loops"]
-    assert in_loops["reduce-scatter"] >= 0.95 and in_loops["all-gather"] >= 0.9, in_loops
-    assert result["compiled"]["overlap"]["reduce-scatter"] >= 0.95, result["compiled"]["overlap"]
-
-
-def test_hsdp_under_tensor_parallelism_sums_gradients_over_data_beside_matmuls_at_8b(tmp_path):
-    """`dp+fsdp+tp` (2, 2, 2), full remat: each layer's gradient is summed over `data` inside the
-    backward loop (`Plan.summed_in_backward`), where at least 80% of those bytes have a matmul
-    between start and done (84% measured; 0% when the step summed them after the backward);
-    bytes the plan's, memory within 10%."""
-    result = compile_8b("--strategy dp+fsdp+tp --mesh data=2,fsdp=2,tensor=2 --remat full", tmp_path)
-    assert result["compared"]["bytes_exact"] and abs(result["compared"]["memory_rel_err"]) <= MEMORY_TOLERANCE
-    over_data = [c for c in result["compiled"]["collectives"] if c["kind"] == "all-reduce" and c["axes"] == "data"]
-    hidden = sum(c["bytes"] * c["count"] for c in over_data if c["overlapped"])
-    assert hidden >= 0.8 * sum(c["bytes"] * c["count"] for c in over_data), over_data
-
-
-def test_collective_matmuls_run_their_permutes_beside_matmuls_at_8b(tmp_path):
-    """`tp+sp-overlap` on 8 H100s: SP's gathers and reduce-scatters are rings of permutes (bytes:
-    the planner's), asynchronous with a matmul between start and done for at least 85% of the
-    layer loop's bytes (90% measured; 11% before the rings' custom VJPs, their barriers and
-    XLA's dot merger turned off, docs/gpu-compile.md)."""
-    result = compile_8b("--strategy tp+sp-overlap --mesh tensor=8", tmp_path)
-    assert result["compared"]["bytes_exact"]
-    kinds = {row["kind"] for row in result["compared"]["bytes"] if row["compiled"] > 2**30}
-    assert kinds == {"collective-permute"}, result["compared"]["bytes"]
-    assert result["compiled"]["overlap_in_loops"]["collective-permute"] >= 0.85, result["compiled"]["overlap_in_loops"]
-
-
-def test_accumulating_4_micro_batches_at_8b_is_planned(tmp_path):
-    """Gradient accumulation in the H100 program: XLA:GPU peels the first micro-batch off the
-    loop and leaves it no trip count (`hlo._trips` reads it from the loop's condition); every
-    collective's bytes are the planner's (4 passes of gathers and scatters), and memory, with the
-    fp32 sum of the gradients' shards (`accumulated`), within 10%."""
-    result = compile_8b("--strategy fsdp --mesh fsdp=8 --remat full --grad-accum 4 --batch-size 32", tmp_path)
-    compared = result["compared"]
-    assert compared["bytes_exact"] and abs(compared["memory_rel_err"]) <= MEMORY_TOLERANCE, compared
-
-
-@pytest.mark.skipif(not cudnn_installed(), reason="cuDNN is not installed (nvidia-cudnn-cu13)")
-def test_128k_tokens_of_an_8b_fit_8_h100s_under_all_to_all_context_parallelism(tmp_path):
-    """Issue 55's long context: one row of 131072 tokens of Llama 3.1 8B over context=8, ZeRO-3
-    over the context axis, full remat: cuDNN's flash kernel on each device's heads, every
-    collective's bytes the planner's, memory the planner's (within 10%) and inside 80 GB."""
-    result = compile_8b("--strategy zero3+cp-a2a --mesh context=8 --seq-len 131072 --micro-batch-size 1 --remat full",
-                        tmp_path)
-    compared, compiled = result["compared"], result["compiled"]
-    assert compiled["attention"] == "cudnn" and compared["bytes_exact"], compared["bytes"]
-    assert abs(compared["memory_rel_err"]) <= MEMORY_TOLERANCE and compiled["fits"], compared
-
-
-def test_the_ring_at_32k_sends_beside_attention_the_bytes_planned(tmp_path):
-    """The ring in `mixed` on 8 H100s at 32k (context=4): each block by jshard's flash kernel
-    (`nn.flash`, Triton), the memory the planner's (within 10%). K and V travel in bf16, their fp32
-    gradients n-1 times and, the last send home, in bf16 (XLA:GPU moves the cast after it before
-    it), the recomputed forward's sends but its first once more: the bytes the planner says (15.00
-    GiB). Each send waits for the block before it (`nn.context_parallel`), so that at least 80%
-    of the loop's permuted bytes have attention beside them (83-100%; 58% before: the sends ran
-    first, back to back)."""
-    result = compile_8b("--strategy zero3+cp --mesh fsdp=2,context=4 --seq-len 32768 --micro-batch-size 1 "
-                        "--remat full", tmp_path)
-    compared, compiled = result["compared"], result["compiled"]
-    assert compiled["attention"] == "pallas" and compiled["kernels"]["triton"] >= 3, compiled["kernels"]
-    assert compared["bytes_exact"], compared["bytes"]
-    assert abs(compared["memory_rel_err"]) <= MEMORY_TOLERANCE and compiled["fits"], compared
-    assert compiled["overlap_in_loops"]["collective-permute"] >= 0.8, compiled["overlap_in_loops"]
-
-
-def test_128k_tokens_of_an_8b_fit_8_h100s_under_all_gathered_keys_by_the_flash_kernel(tmp_path):
-    """cp-gather at 128k over context=8: the local queries over all 131072 keys by jshard's flash
-    kernel (no scores held: 26.9 GiB; XLA's attention there needs 851 GiB), every collective's
-    bytes the planner's, memory within 10% of its plan."""
-    result = compile_8b("--strategy zero3+cp-gather --mesh context=8 --seq-len 131072 --micro-batch-size 1 "
-                        "--remat full", tmp_path)
-    compared, compiled = result["compared"], result["compiled"]
-    assert compiled["attention"] == "pallas" and compared["bytes_exact"], compared["bytes"]
-    assert abs(compared["memory_rel_err"]) <= MEMORY_TOLERANCE and compiled["fits"], compared
-
-
-def _compile_in_a_process(xla_flags: str | None, tmp_path: Path, name: str) -> tuple[dict, str]:
-    """`jshard compile` of the small GPT under fsdp=8 in a fresh process (XLA reads XLA_FLAGS
-    once, at start-up), with `xla_flags` as the user's XLA_FLAGS (None: unset)."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | ({"XLA_FLAGS": xla_flags} if xla_flags else {})
-    out = tmp_path / f"{name}.json"
-    done = subprocess.run([sys.executable, "-m", "jshard.cli", "compile", "--model", "small", "--strategy", "fsdp",
-                           "--mesh", "fsdp=8", "--target", "h100x8", "--json", str(out)],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(out.read_text())["compiled"], done.stdout
-
-
-def test_a_users_unrelated_xla_flag_keeps_jshards_and_the_overlap(tmp_path):
-    """A flag of the user's own (a dump folder) used to switch all of jshard's GPU flags off: now
-    they are added beside it, and the compiled program overlaps its ZeRO-3 collectives as without it."""
-    plain, _ = _compile_in_a_process(None, tmp_path, "plain")
-    mine, printed = _compile_in_a_process(f"--xla_dump_to={tmp_path / 'dump'}", tmp_path, "mine")
-    assert mine["overlap"] == plain["overlap"] and mine["overlap_in_loops"] == plain["overlap_in_loops"]
-    assert plain["overlap"]["all-gather"] > 0.3, plain["overlap"]  # pipelined gathers, beside the matmuls
-    line = next(line for line in printed.splitlines() if line.startswith("XLA_FLAGS in effect: "))
-    assert f"--xla_dump_to={tmp_path / 'dump'}" in line and all(f in line for f in jshard.mesh.GPU_XLA_FLAGS)
-    # and what this program sets for itself (ZeRO-3 without a tensor axis, bf16 compute, no remat)
-    assert line.endswith("this program's own options: --xla_gpu_experimental_parallel_collective_overlap_limit=4 "
-                         "--xla_gpu_enable_triton_gemm=false")
