@@ -22,16 +22,18 @@ NEEDS     := $(STAMP) $(if $(GPU_COMPILE),$(GPU_STAMP))
 
 .PHONY: train test test-fast coverage gpu-check maxtext-compare venv versions clean
 
-# Re-install only when the package definition changes.
+# Re-install only when the package definition changes. --no-compile: Python compiles what is
+# imported when it is first imported (6 s) instead of pip compiling every module installed (35 s).
+PIP_INSTALL := $(VENV)/bin/python -m pip install --quiet --no-compile
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -e '.[test]'
+	$(PIP_INSTALL) --upgrade pip
+	$(PIP_INSTALL) -e '.[test]'
 	touch $(STAMP)
 
 $(GPU_STAMP): $(STAMP)
 	v=$$($(VENV)/bin/python -c 'import jax; print(jax.__version__)') && \
-	$(VENV)/bin/python -m pip install --quiet "jax-cuda13-plugin==$$v" "jax-cuda13-pjrt==$$v" nvidia-cudnn-cu13
+	$(PIP_INSTALL) "jax-cuda13-plugin==$$v" "jax-cuda13-pjrt==$$v" nvidia-cudnn-cu13
 	touch $(GPU_STAMP)
 
 venv: $(NEEDS)

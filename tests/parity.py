@@ -107,10 +107,17 @@ def train_on_one_device(model: nnx.Module, tx, loss_fn, batches) -> OneDeviceRun
     return OneDeviceRun(list(batches), losses, first_grads, nnx.state(model))
 
 
+@nnx.jit(static_argnames="loss_fn")
+def _value_and_grad(model, batch, loss_fn):
+    return nnx.value_and_grad(loss_fn)(model, batch)
+
+
 def one_device_gradients(model: nnx.Module, loss_fn, batch) -> tuple[float, nnx.State]:
     """The loss and gradients of `loss_fn` on one device. `model` is left as it was (a clone
-    computes them: a forward moves BatchNorm statistics and RNG counts)."""
-    loss, grads = nnx.value_and_grad(loss_fn)(nnx.clone(model), batch)
+    computes them: a forward moves BatchNorm statistics and RNG counts). Jitted, as the
+    training reference is: one program, where op by op each primitive of each shape was a
+    compilation of its own (the suite's eager slices and scans)."""
+    loss, grads = _value_and_grad(nnx.clone(model), batch, loss_fn)
     return float(loss), grads
 
 
