@@ -12,6 +12,13 @@ GPU_COMPILE = [pytest.mark.gpu_compile,
                pytest.mark.skipif(aot.gpu_compiler_missing() is not None, reason=str(aot.gpu_compiler_missing()))]
 
 
+def gpu_compile(test):
+    """The tier's marks on one test of a file outside the tier."""
+    for mark in GPU_COMPILE:
+        test = mark(test)
+    return test
+
+
 def cudnn_installed() -> bool:
     return importlib.util.find_spec("nvidia") is not None and importlib.util.find_spec("nvidia.cudnn") is not None
 

@@ -9,7 +9,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from jshard import aot
+from gpu_compiler import gpu_compile
 from jshard.bench import fit, kernels
 from jshard.bench import ranking
 from jshard.cli import main
@@ -304,8 +304,7 @@ def test_the_cpu_profile_ranks_measured_layouts_it_was_not_fitted_on(name, model
     assert ranking.spearman(predicted, [r["measured_s"] for r in result["rows"]]) >= least
 
 
-@pytest.mark.gpu_compile
-@pytest.mark.skipif(aot.gpu_compiler_missing() is not None, reason=str(aot.gpu_compiler_missing()))
+@gpu_compile
 def test_search_compiles_its_first_layouts_for_the_gpus(capsys):
     assert main(["plan", "--search", "--model", "small", "--devices", "8", "--batch-size", "16", "--compile", "2",
                  "--top", "2"]) == 0
