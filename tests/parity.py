@@ -8,6 +8,7 @@ names the seed (tests/seed.py), so that a fuzzed failure can be replayed.
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -28,6 +29,16 @@ OPTIMIZER = optax.adamw(1e-3, eps=1e-4)
 # BatchNorm's or LayerNorm's bias in plain Flax models): SGD keeps param errors as small as
 # the gradients'.
 SGD_MOMENTUM = optax.sgd(0.03, momentum=0.9)
+
+
+def recording(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`tx`, keeping the gradient it is given in its state (`opt_state[0]`, laid out as the rest of
+    the optimizer's state): a step's own gradient, the one its update applied, to be read after
+    the step (`assert_steps_match_one_device`). A test of both gradient and training then compiles the
+    step alone, where `step.value_and_grad` is a second program of about the step's cost."""
+    keep = optax.GradientTransformation(init=lambda params: jax.tree.map(jnp.zeros_like, params),
+                                        update=lambda grads, state, params=None: (grads, grads))
+    return optax.chain(keep, tx)
 
 
 ZERO = 1e-6  # below this everywhere, a float leaf of the one-device run is zero but for rounding
@@ -124,9 +135,10 @@ def one_device_gradients(model: nnx.Module, loss_fn, batch) -> tuple[float, nnx.
 # -- the sharded step ---------------------------------------------------------------------------
 
 
-def train(step, batches) -> tuple:
-    """One step per batch from the step's initial state: the final state and the losses."""
-    state, losses = step.state, []
+def train(step, batches, state=None) -> tuple:
+    """One step per batch from `state` (by default the step's initial state): the final state and
+    the losses."""
+    state, losses = step.state if state is None else state, []
     for batch in batches:
         state, loss = step(state, step.shard_batch(batch))
         losses.append(float(loss))
@@ -142,6 +154,19 @@ def assert_gradients_close(step, batch, expected_loss: float, expected_grads: nn
     assert error <= tolerance, f"loss {float(loss)} vs {float(expected_loss)}: relative error {error:.2e} (seed {SEED})"
     assert_trees_close(grads, expected_grads, "gradient", tolerance)
     return loss, grads
+
+
+def assert_steps_match_one_device(step, run: OneDeviceRun, what: str = "", tolerance: float = TOLERANCE):
+    """A step built with `recording(tx)`, against `run` (plain `tx`): the gradient its first
+    update applied, then each loss and every Variable after the run's steps, are one device's."""
+    state, losses = train(step, run.batches[:1])
+    grads = jax.device_get(step.to_model_order(state).opt_state[0])  # before the next step donates it
+    assert_trees_close(grads, run.grads, f"{what}{': ' if what else ''}gradient", tolerance)
+    state, more = train(step, run.batches[1:], state)
+    assert_losses_close(losses + more, run.losses, what, tolerance)
+    assert_trees_close(model_state(step, state), run.state, f"{what}{': ' if what else ''}after {len(run.batches)} steps",
+                       tolerance)
+    return state
 
 
 def model_state(step, state) -> nnx.State:
