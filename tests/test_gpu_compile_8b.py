@@ -4,8 +4,10 @@ what the program must overlap (docs/gpu-compile.md). The test models' rows are
 `test_gpu_compile.py`'s; the two files are the tier's halves, one per pytest-xdist worker.
 """
 
+import functools
 import importlib.util
 import json
+import tempfile
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -56,91 +58,93 @@ def test_a_layer_keeps_no_more_than_megatrons_count_and_what_the_plan_says():
     assert planned == pytest.approx(kept, rel=0.05)
 
 
-def compile_8b(flags: str, tmp_path) -> dict:
-    """`jshard compile --json` of Llama 3.1 8B (8192 tokens a row, `mixed`) on 8 H100s."""
-    out = tmp_path / "compile.json"
-    assert main(["compile", "--model", "llama-3.1-8b", *flags.split(), "--target", "h100x8", "--precision", "mixed",
-                 "--json", str(out)]) == 0
-    return json.loads(out.read_text())
+@functools.cache
+def compile_8b(flags: str) -> dict:
+    """`jshard compile --json` of Llama 3.1 8B (8192 tokens a row, `mixed`) on 8 H100s; once per
+    flags (the plan's memory and the scatters' overlap read one program)."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "compile.json"
+        assert main(["compile", "--model", "llama-3.1-8b", *flags.split(), "--target", "h100x8", "--precision", "mixed",
+                     "--json", str(out)]) == 0
+        return json.loads(out.read_text())
 
 
 @pytest.mark.parametrize("flags", ["--strategy fsdp --mesh fsdp=8 --remat full", "--strategy tp+sp --mesh tensor=8"])
-def test_the_plans_memory_for_llama_8b_is_the_compilers(flags, tmp_path):
+def test_the_plans_memory_for_llama_8b_is_the_compilers(flags):
     """At a real shape the planner's memory per device is within 10% of what XLA:GPU assigns
     (docs/gpu-compile.md's table)."""
-    compared = compile_8b(flags, tmp_path)["compared"]
+    compared = compile_8b(flags)["compared"]
     assert abs(compared["memory_rel_err"]) <= MEMORY_TOLERANCE, compared
 
 
-def test_zero3_gathers_the_next_layer_while_this_one_computes_at_8b(tmp_path):
+def test_zero3_gathers_the_next_layer_while_this_one_computes_at_8b():
     """ZeRO-3's prefetch, in the compiled H100 program: under `fsdp=8` (no remat) at least 90% of
     the bytes the layer loop gathers have a matmul scheduled between start and done, with
     jshard's GPU flags (`mesh.GPU_XLA_FLAGS`: pipelined gathers, 4 collectives in flight)."""
-    result = compile_8b("--strategy fsdp --mesh fsdp=8", tmp_path)
+    result = compile_8b("--strategy fsdp --mesh fsdp=8")
     assert result["compared"]["bytes_exact"]
     in_loops = result["compiled"]["overlap_in_loops"]
     assert in_loops["all-gather"] >= 0.9, in_loops
 
 
-def test_zero3_scatters_each_layers_gradients_beside_matmuls_under_full_remat(tmp_path):
+def test_zero3_scatters_each_layers_gradients_beside_matmuls_under_full_remat():
     """Under `fsdp=8` with full remat, every byte the layer loop reduce-scatters has a matmul
     between start and done: Triton GEMMs off for this program (`Plan.xla_options`; 54% with them
     on); and with the loop double-buffered and MaxText's combine thresholds
     (`mesh.SCATTER_OVERLAP_OPTIONS`) at least 95% of the step's, the head's too (90% without).
     (Without remat XLA:GPU overlaps 0% of them either way: docs/gpu-compile.md.)"""
-    result = compile_8b("--strategy fsdp --mesh fsdp=8 --remat full", tmp_path)
+    result = compile_8b("--strategy fsdp --mesh fsdp=8 --remat full")
     in_loops = result["compiled"]["overlap_in_loops"]
     assert in_loops["reduce-scatter"] >= 0.95 and in_loops["all-gather"] >= 0.9, in_loops
     assert result["compiled"]["overlap"]["reduce-scatter"] >= 0.95, result["compiled"]["overlap"]
 
 
-def test_hsdp_under_tensor_parallelism_sums_gradients_over_data_beside_matmuls_at_8b(tmp_path):
+def test_hsdp_under_tensor_parallelism_sums_gradients_over_data_beside_matmuls_at_8b():
     """`dp+fsdp+tp` (2, 2, 2), full remat: each layer's gradient is summed over `data` inside the
     backward loop (`Plan.summed_in_backward`), where at least 80% of those bytes have a matmul
     between start and done (84% measured; 0% when the step summed them after the backward);
     bytes the plan's, memory within 10%."""
-    result = compile_8b("--strategy dp+fsdp+tp --mesh data=2,fsdp=2,tensor=2 --remat full", tmp_path)
+    result = compile_8b("--strategy dp+fsdp+tp --mesh data=2,fsdp=2,tensor=2 --remat full")
     assert result["compared"]["bytes_exact"] and abs(result["compared"]["memory_rel_err"]) <= MEMORY_TOLERANCE
     over_data = [c for c in result["compiled"]["collectives"] if c["kind"] == "all-reduce" and c["axes"] == "data"]
     hidden = sum(c["bytes"] * c["count"] for c in over_data if c["overlapped"])
     assert hidden >= 0.8 * sum(c["bytes"] * c["count"] for c in over_data), over_data
 
 
-def test_collective_matmuls_run_their_permutes_beside_matmuls_at_8b(tmp_path):
+def test_collective_matmuls_run_their_permutes_beside_matmuls_at_8b():
     """`tp+sp-overlap` on 8 H100s: SP's gathers and reduce-scatters are rings of permutes (bytes:
     the planner's), asynchronous with a matmul between start and done for at least 85% of the
     layer loop's bytes (90% measured; 11% before the rings' custom VJPs, their barriers and
     XLA's dot merger turned off, docs/gpu-compile.md)."""
-    result = compile_8b("--strategy tp+sp-overlap --mesh tensor=8", tmp_path)
+    result = compile_8b("--strategy tp+sp-overlap --mesh tensor=8")
     assert result["compared"]["bytes_exact"]
     kinds = {row["kind"] for row in result["compared"]["bytes"] if row["compiled"] > 2**30}
     assert kinds == {"collective-permute"}, result["compared"]["bytes"]
     assert result["compiled"]["overlap_in_loops"]["collective-permute"] >= 0.85, result["compiled"]["overlap_in_loops"]
 
 
-def test_accumulating_4_micro_batches_at_8b_is_planned(tmp_path):
+def test_accumulating_4_micro_batches_at_8b_is_planned():
     """Gradient accumulation in the H100 program: XLA:GPU peels the first micro-batch off the
     loop and leaves it no trip count (`hlo._trips` reads it from the loop's condition); every
     collective's bytes are the planner's (4 passes of gathers and scatters), and memory, with the
     fp32 sum of the gradients' shards (`accumulated`), within 10%."""
-    result = compile_8b("--strategy fsdp --mesh fsdp=8 --remat full --grad-accum 4 --batch-size 32", tmp_path)
+    result = compile_8b("--strategy fsdp --mesh fsdp=8 --remat full --grad-accum 4 --batch-size 32")
     compared = result["compared"]
     assert compared["bytes_exact"] and abs(compared["memory_rel_err"]) <= MEMORY_TOLERANCE, compared
 
 
 @NEEDS_CUDNN
-def test_128k_tokens_of_an_8b_fit_8_h100s_under_all_to_all_context_parallelism(tmp_path):
+def test_128k_tokens_of_an_8b_fit_8_h100s_under_all_to_all_context_parallelism():
     """Issue 55's long context: one row of 131072 tokens of Llama 3.1 8B over context=8, ZeRO-3
     over the context axis, full remat: cuDNN's flash kernel on each device's heads, every
     collective's bytes the planner's, memory the planner's (within 10%) and inside 80 GB."""
-    result = compile_8b("--strategy zero3+cp-a2a --mesh context=8 --seq-len 131072 --micro-batch-size 1 --remat full",
-                        tmp_path)
+    result = compile_8b("--strategy zero3+cp-a2a --mesh context=8 --seq-len 131072 --micro-batch-size 1 --remat full")
     compared, compiled = result["compared"], result["compiled"]
     assert compiled["attention"] == "cudnn" and compared["bytes_exact"], compared["bytes"]
     assert abs(compared["memory_rel_err"]) <= MEMORY_TOLERANCE and compiled["fits"], compared
 
 
-def test_the_ring_at_32k_sends_beside_attention_the_bytes_planned(tmp_path):
+def test_the_ring_at_32k_sends_beside_attention_the_bytes_planned():
     """The ring in `mixed` on 8 H100s at 32k (context=4): each block by jshard's flash kernel
     (`nn.flash`, Triton), the memory the planner's (within 10%). K and V travel in bf16, their fp32
     gradients n-1 times and, the last send home, in bf16 (XLA:GPU moves the cast after it before
@@ -149,7 +153,7 @@ def test_the_ring_at_32k_sends_beside_attention_the_bytes_planned(tmp_path):
     of the loop's permuted bytes have attention beside them (83-100%; 58% before: the sends ran
     first, back to back)."""
     result = compile_8b("--strategy zero3+cp --mesh fsdp=2,context=4 --seq-len 32768 --micro-batch-size 1 "
-                        "--remat full", tmp_path)
+                        "--remat full")
     compared, compiled = result["compared"], result["compiled"]
     assert compiled["attention"] == "pallas" and compiled["kernels"]["triton"] >= 3, compiled["kernels"]
     assert compared["bytes_exact"], compared["bytes"]
@@ -157,12 +161,12 @@ def test_the_ring_at_32k_sends_beside_attention_the_bytes_planned(tmp_path):
     assert compiled["overlap_in_loops"]["collective-permute"] >= 0.8, compiled["overlap_in_loops"]
 
 
-def test_128k_tokens_of_an_8b_fit_8_h100s_under_all_gathered_keys_by_the_flash_kernel(tmp_path):
+def test_128k_tokens_of_an_8b_fit_8_h100s_under_all_gathered_keys_by_the_flash_kernel():
     """cp-gather at 128k over context=8: the local queries over all 131072 keys by jshard's flash
     kernel (no scores held: 26.9 GiB; XLA's attention there needs 851 GiB), every collective's
     bytes the planner's, memory within 10% of its plan."""
     result = compile_8b("--strategy zero3+cp-gather --mesh context=8 --seq-len 131072 --micro-batch-size 1 "
-                        "--remat full", tmp_path)
+                        "--remat full")
     compared, compiled = result["compared"], result["compiled"]
     assert compiled["attention"] == "pallas" and compared["bytes_exact"], compared["bytes"]
     assert abs(compared["memory_rel_err"]) <= MEMORY_TOLERANCE and compiled["fits"], compared
