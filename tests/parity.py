@@ -34,7 +34,7 @@ SGD_MOMENTUM = optax.sgd(0.03, momentum=0.9)
 def recording(tx: optax.GradientTransformation) -> optax.GradientTransformation:
     """`tx`, keeping the gradient it is given in its state (`opt_state[0]`, laid out as the rest of
     the optimizer's state): a step's own gradient, the one its update applied, to be read after
-    the step (`assert_steps_match_one_device`). A test of both gradient and training then compiles the
+    the step (`assert_trains_like_one_device(..., first_gradient=True)`). A test of both gradient and training then compiles the
     step alone, where `step.value_and_grad` is a second program of about the step's cost."""
     keep = optax.GradientTransformation(init=lambda params: jax.tree.map(jnp.zeros_like, params),
                                         update=lambda grads, state, params=None: (grads, grads))
@@ -156,30 +156,23 @@ def assert_gradients_close(step, batch, expected_loss: float, expected_grads: nn
     return loss, grads
 
 
-def assert_steps_match_one_device(step, run: OneDeviceRun, what: str = "", tolerance: float = TOLERANCE):
-    """A step built with `recording(tx)`, against `run` (plain `tx`): the gradient its first
-    update applied, then each loss and every Variable after the run's steps, are one device's."""
-    state, losses = train(step, run.batches[:1])
-    grads = jax.device_get(step.to_model_order(state).opt_state[0])  # before the next step donates it
-    assert_trees_close(grads, run.grads, f"{what}{': ' if what else ''}gradient", tolerance)
-    state, more = train(step, run.batches[1:], state)
-    assert_losses_close(losses + more, run.losses, what, tolerance)
-    assert_trees_close(model_state(step, state), run.state, f"{what}{': ' if what else ''}after {len(run.batches)} steps",
-                       tolerance)
-    return state
-
-
 def model_state(step, state) -> nnx.State:
     """Every Variable of the model the step holds in `state`, in model order."""
     return nnx.state(step.model(state))
 
 
 def assert_trains_like_one_device(step, run: OneDeviceRun, what: str = "", tolerance: float = TOLERANCE,
-                                  state_of=model_state):
+                                  state_of=model_state, first_gradient: bool = False):
     """The step, one step per batch of `run`: each loss, then `state_of(step, state)` (by
-    default the model's every Variable) equal the run's. Returns the step's last state."""
-    state, losses = train(step, run.batches)
-    assert_losses_close(losses, run.losses, what, tolerance)
-    assert_trees_close(state_of(step, state), run.state, f"{what}{': ' if what else ''}after {len(losses)} steps",
-                       tolerance)
+    default the model's every Variable) equal the run's. `first_gradient` (a step built with
+    `recording(tx)`, the run with plain `tx`): the gradient its first update applied equals the
+    run's too. Returns the step's last state."""
+    where = f"{what}{': ' if what else ''}"
+    state, losses = train(step, run.batches[:1])
+    if first_gradient:
+        grads = jax.device_get(step.to_model_order(state).opt_state[0])  # before the next step donates it
+        assert_trees_close(grads, run.grads, f"{where}gradient", tolerance)
+    state, more = train(step, run.batches[1:], state)
+    assert_losses_close(losses + more, run.losses, what, tolerance)
+    assert_trees_close(state_of(step, state), run.state, f"{where}after {len(run.batches)} steps", tolerance)
     return state
