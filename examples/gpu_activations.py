@@ -1,9 +1,10 @@
 """What XLA:GPU keeps for backward per layer and token, compiled for 8 H100s with no GPU.
 
 For each strategy, remat policy and attention kernel, jshard's GPT step is compiled by XLA's
-GPU compiler (`jshard.aot`) at 2 and 4 layers, 1 and 2 rows per data shard; the double
+GPU compiler (`jshard.aot`) at 2 and 4 layers, 2 and 4 rows per data shard; the double
 difference of the compiled temporaries over layers and rows is the bytes one layer keeps per
-token, printed in Korthikanti et al. 2022's unit, s·b·h bytes (their Table 2: 34 + 5as/h per
+token (XLA packs a one-row step's buffers apart from the others': from 1 row to 2 the double
+difference drifted by XLA's heap, not by what a layer keeps), printed in Korthikanti et al. 2022's unit, s·b·h bytes (their Table 2: 34 + 5as/h per
 layer; tp: 10 + 24/t + 5as/(ht); tp + sp: (34 + 5as/h)/t; selective recompute 34/t; full 2).
 docs/gpu-compile.md holds the table. Needs the CUDA plugin (`make venv GPU_COMPILE=1`).
 
@@ -34,13 +35,13 @@ def kept_per_token_layer(config: GPTConfig, strategy: str, mesh: dict[str, int],
     """Bytes per token per layer the compiled backward keeps, and the attention kernel compiled."""
     temps, kernel = {}, ""
     for layers in (2, 4):
-        for rows in (1, 2):
+        for rows in (2, 4):
             c = dataclasses.replace(config, layers=layers)
             program = aot.compile_step(nnx.eval_shape(lambda: decoder(c, nnx.Rngs(0))), optax.sgd(1e-3), gpt_loss,
                                        jshard.Layout.of(strategy, mesh, precision="bf16"), target,
                                        (rows * mesh.get("data", 1) * mesh.get("fsdp", 1), c.seq_len + 1))
             temps[layers, rows], kernel = program.memory["temporaries"], program.attention
-    return ((temps[4, 2] - temps[4, 1]) - (temps[2, 2] - temps[2, 1])) / (2 * config.seq_len), kernel
+    return ((temps[4, 4] - temps[4, 2]) - (temps[2, 4] - temps[2, 2])) / (4 * config.seq_len), kernel
 
 
 def main(argv=None) -> list[dict]:

@@ -74,7 +74,7 @@ def param_traffic(plan: Plan, remat: bool = False, tied_head: bool = True, combi
     reduction dtype, but ZeRO-3's reduce-scatter is its gather's transpose, in the compute dtype.
     An FP8 kernel's scale is all-reduced over the ZeRO axes `scale_reductions` times a layer
     (XLA:GPU's collective pipeliner computes the next layer's once more, for its early gather;
-    remat's forward once more).
+    remat's forward in the backward loop as many times again).
     """
     sizes, stage_axis, zero = plan.mesh_sizes, plan.stage_axis, set(plan.zero_axes)
     # Gradients are summed over the batch and context axes (the step's grad axes).
@@ -307,10 +307,11 @@ def traffic(config: DecoderConfig, plan: Plan, rows: int, seq: int, platform: st
     local_seq = seq // shards((context,), sizes)
     lookup = lookup_axes(config, plan, (call_rows or rows) * local_seq)
     remat = config.remat != "none"
-    # An FP8 kernel's scale: once a layer (XLA:GPU's pipeliner once more), and again where remat
-    # runs the layer's forward again (measured: XLA:CPU 1 and 2, XLA:GPU 2 and 3)
+    # An FP8 kernel's scale: once a layer (XLA:GPU's pipeliner once more, for its early gather),
+    # and all of that again where remat runs the layer's forward again in the backward loop
+    # (measured: XLA:CPU 1 and 2, XLA:GPU 2 and 4)
     comm = param_traffic(plan, remat=remat, tied_head=config.tied_head, combined=platform == "gpu", folded=folded,
-                         scale_reductions=(2 if platform == "gpu" else 1) + remat, looked_up=bool(lookup))
+                         scale_reductions=(2 if platform == "gpu" else 1) * (1 + remat), looked_up=bool(lookup))
     comm = {key: nbytes * (accum if per_pass(plan, *key) else 1) for key, nbytes in comm.items()}
     rows *= accum
     layers_run = stage_layers_run(config, plan)

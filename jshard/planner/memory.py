@@ -108,11 +108,14 @@ ACT_SLOT_TP_H = 2.0  # under TP, per slot: the two buffers its all-reduces leave
 RING_BLOCK_FP32 = 4  # ring attention: fp32 (query tile × keys) arrays its backward holds at once
 
 
-def gathered_layers_bytes(plan: Plan, layers: int, platform: str = "cpu") -> int:
+def gathered_layers_bytes(plan: Plan, layers: int, platform: str = "cpu", remat: str = "none") -> int:
     """ZeRO-3: two layers' weights gathered at once (one in use, the next arriving), each still
     split over its other axes (tensor; an expert's weights over `expert`); three on a GPU whose
     program keeps several collectives in flight (`Plan.collectives_in_flight`): XLA:GPU then
-    starts a gather a layer earlier (measured on the GPU validation rows: 0.2 to 1 layer more).
+    starts a gather a layer earlier (measured on the GPU validation rows: 0.2 to 1 layer more);
+    four there under full `remat` (the model's), whose peak is in the backward loop, where
+    XLA:GPU's pipeliner gathers a trip early too (docs/gpu-compile.md: Llama 3.1 8B, +0.5 to
+    +1.3 GiB).
     A layer is one of the stack's: `layers` blocks, or of a MoE Llama `layers // moe_every` of
     `moe_every` blocks each (the stack's own leading dim)."""
     zero, sizes = set(plan.rules.zero_axes), plan.mesh_sizes
@@ -120,7 +123,9 @@ def gathered_layers_bytes(plan: Plan, layers: int, platform: str = "cpu") -> int
     if not stacked:
         return 0
     per_layer = sum(p.gathered_bytes // shards(p.param[1:], sizes, skip=zero) for p in stacked)
-    held = 3 if platform == "gpu" and plan.collectives_in_flight > 1 else 2
+    held = 2
+    if platform == "gpu" and plan.collectives_in_flight > 1:
+        held += 2 if remat == "full" else 1
     return held * per_layer // min(layers, stacked[0].shape[0])
 
 
@@ -135,9 +140,10 @@ def grad_bytes(p, plan: Plan) -> int:
     return local(p.elements * dtype.itemsize, p.opt, sizes)
 
 
-def state_bytes(plan: Plan, layers: int, platform: str = "cpu") -> dict[str, int]:
+def state_bytes(plan: Plan, layers: int, platform: str = "cpu", remat: str = "none") -> dict[str, int]:
     """Training state per device: params and grads as held, the fp32 master (mixed precision)
-    and Adam's two moments in the optimizer's layout, ZeRO-3's gathered layers (on `platform`);
+    and Adam's two moments in the optimizer's layout, ZeRO-3's gathered layers (on `platform`,
+    under the model's `remat`);
     under gradient accumulation, the sum of the micro-batches' gradients, in the reduction
     dtype, in the layout backward leaves them (`accumulate`'s carry)."""
     params, sizes = plan.params, plan.mesh_sizes
@@ -148,7 +154,7 @@ def state_bytes(plan: Plan, layers: int, platform: str = "cpu") -> dict[str, int
         if plan.grad_accum > 1 else 0,
         master=sum(local(p.elements * p.master.itemsize, p.opt, sizes) for p in params if p.master),
         optimizer=2 * sum(local(p.elements * p.optimizer_dtype.itemsize, p.opt, sizes) for p in params),
-        gathered=gathered_layers_bytes(plan, layers, platform) if plan.rules.zero == 3 and plan.zero_axes else 0,
+        gathered=gathered_layers_bytes(plan, layers, platform, remat) if plan.rules.zero == 3 and plan.zero_axes else 0,
     )
 
 
@@ -283,7 +289,7 @@ def memory_per_device(planned: PlannedStep) -> MemoryEstimate:
     schedule, stage_remat, params, rules = step.schedule, step.stage_remat, step.params, step.rules
     rows, local_seq, tensor, sp, flash = planned.rows, planned.local_seq, planned.tensor, step.sequence_parallel, planned.flash
     cp = step.context_shards
-    memory = state_bytes(step, config.layers, hw.platform)
+    memory = state_bytes(step, config.layers, hw.platform, config.remat)
     if schedule and hw.platform == "cpu":
         # The executor accumulates gradients in the scan's carry: XLA:CPU keeps its input and
         # output buffers apart, XLA:GPU updates it in place (measured).

@@ -144,7 +144,7 @@ def step_time(planned: PlannedStep, collectives: list[dict]) -> dict:
     rows, local_seq, m, accum = planned.rows, planned.local_seq, planned.microbatches, planned.grad_accum
     layers_local, fused = planned.layers_local, planned.fused
     n_devices = math.prod(sizes.values())
-    optimizer_traffic = adamw_traffic(state_bytes(step, config.layers, hw.platform))
+    optimizer_traffic = adamw_traffic(state_bytes(step, config.layers, hw.platform, config.remat))
     tokens = rows * config.seq_len * m * data_shards * accum
     flops_model = metrics.flops_per_token(config, config.seq_len) * tokens
     # The FLOPs run count what the experts compute: every slot of the buffer, filled or not,
