@@ -3,9 +3,10 @@
 For each strategy, remat policy and attention kernel, jshard's GPT step is compiled by XLA's
 GPU compiler (`jshard.aot`) at 2 and 4 layers, 2 and 4 rows per data shard; the double
 difference of the compiled temporaries over layers and rows is the bytes one layer keeps per
-token (XLA packs a one-row step's buffers apart from the others': from 1 row to 2 the double
-difference drifted by XLA's heap, not by what a layer keeps), printed in Korthikanti et al. 2022's unit, s·b·h bytes (their Table 2: 34 + 5as/h per
+token, printed in Korthikanti et al. 2022's unit, s·b·h bytes (their Table 2: 34 + 5as/h per
 layer; tp: 10 + 24/t + 5as/(ht); tp + sp: (34 + 5as/h)/t; selective recompute 34/t; full 2).
+(Not 1 and 2 rows: XLA packs a one-row step's buffers apart from the others', so from 1 row to
+2 the double difference moves with XLA's heap, not with what a layer keeps.)
 docs/gpu-compile.md holds the table. Needs the CUDA plugin (`make venv GPU_COMPILE=1`).
 
     python examples/gpu_activations.py [--embed 2048 --heads 16 --seq-len 2048] [--remat none ...]

@@ -36,9 +36,9 @@ def gpu_activations():
 
 def test_full_remat_keeps_each_layers_bf16_input():
     """examples/gpu_activations.py's measure at docs/gpu-compile.md's shape: under full remat a
-    layer keeps its bf16 input alone, Korthikanti's 2·s·b·h (to the byte a token but the heap's
-    alignment: 4095.97 bytes measured). (At smaller shapes XLA's buffer reuse moves the double
-    difference: at h = s = 1024 it read 1.0.)"""
+    layer keeps its bf16 input alone, Korthikanti's 2·s·b·h (4095.97 bytes a token measured: the
+    heap's alignment). (At smaller shapes XLA's buffer reuse moves the double difference: at
+    h = s = 1024 it read 1.0.)"""
     example = gpu_activations()
     config = GPTConfig(vocab=1024, seq_len=2048, embed=2048, heads=16, mlp=8192, layers=2, remat="full")
     kept, _ = example.kept_per_token_layer(config, "dp", dict(data=8), aot.target("h100x8"))
@@ -89,18 +89,18 @@ def test_zero3_gathers_the_next_layer_while_this_one_computes_at_8b():
 
 
 def test_zero3_hides_each_layers_gather_and_scatter_under_full_remat():
-    """Under `fsdp=8` with full remat, every byte the layer loops gather and reduce-scatter has a
-    matmul between start and done: the backward loop's gathers started a trip early, as the
-    forward's (`models.stack.layer_call`: no remat barrier in the scan; 90% of the loops'
-    gathers with it), the scatters with Triton GEMMs off (`Plan.xla_options`; 54% with them on)
-    and the loop double-buffered with MaxText's combine thresholds
-    (`mesh.SCATTER_OVERLAP_OPTIONS`). Of the step's scatters at least 90%: the head's gradient
-    (7% of the bytes) runs after the backward loop (docs/gpu-compile.md)."""
+    """Under `fsdp=8` with full remat, at least 95% of the bytes the layer loops gather and
+    reduce-scatter have a matmul between start and done (100% each measured): the backward
+    loop's gathers started a trip early, as the forward's (`models.stack.layer_call`: no remat
+    barrier in the scan; 90% of the loops' gathers with it), the scatters with Triton GEMMs off
+    (`Plan.xla_options`; 54% with them on) and the loop double-buffered with MaxText's combine
+    thresholds (`mesh.SCATTER_OVERLAP_OPTIONS`). Of the step's scatters at least 90% (93%): the
+    head's gradient (7% of the bytes) runs after the backward loop (docs/gpu-compile.md)."""
     result = compile_8b("--strategy fsdp --mesh fsdp=8 --remat full")
     in_loops = result["compiled"]["overlap_in_loops"]
-    assert in_loops["reduce-scatter"] >= 0.99 and in_loops["all-gather"] >= 0.99, in_loops
+    assert in_loops["reduce-scatter"] >= 0.95 and in_loops["all-gather"] >= 0.95, in_loops
     overlap = result["compiled"]["overlap"]
-    assert overlap["all-gather"] >= 0.99 and overlap["reduce-scatter"] >= 0.9, overlap
+    assert overlap["all-gather"] >= 0.95 and overlap["reduce-scatter"] >= 0.9, overlap
 
 
 def test_hsdp_under_tensor_parallelism_sums_gradients_over_data_beside_matmuls_at_8b():

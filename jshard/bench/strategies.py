@@ -59,7 +59,7 @@ def textbook_bytes(step: ShardedStep, config: DecoderConfig, batch_shape) -> int
 
 def textbook_memory(step: ShardedStep, config: DecoderConfig) -> int:
     """The planner's training state per device (`jshard.planner.state_bytes`): no activations."""
-    return sum(planner.state_bytes(step.plan, config.layers).values())
+    return sum(planner.state_bytes(step.plan, config.layers, "cpu", config.remat).values())
 
 
 def comm_bytes(lowered) -> int:

@@ -146,8 +146,9 @@ class Plan:
         bf16: 62% -> 23%), so there they stay on (`scatters_without_tensor_axes`, docs/gpu-compile.md).
         There, under full remat, also the layer loop double-buffered and MaxText's combine thresholds
         (`mesh.SCATTER_OVERLAP_OPTIONS`: mixed 90% -> 97% of the step's reduce-scattered bytes
-        overlapped, bf16 91% -> 97% and 21.94 -> 21.02 GiB; without remat they cost the gathers:
-        92% -> 87% of the loop's)."""
+        overlapped, bf16 91% -> 97% and 21.94 -> 21.02 GiB, measured 2026-11-28, before the
+        backward loop's gathers were pipelined too: docs/gpu-compile.md; without remat they cost
+        the gathers: 92% -> 87% of the loop's)."""
         if self.platform != "gpu":
             return {}
         flags, options = os.environ.get("XLA_FLAGS", ""), {}

@@ -108,14 +108,14 @@ ACT_SLOT_TP_H = 2.0  # under TP, per slot: the two buffers its all-reduces leave
 RING_BLOCK_FP32 = 4  # ring attention: fp32 (query tile × keys) arrays its backward holds at once
 
 
-def gathered_layers_bytes(plan: Plan, layers: int, platform: str = "cpu", remat: str = "none") -> int:
+def gathered_layers_bytes(plan: Plan, layers: int, platform: str, remat: str) -> int:
     """ZeRO-3: two layers' weights gathered at once (one in use, the next arriving), each still
     split over its other axes (tensor; an expert's weights over `expert`); three on a GPU whose
     program keeps several collectives in flight (`Plan.collectives_in_flight`): XLA:GPU then
     starts a gather a layer earlier (measured on the GPU validation rows: 0.2 to 1 layer more);
     four there under full `remat` (the model's), whose peak is in the backward loop, where
-    XLA:GPU's pipeliner gathers a trip early too (docs/gpu-compile.md: Llama 3.1 8B, +0.5 to
-    +1.3 GiB).
+    XLA:GPU's pipeliner gathers a trip early too (docs/gpu-compile.md: one of Llama 3.1 8B's
+    layers, 0.41 GiB; the rest of its +0.4 to +1.3 GiB, transposed copies, is not counted).
     A layer is one of the stack's: `layers` blocks, or of a MoE Llama `layers // moe_every` of
     `moe_every` blocks each (the stack's own leading dim)."""
     zero, sizes = set(plan.rules.zero_axes), plan.mesh_sizes
@@ -140,7 +140,7 @@ def grad_bytes(p, plan: Plan) -> int:
     return local(p.elements * dtype.itemsize, p.opt, sizes)
 
 
-def state_bytes(plan: Plan, layers: int, platform: str = "cpu", remat: str = "none") -> dict[str, int]:
+def state_bytes(plan: Plan, layers: int, platform: str, remat: str) -> dict[str, int]:
     """Training state per device: params and grads as held, the fp32 master (mixed precision)
     and Adam's two moments in the optimizer's layout, ZeRO-3's gathered layers (on `platform`,
     under the model's `remat`);

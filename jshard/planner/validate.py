@@ -87,7 +87,7 @@ VALIDATION = (
     # Mixed precision (bf16 params and compute, fp32 master): see `validate_one` for what is compared.
     ("dp", None, None, "none", "example", "mixed"), ("zero2", None, None, "none", "example", "mixed"),
     ("zero3", None, None, "none", "example", "mixed"), ("dp+fsdp+tp", None, None, "none", "example", "mixed"),
-    # FP8 projections: ZeRO-3 gathers them in e4m3 and all-reduces their scales (under remat once more).
+    # FP8 projections: ZeRO-3 gathers them in e4m3 and all-reduces their scales (under remat again).
     ("zero3", None, None, "none", "example", "fp8"), ("dp+fsdp+tp", None, None, "none", "example", "fp8"),
     ("zero3", None, None, "full", "example", "fp8"),
     # Context parallelism, ring and all-gathered, with 8 rows per data shard: at 2 the chunks are
