@@ -80,12 +80,14 @@ def layer_call(layers: nnx.Module) -> Callable[[nnx.Module, jax.Array], jax.Arra
     policy = REMAT_POLICIES[getattr(layers, "remat", "none")]
     if policy is None and (gathers_weights() or holds_replicas()):
         policy = remat_policy
+    if policy is None:
+        return apply
     # Run by a scan over the layers, whose loop keeps XLA from merging the recompute with the
     # forward; `prevent_cse`'s barrier would also hide from XLA:GPU's collective pipeliner that
     # a backward trip gathers a slice of the stacked weights (it would not start the gather a
     # trip early, as in the forward loop). A one-layer scan, whose loop XLA removes, keeps it.
     single = jax.tree.leaves(nnx.state(layers))[0].shape[0] == 1
-    return nnx.remat(apply, policy=policy, prevent_cse=single) if policy is not None else apply
+    return nnx.remat(apply, policy=policy, prevent_cse=single)
 
 
 def scan_stack(layers: nnx.Module, x: jax.Array, body: Callable[..., tuple], *per_layer) -> tuple:
