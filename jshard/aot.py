@@ -155,16 +155,6 @@ class GpuProgram:
                 totals[1] += c["bytes"]
         return {kind: hidden / total for kind, (hidden, total) in moved.items()}
 
-    def overlapped_share(self) -> dict[tuple[str, str], float]:
-        """{(kind, axes): the share of its bytes a matmul is scheduled beside}, as the planner keys them."""
-        moved: dict[tuple[str, str], list[int]] = {}
-        for c in self.collectives:
-            if c["bytes"]:
-                totals = moved.setdefault((c["kind"], c["axes"]), [0, 0])
-                totals[0] += c["bytes"] * c["overlapped"]
-                totals[1] += c["bytes"]
-        return {key: hidden / total for key, (hidden, total) in moved.items()}
-
     def as_json(self) -> dict:
         return dataclasses.asdict(self) | dict(hlo=None, fits=self.fits, overlap=self.overlap(),
                                                overlap_in_loops=self.overlap(looped=True))
@@ -244,9 +234,10 @@ def compared(program: GpuProgram, est: dict) -> dict:
     )
 
 
-def report(program: GpuProgram, est: dict, devices: str, scheduled_step_s: float | None = None) -> str:
-    """What `jshard compile` prints: the compiled program per device beside the plan (and the
-    plan's step time with the compiled schedule's overlap, where given)."""
+def report(program: GpuProgram, est: dict, devices: str, along=None) -> str:
+    """What `jshard compile` prints: the compiled program per device beside the plan, and where
+    given, `along` (a `planner.schedule.Timeline` of the program): each kind's time hidden and
+    the step timed along the schedule."""
     vs = compared(program, est)
     mem = program.memory
     lines = [f"compiled by XLA:GPU for {devices} ({program.target}), on this host with no GPU, in "
@@ -259,7 +250,8 @@ def report(program: GpuProgram, est: dict, devices: str, scheduled_step_s: float
              f"plan {vs['memory_rel_err'] * 100:+.1f}%; {'fits' if program.fits else 'DOES NOT FIT'} in "
              f"{fmt(mem['hbm'], 2)} of HBM"]
     lines.append("collectives per device per step  (async: split into start and done; overlapped: a matmul "
-                 "scheduled between them)")
+                 "scheduled between them" + ("; hidden: the share of its time the work scheduled there covers)"
+                                              if along else ")"))
     rows = []
     for row in vs["bytes"]:
         ops = [c for c in program.collectives if (c["kind"], c["axes"]) == (row["kind"], row["axes"]) and c["bytes"]]
@@ -269,13 +261,17 @@ def report(program: GpuProgram, est: dict, devices: str, scheduled_step_s: float
                 by_dtype[dtype] = by_dtype.get(dtype, 0) + nbytes
         rows.append((row, ops, by_dtype, ",".join(sorted(by_dtype, key=lambda d: (d.startswith("f8"), d))) or "-"))
     width = max([7] + [len(dtypes) + 1 for *_, dtypes in rows])  # "bf16,f8e4m3fn": bf16 and FP8 weights combined
-    lines.append(f"  {'kind':<19}{'axes':<14}{'dtype':<{width}}{'plan':>12}{'compiled':>12}{'async':>8}{'overlapped':>12}")
+    hidden = along.hidden() if along else {}
+    lines.append(f"  {'kind':<19}{'axes':<14}{'dtype':<{width}}{'plan':>12}{'compiled':>12}{'async':>8}{'overlapped':>12}"
+                 + (f"{'hidden':>9}" if along else ""))
     for row, ops, by_dtype, dtypes in rows:
         total = sum(c["bytes"] for c in ops) or 1
         share = lambda key: sum(c["bytes"] for c in ops if c[key]) / total  # noqa: E731
         mark = "" if row["planned"] == row["compiled"] else "  ≠"
         lines.append(f"  {row['kind']:<19}{row['axes']:<14}{dtypes:<{width}}{fmt(row['planned'], 2):>12}"
-                     f"{fmt(row['compiled'], 2):>12}{share('asynchronous'):>8.0%}{share('overlapped'):>12.0%}{mark}")
+                     f"{fmt(row['compiled'], 2):>12}{share('asynchronous'):>8.0%}{share('overlapped'):>12.0%}"
+                     + (f"{hidden[key]:>9.0%}" if (key := (row['kind'], row['axes'])) in hidden
+                        else f"{'-':>9}" if along else "") + mark)
         if len(by_dtype) > 1:  # what each dtype of a combined collective moved
             lines.append(f"  {'':<33}compiled: " + ", ".join(
                 f"{fmt(n, 2)} {d}" for d, n in sorted(by_dtype.items(), key=lambda kv: -kv[1])))
@@ -283,10 +279,10 @@ def report(program: GpuProgram, est: dict, devices: str, scheduled_step_s: float
     if looped := program.overlap(looped=True):
         lines.append("  in loops (the scan over layers, a pipeline's ticks), overlapped: "
                      + ", ".join(f"{kind} {share:.0%}" for kind, share in sorted(looped.items())) + " of the bytes")
-    if scheduled_step_s is not None:
-        lines.append(f"step time: {scheduled_step_s * 1e3:.1f} ms with each collective exposed but for the share the "
-                     f"compiled schedule overlaps (`planner.timing.scheduled_step_seconds`; the plan's, by overlap "
-                     f"ratios: {est['predicted_step_s'] * 1e3:.1f} ms)")
+    if along:
+        lines.append(f"step along the compiled schedule: {along.seconds * 1e3:.1f} ms, {along.compute * 1e3:.1f} of them "
+                     f"kernels and loop trips, {(along.seconds - along.compute) * 1e3:.1f} waiting on collectives "
+                     f"(`planner.schedule`); the plan's: {est['predicted_step_s'] * 1e3:.1f} ms")
     kernel = {"cudnn": "cuDNN's fused flash attention (__cudnn$fmha)", "xla": "XLA's own fusions (scores kept)",
               "pallas": "jshard's flash kernel (Pallas, Triton: jshard_flash_*)"}
     lines.append(f"attention: {kernel[program.attention]}; planned: {est['attention']}")

@@ -30,11 +30,11 @@ KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
 _OP = re.compile(r"=\s*(?P<result>\(.*?\)|\S+)\s+(?P<kind>" + "|".join(KINDS) + r")(?P<start>-start)?\(")
-_SHAPE = re.compile(r"\b(?P<dtype>pred|f8\w*|[suf]\d+|bf16|c64|c128)\[(?P<dims>[\d,]*)\]")
+SHAPE = re.compile(r"\b(?P<dtype>pred|f8\w*|[suf]\d+|bf16|c64|c128)\[(?P<dims>[\d,]*)\]")
 _ITEMSIZE = {"pred": 1, "bf16": 2, "c64": 8, "c128": 16}  # and f8e4m3fn, f8e5m2, ...: 1
 # What XLA:CPU widens a collective's buffer to (it has no bf16 or FP8 collectives).
 _WIDENED = {"bf16": "f32", "f8e4m3fn": "f16", "f8e5m2": "f16"}
-_WHILE = re.compile(r"\swhile\(.*body=%(?P<body>[\w.\-]+)")
+WHILE = re.compile(r"\swhile\(.*body=%(?P<body>[\w.\-]+)")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"')
 _INDUCTION = re.compile(r'"known_induction_variable":\{"tuple_index":"(?P<i>\d+)"')
 _LOOP_PARTS = re.compile(r"\swhile\(%(?P<init>[\w.\-]+)\).*condition=%(?P<condition>[\w.\-]+)")
@@ -94,7 +94,7 @@ class Collective:
         return sum(self.buffers) if self.group > 1 or self.kind == "collective-permute" else 0
 
 
-def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+def computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
     """{computation name: its instruction lines}, and the entry computation's name."""
     blocks, current, entry = {}, None, ""
     for line in hlo_text.splitlines():
@@ -108,7 +108,7 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
     return blocks, entry
 
 
-def _trips(line: str, blocks: dict[str, list[str]], holder: str) -> int:
+def loop_trips(line: str, blocks: dict[str, list[str]], holder: str) -> int:
     """How many times the loop on HLO `line` (in computation `holder`) runs its body: XLA's
     known_trip_count; else, where XLA:GPU peeled the first trip off a loop and left no count (a
     gradient accumulation's), `i < K` read from its condition from i's start in its init tuple
@@ -141,8 +141,8 @@ def _executions(blocks: dict[str, list[str]], entry: str) -> dict[str, int]:
     while pending:
         name = pending.pop(0)
         for line in blocks[name]:
-            loop = _WHILE.search(line)
-            trips = _trips(line, blocks, name) if loop else 1
+            loop = WHILE.search(line)
+            trips = loop_trips(line, blocks, name) if loop else 1
             called = [m["name"] for m in _CALLED.finditer(line)]
             if branches := _BRANCHES.search(line):
                 called += [n.strip().lstrip("%") for n in branches["names"].split(",")]
@@ -172,7 +172,7 @@ def program_dtypes(program_text: str) -> dict[tuple, set[str]]:
             kind = m["kind"].replace("_", "-")
             parts = int(n["n"]) if kind == "all-to-all" and (n := _SPLIT_COUNT.search(line)) else 1
             if dense := _PROGRAM_GROUPS.search(line):  # JAX <= 0.10: device ids
-                groups = frozenset(frozenset(_dims(g)) for g in re.findall(r"\[([\d, ]+)\]", dense[1]))
+                groups = frozenset(frozenset(dims_of(g)) for g in re.findall(r"\[([\d, ]+)\]", dense[1]))
             elif named := _PROGRAM_MESH_AXES.search(line):  # JAX >= 0.11: mesh axes, by name
                 groups = frozenset(re.findall(r'name = "([^"]+)"', named["axes"]))
             else:
@@ -200,7 +200,7 @@ def _top_level(result: str) -> list[str]:
         if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
             parts.append(result[start:i].strip())
             start = i + 1
-    return [p for p in parts if _SHAPE.search(p)]
+    return [p for p in parts if SHAPE.search(p)]
 
 
 def _k_shapes(kind: str, result: str, start: bool, group: int) -> list[tuple[str, int]]:
@@ -211,7 +211,7 @@ def _k_shapes(kind: str, result: str, start: bool, group: int) -> list[tuple[str
     permutes, ((operands), (results))); a synchronous reduce-scatter returns its scattered part
     (K: group times it)."""
     def shapes(text: str) -> list[tuple[str, int]]:
-        return [(m["dtype"], math.prod(_dims(m["dims"]))) for m in _SHAPE.finditer(text)]
+        return [(m["dtype"], math.prod(dims_of(m["dims"]))) for m in SHAPE.finditer(text)]
 
     parts = _top_level(result)
     if start and kind == "collective-permute":
@@ -222,7 +222,7 @@ def _k_shapes(kind: str, result: str, start: bool, group: int) -> list[tuple[str
     return [(dtype, n * scale) for dtype, n in shapes(result)]
 
 
-def _itemsize(dtype: str) -> int:
+def itemsize(dtype: str) -> int:
     return _ITEMSIZE.get(dtype) or (1 if dtype.startswith("f8") else int(dtype[1:]) // 8)
 
 
@@ -230,7 +230,7 @@ def collectives(hlo_text: str, program: str | None = None) -> list[Collective]:
     """Every collective of a compiled HLO module, with how often it runs; with the lowered
     `program` (StableHLO text), its buffers in the program's dtypes (see the module docstring)."""
     asked = program_dtypes(program) if program else {}
-    blocks, entry = _computations(hlo_text)
+    blocks, entry = computations(hlo_text)
     runs = _executions(blocks, entry)
     devices = int(m["n"]) if (m := _PARTITIONS.search(hlo_text)) else 1
     found = []
@@ -248,7 +248,7 @@ def collectives(hlo_text: str, program: str | None = None) -> list[Collective]:
                 asked_dtypes = asked.get((m["kind"], elements, groups)) or asked.get((m["kind"], elements), set())
                 if len(asked_dtypes) > 1:
                     asked_dtypes = {d for d in asked_dtypes if _WIDENED.get(d, d) == dtype}
-                buffers.append(elements * _itemsize(next(iter(asked_dtypes)) if len(asked_dtypes) == 1 else dtype))
+                buffers.append(elements * itemsize(next(iter(asked_dtypes)) if len(asked_dtypes) == 1 else dtype))
                 dtypes.append(dtype)
             found.append(Collective(m["kind"], tuple(buffers), runs.get(name, 0), group, line.strip(),
                                     tuple(dtypes), _NAME.match(line)["name"], bool(m["start"])))
@@ -266,11 +266,11 @@ def bytes_by_kind(hlo_text: str, program: str | None = None) -> dict[str, int]:
 # -- matmul FLOPs ---------------------------------------------------------------------------
 
 _DEFINE = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<dtype>pred|[suf]\d+|bf16)\[(?P<dims>[\d,]*)\]")
-_DOT = re.compile(r"\bdot\(%(?P<lhs>[\w.\-]+),.*lhs_contracting_dims=\{(?P<contracted>[\d,]*)\}")
+DOT = re.compile(r"\bdot\(%(?P<lhs>[\w.\-]+),.*lhs_contracting_dims=\{(?P<contracted>[\d,]*)\}")
 _CONDITIONAL = re.compile(r"\sconditional\(")
 
 
-def _dims(text: str) -> list[int]:
+def dims_of(text: str) -> list[int]:
     return [int(d) for d in text.split(",") if d]
 
 
@@ -279,10 +279,10 @@ def _own_flops(lines: list[str]) -> int:
     shapes, flops = {}, 0
     for line in lines:
         if m := _DEFINE.match(line):
-            shapes[m["name"]] = _dims(m["dims"])
-            if dot := _DOT.search(line):
+            shapes[m["name"]] = dims_of(m["dims"])
+            if dot := DOT.search(line):
                 lhs = shapes.get(dot["lhs"], [])
-                flops += 2 * math.prod(shapes[m["name"]]) * math.prod(lhs[d] for d in _dims(dot["contracted"]) if d < len(lhs))
+                flops += 2 * math.prod(shapes[m["name"]]) * math.prod(lhs[d] for d in dims_of(dot["contracted"]) if d < len(lhs))
     return flops
 
 
@@ -292,7 +292,7 @@ def matmul_flops(hlo_text: str, branch_weights=None) -> float:
     `branch_weights(line, branches)` (given the conditional's HLO line and its number of
     branches) returns how often each branch runs per run of the computation holding it (a
     pipeline's tick table, say), or None to keep the costliest."""
-    blocks, entry = _computations(hlo_text)
+    blocks, entry = computations(hlo_text)
     own = {name: _own_flops(lines) for name, lines in blocks.items()}
     memo: dict[str, float] = {}
 
@@ -301,8 +301,8 @@ def matmul_flops(hlo_text: str, branch_weights=None) -> float:
             return memo[name]
         flops = float(own[name])
         for line in blocks[name]:
-            loop = _WHILE.search(line)
-            trips = _trips(line, blocks, name) if loop else 1
+            loop = WHILE.search(line)
+            trips = loop_trips(line, blocks, name) if loop else 1
             if (branches := _BRANCHES.search(line)) and _CONDITIONAL.search(line):
                 names = [n.strip().lstrip("%") for n in branches["names"].split(",")]
                 costs = [total(n) for n in names if n in blocks]
@@ -320,12 +320,13 @@ def matmul_flops(hlo_text: str, branch_weights=None) -> float:
 
 # -- what a collective waits for ----------------------------------------------------------
 
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?:\(.*?\)|\S+)\s+(?P<op>[\w\-]+)\((?P<args>[^)]*)\)")
+# One instruction: its name, result type (a tuple's in parentheses), opcode and operands.
+INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<type>\(.*?\)|\S+)\s+(?P<op>[\w\-]+)\((?P<args>[^)]*)\)")
 
 
 # -- the kernels a program launches --------------------------------------------------------
 
-_TARGET = re.compile(r'custom_call_target="(?P<target>[^"]+)"')
+CUSTOM_CALL_TARGET = re.compile(r'custom_call_target="(?P<target>[^"]+)"')
 
 
 _KERNEL_TARGETS = (("cublas", "__cublas"), ("cudnn", "__cudnn"), ("triton", "__gpu$xla.gpu.triton"))
@@ -338,19 +339,19 @@ def kernel_counts(hlo_text: str) -> dict[str, int]:
     own against a deviceless one)."""
     counts = dict(fusion=0, cublas=0, cublas_fp8=0, cudnn=0, triton=0, other=0)
     for line in hlo_text.splitlines():
-        if not (m := _INSTRUCTION.match(line)) or m["op"] not in ("fusion", "custom-call"):
+        if not (m := INSTRUCTION.match(line)) or m["op"] not in ("fusion", "custom-call"):
             continue
         if m["op"] == "fusion":
             counts["fusion"] += 1
             continue
-        target = t["target"] if (t := _TARGET.search(line)) else ""
+        target = t["target"] if (t := CUSTOM_CALL_TARGET.search(line)) else ""
         kind = next((k for k, prefix in _KERNEL_TARGETS if target.startswith(prefix)), "other")
         counts[kind] += 1
         counts["cublas_fp8"] += target.startswith("__cublas") and target.endswith("$f8")
     return counts
 
 
-def _callees(line: str) -> list[str]:
+def callees(line: str) -> list[str]:
     names = [m["name"] for m in _CALLED.finditer(line)]
     if branches := _BRANCHES.search(line):
         names += [n.strip().lstrip("%") for n in branches["names"].split(",")]
@@ -362,24 +363,24 @@ def permutes_waiting_for_matmuls(hlo_text: str) -> list[bool]:
     call holding it) and no matmul, in a computation that runs matmuls (a loop body): whether
     it waits for one of them, through its operands. One that does not can run beside that
     compute (on a GPU, asynchronously)."""
-    blocks, _ = _computations(hlo_text)
+    blocks, _ = computations(hlo_text)
     memo: dict[tuple[str, str], bool] = {}
 
     def runs(name: str, op: str) -> bool:  # whether computation `name` runs an `op`, directly or not
         if (name, op) not in memo:
             memo[name, op] = False
-            memo[name, op] = any(f" {op}(" in line or any(runs(c, op) for c in _callees(line) if c in blocks)
+            memo[name, op] = any(f" {op}(" in line or any(runs(c, op) for c in callees(line) if c in blocks)
                                  for line in blocks[name])
         return memo[name, op]
 
     def line_runs(line: str, op: str) -> bool:
-        return f" {op}(" in line or any(runs(c, op) for c in _callees(line) if c in blocks)
+        return f" {op}(" in line or any(runs(c, op) for c in callees(line) if c in blocks)
 
     found = []
     for computation, lines in blocks.items():
         if not runs(computation, "dot"):  # only where compute and sends meet (a loop body, say)
             continue
-        parsed = {m["name"]: (m, line) for line in lines if (m := _INSTRUCTION.match(line))}
+        parsed = {m["name"]: (m, line) for line in lines if (m := INSTRUCTION.match(line))}
         for name, (m, line) in parsed.items():
             if not line_runs(line, "collective-permute") or line_runs(line, "dot"):
                 continue
@@ -445,15 +446,15 @@ def _groups(line: str, devices: int) -> frozenset | None:
     """A collective's replica groups as a set of frozensets of positions (list or iota form);
     a collective-permute's source-target pairs are no groups: None."""
     if m := _IOTA.search(line):
-        dims = _dims(m["dims"])
+        dims = dims_of(m["dims"])
         ids = np.arange(math.prod(dims)).reshape(dims)
         if m["perm"]:
-            ids = ids.transpose(_dims(m["perm"]))
-        return frozenset(frozenset(g.tolist()) for g in ids.reshape(_dims(m["shape"])))
+            ids = ids.transpose(dims_of(m["perm"]))
+        return frozenset(frozenset(g.tolist()) for g in ids.reshape(dims_of(m["shape"])))
     if m := _GROUPS_LIST.search(line):
         if not m["groups"]:
             return frozenset({frozenset(range(devices))})
-        return frozenset(frozenset(_dims(g)) for g in re.findall(r"\{([\d,]*)\}", m["groups"]))
+        return frozenset(frozenset(dims_of(g)) for g in re.findall(r"\{([\d,]*)\}", m["groups"]))
     return None
 
 
@@ -468,7 +469,7 @@ def overlapped(hlo_text: str) -> dict[str, bool]:
     instruction order is the schedule): whether a matmul (a dot, a fusion or call that runs one,
     a cuBLAS, cuDNN or Triton call) is scheduled between its start and its done, so that the transfer
     can hide behind it."""
-    blocks, _ = _computations(hlo_text)
+    blocks, _ = computations(hlo_text)
     memo: dict[str, bool] = {}
 
     def runs_matmul(name: str) -> bool:
@@ -479,7 +480,7 @@ def overlapped(hlo_text: str) -> dict[str, bool]:
 
     def is_matmul(line: str) -> bool:
         return (" dot(" in line or bool(_LIBRARY_MATMUL.search(line))
-                or any(runs_matmul(c) for c in _callees(line) if c in blocks))
+                or any(runs_matmul(c) for c in callees(line) if c in blocks))
 
     found = {}
     for lines in blocks.values():

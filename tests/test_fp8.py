@@ -193,17 +193,17 @@ def test_fp8_is_refused_where_it_cannot_run():
 
 @pytest.mark.slow
 def test_fp8_trains_the_default_run_like_bf16(tmp_path):
-    """100 steps of `jshard train` (GPT small, dp+zero3+tp on 8 devices), as a user runs it (its
+    """50 steps of `jshard train` (GPT small, dp+zero3+tp on 8 devices), as a user runs it (its
     own process, without the suite's XLA flags: XLA's optimizations on, which run it 2.6x faster here): the mean loss of
-    the last 10 steps under fp8 within 6% of bf16 compute's (measured: 5.1% above; over the
-    whole 400-step run 0.6% apart, docs/training.md)."""
+    the last 10 steps under fp8 within 3% of bf16 compute's (measured 2026-11-29: 0.21% below; at
+    100 steps 0.15% below, docs/training.md)."""
     env = users_environment()
     means = {}
     for name in ("bf16", "fp8"):
         out = tmp_path / f"{name}.jsonl"
-        run = subprocess.run([sys.executable, "-m", "jshard.cli", "train", "--steps", "100", "--precision", name,
+        run = subprocess.run([sys.executable, "-m", "jshard.cli", "train", "--steps", "50", "--precision", name,
                               "--metrics", str(out)], capture_output=True, text=True, env=env, timeout=600)
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
         losses = [r["loss"] for r in map(json.loads, out.read_text().splitlines()) if "loss" in r]
         means[name] = float(np.mean(losses[-10:]))
-    assert np.isfinite(means["fp8"]) and abs(means["fp8"] / means["bf16"] - 1) <= 0.06, means
+    assert np.isfinite(means["fp8"]) and abs(means["fp8"] / means["bf16"] - 1) <= 0.03, means

@@ -95,24 +95,35 @@ def test_zero3_hides_each_layers_gather_and_scatter_under_full_remat():
     barrier in the scan; 90% of the loops' gathers with it), the scatters with Triton GEMMs off
     (`Plan.xla_options`; 54% with them on) and the loop double-buffered with MaxText's combine
     thresholds (`mesh.SCATTER_OVERLAP_OPTIONS`). Of the step's scatters at least 90% (93%): the
-    head's gradient (7% of the bytes) runs after the backward loop (docs/gpu-compile.md)."""
+    head's gradient (7% of the bytes) runs after the backward loop (docs/gpu-compile.md), beside
+    the optimizer's updates: timed along the schedule (`planner.schedule`), those hide it, and
+    every gather and scatter of the step is at least 99% hidden (100% each measured)."""
     result = compile_8b("--strategy fsdp --mesh fsdp=8 --remat full")
     in_loops = result["compiled"]["overlap_in_loops"]
     assert in_loops["reduce-scatter"] >= 0.95 and in_loops["all-gather"] >= 0.95, in_loops
     overlap = result["compiled"]["overlap"]
     assert overlap["all-gather"] >= 0.95 and overlap["reduce-scatter"] >= 0.9, overlap
+    hidden = result["compiled"]["timeline"]["hidden"]
+    assert hidden["all-gather"] >= 0.99 and hidden["reduce-scatter"] >= 0.99, hidden
 
 
 def test_hsdp_under_tensor_parallelism_sums_gradients_over_data_beside_matmuls_at_8b():
     """`dp+fsdp+tp` (2, 2, 2), full remat: each layer's gradient is summed over `data` inside the
     backward loop (`Plan.summed_in_backward`), where at least 80% of those bytes have a matmul
     between start and done (84% measured; 0% when the step summed them after the backward);
-    bytes the plan's, memory within 10%."""
+    bytes the plan's, memory within 10%; the step waits on collectives for under 5% of its time
+    along its schedule (1.8% measured)."""
     result = compile_8b("--strategy dp+fsdp+tp --mesh data=2,fsdp=2,tensor=2 --remat full")
     assert result["compared"]["bytes_exact"] and abs(result["compared"]["memory_rel_err"]) <= MEMORY_TOLERANCE
     over_data = [c for c in result["compiled"]["collectives"] if c["kind"] == "all-reduce" and c["axes"] == "data"]
     hidden = sum(c["bytes"] * c["count"] for c in over_data if c["overlapped"])
     assert hidden >= 0.8 * sum(c["bytes"] * c["count"] for c in over_data), over_data
+    # Timed along the schedule, ZeRO-3's gathers and scatters are hidden (97% and 99% measured)
+    # where the matmul rule counts 33% and 58% (norms', rotary's and the optimizer's kernels beside
+    # them); what the step waits for is TP's all-reduces, on their layer's output (10.2 ms, 59%).
+    timeline = result["compiled"]["timeline"]
+    assert timeline["hidden"]["all-gather"] >= 0.95 and timeline["hidden"]["reduce-scatter"] >= 0.95, timeline["hidden"]
+    assert timeline["waiting_s"] <= 0.05 * timeline["step_s"], timeline
 
 
 def test_collective_matmuls_run_their_permutes_beside_matmuls_at_8b():
@@ -129,7 +140,7 @@ def test_collective_matmuls_run_their_permutes_beside_matmuls_at_8b():
 
 def test_accumulating_4_micro_batches_at_8b_is_planned():
     """Gradient accumulation in the H100 program: XLA:GPU peels the first micro-batch off the
-    loop and leaves it no trip count (`hlo._trips` reads it from the loop's condition); every
+    loop and leaves it no trip count (`hlo.loop_trips` reads it from the loop's condition); every
     collective's bytes are the planner's (4 passes of gathers and scatters), and memory, with the
     fp32 sum of the gradients' shards (`accumulated`), within 10%."""
     result = compile_8b("--strategy fsdp --mesh fsdp=8 --remat full --grad-accum 4 --batch-size 32")

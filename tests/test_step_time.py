@@ -19,7 +19,6 @@ from jshard.layout import Layout, LayoutError
 from jshard.planner import physics, search
 from jshard.planner.estimate import PlanInput, estimate
 from jshard.planner.hardware import ELEMENTWISE_LAYER_BYTES, ELEMENTWISE_LOGIT_BYTES, HARDWARE, STREAM_SHARE
-from jshard.planner.timing import scheduled_step_seconds
 from jshard.precision import precision
 
 RESULTS = pathlib.Path(__file__).parent.parent / "docs" / "results"
@@ -213,19 +212,6 @@ def test_bench_search_measures_the_layouts_it_ranks(tmp_path, capsys):
     # a layout's time is the median of its rounds', each round timing every layout in turn
     assert all(len(r["rounds_s"]) == 3 and r["measured_s"] == sorted(r["rounds_s"])[1] for r in result["rows"])
     assert -1 <= result["spearman"] <= 1 and "Spearman rank correlation" in capsys.readouterr().out
-
-
-@pytest.mark.fast
-def test_a_compiled_schedules_overlap_exposes_the_rest_of_each_collective():
-    est = estimate(PlanInput(model_config("small", {}),
-                             Layout.of("fsdp+tp", {"fsdp": 4, "tensor": 2}, micro_batch_size=2,
-                                       precision=precision("bf16")), H100))
-    rows = {(r["kind"], r["axes"]): r["seconds"] for r in est["collectives"]}
-    hidden = {key: 0.5 for key in rows}
-    compute = est["compute_s"]  # no pipeline: no bubble
-    assert scheduled_step_seconds(est, {}) == pytest.approx(compute + sum(rows.values()))
-    assert scheduled_step_seconds(est, hidden) == pytest.approx(compute + sum(rows.values()) / 2)
-    assert scheduled_step_seconds(est, {key: 1.0 for key in rows}) == pytest.approx(compute)
 
 
 @pytest.mark.fast

@@ -17,7 +17,7 @@ from jshard.models import decoder, gpt_loss
 from jshard.planner.estimate import estimate
 from jshard.planner.hardware import HARDWARE
 from jshard.planner.report_text import report
-from jshard.planner.timing import scheduled_step_seconds
+from jshard.planner.schedule import timeline
 from jshard.app.train_config import AUTO
 
 
@@ -61,14 +61,14 @@ def run(args) -> int:
     rows = est["tokens_per_step"] // config.seq_len  # (the plan's: every accumulated micro-batch's rows)
     program = aot.compile_step(model, optax.adamw(1e-4), gpt_loss, planned.layout, target, (rows, config.seq_len + 1))
     devices = f"{target.hosts} × {target.per_host} × {HARDWARE[target.hardware].name.upper()}"
-    scheduled = scheduled_step_seconds(est, program.overlapped_share())
-    print(aot.report(program, est, devices, scheduled))
+    along = timeline(program.hlo, program.mesh, HARDWARE[target.hardware])
+    print(aot.report(program, est, devices, along))
     print(f"XLA_FLAGS in effect: {xla_flags_line()}; this program's own options: {xla_options_line(program.xla_options)}")
     if args.hlo:
         with open(args.hlo, "w") as f:
             f.write(program.hlo)
         print(f"wrote {args.hlo}")
-    write_json(args.json, dict(plan=est, compiled=program.as_json(),
-                               compared=aot.compared(program, est) | dict(scheduled_step_s=scheduled)))
+    write_json(args.json, dict(plan=est, compiled=program.as_json() | dict(timeline=along.as_json()),
+                               compared=aot.compared(program, est)))
     return 0
 

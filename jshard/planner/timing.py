@@ -82,16 +82,6 @@ def compute_terms(config: DecoderConfig, step: Plan, hw: Hardware, rows: int, se
     return terms
 
 
-def scheduled_step_seconds(est: dict, overlapped: dict[tuple[str, str], float]) -> float:
-    """The estimate's step with its communication exposed as a compiled program schedules it:
-    each collective's time but the share of its bytes a matmul runs beside (`overlapped`:
-    {(kind, axes): share}, `aot.GpuProgram.overlapped_share`) added to the compute (stretched
-    by the bubble, the optimizer after it), in place of the overlap ratios' guess."""
-    terms = est["compute_terms"]
-    compute = (est["compute_s"] - terms["optimizer"]) / (1 - est["bubble_fraction"]) + terms["optimizer"]
-    return compute + sum(r["seconds"] * (1 - overlapped.get((r["kind"], r["axes"]), 0.0)) for r in est["collectives"])
-
-
 def host_work(step: Plan, collectives: list[dict], ticks: int) -> dict:
     """What fake CPU devices' program costs their host beyond its FLOPs: a pipeline's ticks, and
     ZeRO-3's gathers and scatters (XLA:CPU's, one a param: `calls`), each counted once per other
