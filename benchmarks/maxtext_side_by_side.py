@@ -15,9 +15,11 @@ Each row is its own process (XLA reads XLA_FLAGS once, when its backends start):
 MaxText's `train_compile.main` runs unchanged but for one function: its mesh is made over the
 compile-only H100s of `jax.experimental.topologies` (`jshard/targets/h100_sxm.txtpb`, what
 `jshard compile` uses), where its own A3 path asks JAX for local GPUs. Printed per row: memory
-per device (total, temporaries) and each collective kind's bytes per device and the share of
-them XLA scheduled beside a matmul. Not part of the test suite or CI (minutes of compiling,
-another virtualenv); its last output is in docs/gpu-compile.md, its JSON in docs/results/.
+per device (total, temporaries), each collective kind's bytes per device, the share of them XLA
+scheduled beside a matmul and the share of its time hidden along the schedule, and the step
+timed along the schedule (`jshard.planner.schedule`). Not part of the test suite or CI (minutes
+of compiling, another virtualenv); its last output is in docs/gpu-compile.md, its JSON in
+docs/results/.
 """
 
 from __future__ import annotations
@@ -100,8 +102,12 @@ def compile_maxtext(out: str) -> dict:
             raise SystemExit(f"MaxText's train_compile failed before compiling: {type(e).__name__}: {e}") from None
     from jshard import aot  # (after MaxText's step: jshard sets Flax's eager sharding off on import)
 
+    from jshard.planner.hardware import HARDWARE
+    from jshard.planner.schedule import timeline
+
     mesh = {name: size for name, size in caught["mesh"].shape.items() if size > 1}
-    return summary(aot.program_of(caught["compiled"], mesh, aot.target(TARGET), caught["seconds"]).as_json())
+    program = aot.program_of(caught["compiled"], mesh, aot.target(TARGET), caught["seconds"])
+    return summary(program.as_json() | dict(timeline=timeline(program.hlo, mesh, HARDWARE["h100"]).as_json()))
 
 
 def compile_jshard(out: str) -> dict:
@@ -115,17 +121,21 @@ def compile_jshard(out: str) -> dict:
 
 
 def summary(program: dict) -> dict:
-    """Of a compiled program (`GpuProgram.as_json()`): memory per device, and per collective kind
-    its bytes per device and the share of them scheduled beside a matmul."""
+    """Of a compiled program (`GpuProgram.as_json()` with its `timeline`): memory per device, per
+    collective kind its bytes per device, the share of them scheduled beside a matmul and the
+    share of its time hidden along the schedule (`planner.schedule`), and the step along it."""
     moved = {}
     for c in program["collectives"]:
         totals = moved.setdefault(c["kind"], [0, 0])
         totals[0] += c["bytes"]
         totals[1] += c["bytes"] * c["overlapped"]
     memory = program["memory"]
+    timed = program["timeline"]
     return dict(total_gib=memory["total"] / GiB, temporaries_gib=memory["temporaries"] / GiB,
                 attention=program["attention"], compile_s=program["compile_seconds"],
-                collectives={kind: dict(gib=b / GiB, overlapped=hidden / b if b else 0.0)
+                step_along_schedule_s=timed["step_s"], waiting_s=timed["waiting_s"],
+                collectives={kind: dict(gib=b / GiB, overlapped=hidden / b if b else 0.0,
+                                        hidden=timed["hidden"].get(kind))
                              for kind, (b, hidden) in moved.items()})
 
 
@@ -143,13 +153,14 @@ def one(system: str, flags: str, out: str) -> dict:
 
 def table(rows: list[dict]) -> str:
     kinds = [k for k in KINDS if any(k in r["collectives"] for r in rows)]
-    head = "| step, flags | total GiB | temporaries | " + " | ".join(f"{k} GiB (overlapped)" for k in kinds) + " |"
-    lines = [head, "|" + "---|" * (3 + len(kinds))]
+    head = ("| step, flags | total GiB | temporaries | " + " | ".join(f"{k} GiB (overlapped / hidden)" for k in kinds)
+            + " | step along the schedule (waiting) |")
+    lines = [head, "|" + "---|" * (4 + len(kinds))]
     for r in rows:
-        cells = [f"{r['collectives'][k]['gib']:.2f} ({r['collectives'][k]['overlapped']:.0%})"
-                 if k in r["collectives"] else "-" for k in kinds]
+        cells = [f"{c['gib']:.2f} ({c['overlapped']:.0%} / {'-' if c['hidden'] is None else format(c['hidden'], '.0%')})"
+                 if (c := r["collectives"].get(k)) else "-" for k in kinds]
         lines.append(f"| {r['system']}, {FLAGS_NAMED[r['flags']]} | {r['total_gib']:.2f} | {r['temporaries_gib']:.2f} | "
-                     + " | ".join(cells) + " |")
+                     + " | ".join(cells) + f" | {r['step_along_schedule_s'] * 1e3:.1f} ms ({r['waiting_s'] * 1e3:.1f}) |")
     return "\n".join(lines)
 
 

@@ -177,3 +177,15 @@ def test_a_conditional_runs_its_longest_branch_and_a_wrapped_collective_runs_as_
     assert "short_ag" not in t.collectives  # the shorter branch left no trace
     assert t.collectives["start"].exposed * 1e3 == pytest.approx(GATHER_MS)
     assert t.seconds * 1e3 == pytest.approx(GEMM_MS + GATHER_MS)
+
+
+@pytest.mark.parametrize("kernel", ["forward", "dq", "dkv"])
+def test_flash_kernels_are_timed_by_their_flops(kernel):
+    """jshard's flash kernels (Triton calls): 4·b·h·s·s'·d FLOPs each, queries first, then keys,
+    at the attention rate (`physics.ATTENTION_EFFICIENCY`)."""
+    entry = ["  %q = bf16[1,128,4,32]{3,2,1,0} parameter(3)", "  %k = bf16[1,256,4,32]{3,2,1,0} parameter(4)",
+             f'  %flash = f32[1,128,4,32]{{3,2,1,0}} custom-call(%q, %k, %k), custom_call_target="__gpu$xla.gpu.triton", '
+             f'metadata={{op_name="jit(step)/jshard_flash_{kernel}/pallas_call"}}',
+             "  ROOT %r = bf16[1000,1000]{1,0} bitcast(%p0)"]
+    flops = 4 * 1 * 4 * 128 * 256 * 32
+    assert timed(module(entry)).seconds == pytest.approx(flops / (1e12 * physics.ATTENTION_EFFICIENCY))

@@ -5,6 +5,7 @@ measured, its GEMM sweep as kept for the planner, gradient accumulation's bytes,
 import json
 import math
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -296,3 +297,6 @@ def test_search_compiles_its_first_layouts_for_the_gpus(capsys):
                  "--top", "2"]) == 0
     out = capsys.readouterr().out.split("compiled for h100x8 by XLA:GPU here (no GPU):\n")[1].splitlines()
     assert len(out) == 2 and all("GiB compiled (plan" in line and "fits" in line for line in out)
+    for line in out:  # each program's step along its own schedule, and the part of it spent waiting
+        step, waiting = map(float, re.search(r"step along its schedule (\S+) ms .* (\S+) of them waiting", line).groups())
+        assert 0 <= waiting < step, line

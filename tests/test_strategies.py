@@ -76,7 +76,7 @@ CASES = [(model, preset, sizes) for model in MODELS if model != "moe" for preset
          and (model, preset) not in LEFT_OUT] + [("moe", preset, sizes) for preset, sizes in EXPERT_PLANS]
 
 
-# The fast tier's cases: one per strategy family.
+# The fast tier's cases: one per strategy family (also the newest JAX's, on CI's second pass).
 FAST = {("gpt", "dp", "data=8"), ("gpt", "zero1", "fsdp=8"), ("gpt", "zero2", "fsdp=8"), ("gpt", "zero3", "fsdp=8"),
         ("gpt", "dp+tp+sp", "data=2,tensor=4"), ("gpt", "dp+cp", "data=2,context=4"), ("moe", "dp+ep", "data=2,expert=4")}
 # Context parallelism's cases whose compiled collectives are also counted (test_context.py's check:
@@ -88,7 +88,8 @@ BYTES_COUNTED = {("gpt", "cp", "context=8"), ("llama", "dp+cp+tp", "data=2,conte
 
 
 def case(model, preset, sizes):
-    return pytest.param(model, preset, sizes, marks=[pytest.mark.fast] * ((model, preset, format_mesh(sizes)) in FAST),
+    marks = [pytest.mark.fast, pytest.mark.newest] if (model, preset, format_mesh(sizes)) in FAST else []
+    return pytest.param(model, preset, sizes, marks=marks,
                         id=f"{preset}-{model}" + ("" if (preset, sizes) in EXPERT_STRATEGIES or model != "moe"
                                                   else "-" + format_mesh(sizes)))
 

@@ -84,11 +84,13 @@ def plan_input(args, hw: Hardware | None = None, devices: int | None = None) -> 
 
 def confirm(candidates, target) -> None:
     """Each layout compiled for `target`'s GPUs (`aot.compile_step`): its memory and collective
-    bytes beside the plan's, a line each."""
+    bytes beside the plan's, and its step timed along its own schedule (`planner.schedule`), a
+    line each."""
     import optax
     from flax import nnx
 
     from jshard.models import decoder, gpt_loss
+    from jshard.planner.schedule import timeline
 
     print(f"compiled for {target.name} by XLA:GPU here (no GPU):")
     for i, c in enumerate(candidates, 1):
@@ -96,10 +98,12 @@ def confirm(candidates, target) -> None:
         rows = est["tokens_per_step"] // p.config.seq_len
         program = aot.compile_step(nnx.eval_shape(lambda: decoder(p.model, nnx.Rngs(0))), optax.adamw(1e-4), gpt_loss,
                                    p.layout, target, (rows, p.config.seq_len + 1))
-        vs = aot.compared(program, est)
+        vs, along = aot.compared(program, est), timeline(program.hlo, program.mesh, HARDWARE[target.hardware])
         print(f"{i:>3}  {c.label:<72} {program.memory['total'] / GiB:>6.1f} GiB compiled (plan {vs['memory_rel_err']:+.1%}), "
               f"{'fits' if program.fits else 'DOES NOT FIT'}; collective bytes "
-              f"{'equal to the plan' if vs['bytes_exact'] else 'NOT equal to the plan'}")
+              f"{'equal to the plan' if vs['bytes_exact'] else 'NOT equal to the plan'}; step along its schedule "
+              f"{along.seconds * 1e3:.2f} ms (plan {est['predicted_step_s'] * 1e3:.2f}), "
+              f"{(along.seconds - along.compute) * 1e3:.2f} of them waiting on collectives")
 
 
 def auto_layout(args, hw: Hardware, devices: int) -> tuple[argparse.Namespace, str]:

@@ -15,9 +15,10 @@ Each kernel is timed by the planner's physics, from its shapes in the HLO:
   device kind has one, else the datasheet at `matmul_efficiency`); a fusion around a dot likewise;
 - cuDNN's fused attention by its FLOPs (4·b·h·s·s'·d forward, twice that backward: the count
   `physics.ATTENTION_EFFICIENCY` was measured at);
+- jshard's flash kernels (Triton) likewise, 4·b·h·s·s'·d FLOPs each of the forward, dq and dkv
+  kernels (what the planner charges them);
 - every other kernel (XLA's fusions, copies) by the bytes it reads and writes at streaming
-  bandwidth: a fused operand only sliced counts its slices, an in-place update its update (a
-  Triton call, jshard's flash kernel, twice its result's bytes: its FLOPs are not read here);
+  bandwidth: a fused operand only sliced counts its slices, an in-place update its update;
 - a collective by its link's latency and bandwidth (`physics.collective_seconds`), its axes read
   off its replica groups;
 - a loop's trip as `physics.loop_seconds` says, each kernel's launch gap `physics.LAUNCH_GAP_S`
@@ -47,6 +48,7 @@ _OPERAND = re.compile(r"%([\w.\-]+)")
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id", "replica-id",
          "opt-barrier", "add-dependency", "iota"}
 _GEMM_CONFIG = re.compile(r'"dot_dimension_numbers":\{(?P<dims>[^}]*)\}')
+_FLASH = re.compile(r"jshard_flash_(?:forward|dq|dkv)\b")  # (`nn.flash`'s kernels, named in their metadata)
 _ATTENTION_SHAPE = re.compile(r'"intermediate_tensor_shape":\s*\{"element_type":\s*"\w+",\s*"dimensions":\s*\[(?P<dims>[^\]]*)\]')
 
 
@@ -156,6 +158,8 @@ class _Program:
                 return self.gemm_seconds(line, operands)
             if target.startswith("__cudnn$fmha"):
                 return self.attention_seconds(line, operands, backward="Backward" in target)
+            if _FLASH.search(line):
+                return self.flash_seconds(operands)
         if op in ("fusion", "fusion-start"):  # (an asynchronous fusion: timed as one, its done free)
             callee = next((c for c in hlo.callees(line) if c in self.blocks), None)
             if op == "fusion-start" and callee:
@@ -209,6 +213,17 @@ class _Program:
         b, h, s, s_kv = dims
         flops = 4 * b * h * s * s_kv * queries[0][1][-1] * (2 if backward else 1)
         return flops / (self.hw.peak_flops * physics.ATTENTION_EFFICIENCY) + self.gap
+
+    def flash_seconds(self, operands: list[str]) -> float:
+        """One of jshard's flash kernels (`nn.flash`, Triton): queries (b, s, h, d) over keys
+        (b, s', h, d), its first two operands in each of the forward and the two backward kernels
+        (dq, dkv); 4·b·h·s·s'·d FLOPs each, the count the planner charges them at cuDNN's rate
+        (their own is unmeasured)."""
+        queries, keys = (_shapes(self.types.get(o, ""))[:1] for o in operands[:2]) if len(operands) > 1 else ([], [])
+        if not queries or not keys or len(queries[0][1]) != 4 or len(keys[0][1]) != 4:
+            return self.gap
+        (_, (b, s, h, d)), (_, (_, s_kv, _, _)) = queries[0], keys[0]
+        return 4 * b * h * s * s_kv * d / (self.hw.peak_flops * physics.ATTENTION_EFFICIENCY) + self.gap
 
     def fusion_bytes(self, callee: str | None, result: str, operands: list[str]) -> int:
         """What a fusion reads and writes: each operand whole, but one it only slices (its slices)
