@@ -262,6 +262,13 @@ def report(program: GpuProgram, est: dict, devices: str, along=None) -> str:
         rows.append((row, ops, by_dtype, ",".join(sorted(by_dtype, key=lambda d: (d.startswith("f8"), d))) or "-"))
     width = max([7] + [len(dtypes) + 1 for *_, dtypes in rows])  # "bf16,f8e4m3fn": bf16 and FP8 weights combined
     hidden = along.hidden() if along else {}
+
+    def hidden_cell(row) -> str:  # "-": a collective the timeline gave no time (a group of one)
+        if not along:
+            return ""
+        key = (row["kind"], row["axes"])
+        return f"{hidden[key]:>9.0%}" if key in hidden else f"{'-':>9}"
+
     lines.append(f"  {'kind':<19}{'axes':<14}{'dtype':<{width}}{'plan':>12}{'compiled':>12}{'async':>8}{'overlapped':>12}"
                  + (f"{'hidden':>9}" if along else ""))
     for row, ops, by_dtype, dtypes in rows:
@@ -270,8 +277,7 @@ def report(program: GpuProgram, est: dict, devices: str, along=None) -> str:
         mark = "" if row["planned"] == row["compiled"] else "  ≠"
         lines.append(f"  {row['kind']:<19}{row['axes']:<14}{dtypes:<{width}}{fmt(row['planned'], 2):>12}"
                      f"{fmt(row['compiled'], 2):>12}{share('asynchronous'):>8.0%}{share('overlapped'):>12.0%}"
-                     + (f"{hidden[key]:>9.0%}" if (key := (row['kind'], row['axes'])) in hidden
-                        else f"{'-':>9}" if along else "") + mark)
+                     + hidden_cell(row) + mark)
         if len(by_dtype) > 1:  # what each dtype of a combined collective moved
             lines.append(f"  {'':<33}compiled: " + ", ".join(
                 f"{fmt(n, 2)} {d}" for d, n in sorted(by_dtype.items(), key=lambda kv: -kv[1])))

@@ -89,29 +89,26 @@ class Timeline:
     compute: float
     collectives: dict[str, Timed]
 
-    def _hidden(self, key) -> dict:
+    def _sums(self, key) -> dict:
+        """{key(c): [seconds exposed, seconds]} over the collectives."""
         totals: dict = {}
         for c in self.collectives.values():
-            if c.seconds:
-                row = totals.setdefault(key(c), [0.0, 0.0])
-                row[0], row[1] = row[0] + c.exposed, row[1] + c.seconds
-        return {k: 1 - exposed / seconds for k, (exposed, seconds) in sorted(totals.items())}
+            row = totals.setdefault(key(c), [0.0, 0.0])
+            row[0], row[1] = row[0] + c.exposed, row[1] + c.seconds
+        return dict(sorted(totals.items()))
 
     def hidden(self) -> dict[tuple[str, str], float]:
         """{(kind, axes): the share of their time that work beside them covers}, as the planner
         keys its traffic (collectives that take no time left out)."""
-        return self._hidden(lambda c: (c.kind, c.axes))
+        return {k: 1 - e / s for k, (e, s) in self._sums(lambda c: (c.kind, c.axes)).items() if s}
 
     def hidden_by_kind(self) -> dict[str, float]:
         """{kind: the share of its time covered}, over its axes."""
-        return self._hidden(lambda c: c.kind)
+        return {k: 1 - e / s for k, (e, s) in self._sums(lambda c: c.kind).items() if s}
 
     def exposed(self) -> dict[tuple[str, str], float]:
         """{(kind, axes): seconds the step waited on them}."""
-        out: dict[tuple[str, str], float] = {}
-        for c in self.collectives.values():
-            out[c.kind, c.axes] = out.get((c.kind, c.axes), 0.0) + c.exposed
-        return out
+        return {k: e for k, (e, _) in self._sums(lambda c: (c.kind, c.axes)).items()}
 
     def as_json(self) -> dict:
         return dict(step_s=self.seconds, compute_s=self.compute, waiting_s=self.seconds - self.compute,
@@ -270,23 +267,15 @@ class _Program:
             if op in _FREE:
                 continue
             if m["name"] in self.links and op.endswith("-start"):
-                seconds, row = self.links[m["name"]]
-                begin = max(clock, links_free)
-                links_free = begin + seconds
-                carried[m["name"]] = (begin, links_free)
-                row.executions, row.seconds = row.executions + 1, row.seconds + seconds
+                links_free = self.start(m["name"], clock, links_free, carried)
                 continue
             if op.endswith("-done"):
                 if operands and operands[0] in carried:
-                    clock = self.wait(carried, clock, carried.pop(operands[0])[1], operands[0])
+                    clock = self.wait(operands[0], clock, carried)
                 continue
             if m["name"] in self.links:  # a synchronous collective: started and waited for at once
-                seconds, row = self.links[m["name"]]
-                begin = max(clock, links_free)
-                links_free = begin + seconds
-                row.executions, row.seconds = row.executions + 1, row.seconds + seconds
-                carried[m["name"]] = (begin, links_free)
-                clock = self.wait(carried, clock, carried.pop(m["name"])[1], m["name"])
+                links_free = self.start(m["name"], clock, links_free, carried)
+                clock = self.wait(m["name"], clock, carried)
                 continue
             if op == "while":
                 body = hlo.WHILE.search(line)["body"]
@@ -314,15 +303,25 @@ class _Program:
         return clock, links_free
 
 
-    def wait(self, carried: dict, clock: float, end: float, done: str) -> float:
-        """The compute clock after a done waits, from `clock`, for its transfer to end at `end`:
-        each transfer on the links meanwhile (this one, and those in flight before it) is charged
-        the part of the wait it ran."""
-        if end <= clock:
-            return clock
-        for name, (begin, until) in [(done, (end - self.links[done][0], end)), *carried.items()]:
-            self.links[name][1].exposed += max(0.0, min(until, end) - max(begin, clock))
-        return end
+    def start(self, name: str, clock: float, links_free: float, carried: dict) -> float:
+        """Collective `name` put on the links at `clock`, after those before it: in flight in
+        `carried` (its begin and end); returns when the links are free again."""
+        seconds, row = self.links[name]
+        begin = max(clock, links_free)
+        carried[name] = (begin, begin + seconds)
+        row.executions, row.seconds = row.executions + 1, row.seconds + seconds
+        return begin + seconds
+
+    def wait(self, name: str, clock: float, carried: dict) -> float:
+        """The compute clock after `name`'s done, from `clock`: if its transfer has not ended, it
+        waits, and each transfer on the links meanwhile (this one, and those in flight before
+        it) is charged the part of the wait it ran."""
+        end = carried[name][1]
+        if end > clock:
+            for other, (begin, until) in carried.items():
+                self.links[other][1].exposed += max(0.0, min(until, end) - max(begin, clock))
+        del carried[name]
+        return max(clock, end)
 
     def _state(self, carried: dict) -> tuple:
         rows = {name: (row.executions, row.seconds, row.exposed) for name, (_, row) in self.links.items()}
