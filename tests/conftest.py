@@ -20,11 +20,11 @@ from compile_flags import CPU_COMPILE_FLAGS
 from seed import describe_seed
 
 # The suite's XLA:CPU flags (compile_flags.py says why), and jshard's GPU flags for the
-# gpu_compile tier's programs (`jshard compile` sets them; XLA:CPU ignores them). Subprocesses
-# inherit them.
+# gpu_compile tier's programs, with no GPU here (`jshard compile` sets them; XLA:CPU ignores
+# them). Subprocesses inherit them.
 ON_DEVICE = os.environ.get("JSHARD_TEST_DEVICE") == "1"
 os.environ["XLA_FLAGS"] = " ".join(os.environ.get("XLA_FLAGS", "").split() + (
-    [] if ON_DEVICE else CPU_COMPILE_FLAGS) + list(jshard.mesh.GPU_XLA_FLAGS))
+    [] if ON_DEVICE else CPU_COMPILE_FLAGS + list(jshard.mesh.DEVICELESS_XLA_FLAGS)) + list(jshard.mesh.GPU_XLA_FLAGS))
 if not ON_DEVICE:
     jshard.use_fake_cpu_devices(8)
 

@@ -76,7 +76,7 @@ def _xla_starts(flags: str) -> bool:
 
 def test_gpu_xla_flags_are_known_to_this_xla():
     # XLA parses every flag (GPU ones too) at start-up and aborts on one it does not know.
-    assert _xla_starts(" ".join(mesh.GPU_XLA_FLAGS))
+    assert _xla_starts(" ".join(mesh.GPU_XLA_FLAGS + mesh.DEVICELESS_XLA_FLAGS))
     assert not _xla_starts("--xla_gpu_no_such_flag=true")
 
 
@@ -95,3 +95,17 @@ def test_gpu_xla_flags_only_on_gpu_beside_the_users_whose_values_win(monkeypatch
     assert os.environ["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/mine", "--xla_gpu_enable_pipelined_all_gather=false",
                                                 *added]
     assert mesh.xla_flags_line() == os.environ["XLA_FLAGS"]
+
+
+def test_a_compile_with_no_gpu_here_does_not_autotune(monkeypatch):
+    """XLA:GPU compiling with no GPU present gets the deviceless flags after jshard's; on a GPU
+    machine its autotuner keeps its say; a user's own level wins."""
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    assert mesh.use_gpu_xla_flags(compiling_for_gpu=True) == [*mesh.GPU_XLA_FLAGS, *mesh.DEVICELESS_XLA_FLAGS]
+    monkeypatch.delenv("XLA_FLAGS")
+    monkeypatch.setattr(mesh, "_gpu_expected", lambda: True)
+    assert mesh.use_gpu_xla_flags(compiling_for_gpu=True) == list(mesh.GPU_XLA_FLAGS)
+    monkeypatch.setattr(mesh, "_gpu_expected", lambda: False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=2")
+    assert mesh.use_gpu_xla_flags(compiling_for_gpu=True) == list(mesh.GPU_XLA_FLAGS)
+    assert os.environ["XLA_FLAGS"].split()[0] == "--xla_gpu_autotune_level=2"
