@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
+from jax.experimental.layout import Layout as MemoryLayout
+from jax.experimental.layout import with_layout_constraint
 
 from jshard import vma
 from jshard.nn.layouts import Layout, layout, relayout_local
@@ -234,6 +236,9 @@ def param(variable: nnx.Variable, dtype=None) -> jax.Array:
     have, want = layout(names, "param"), gathered_layout(names)
     if want == have:
         return value
+    # Row-major, as the param is held (`Plan.pins_weight_layouts` says where and why).
+    if current_step().pin_layouts and have[1:] != want[1:]:
+        value = with_layout_constraint(value, MemoryLayout(major_to_minor=tuple(range(value.ndim))))
     return relayout_local(value, have, want)
 
 

@@ -168,8 +168,8 @@ class CompiledStep(PlannedStep):
         """The step context (`nn.step_context`: the rules), and the mesh for `jshard.constrain`'s bare
         specs, while the step is traced (`jax.set_mesh` may not be entered inside `jax.jit`; the
         abstract mesh may)."""
-        with step_context(self.rules, compute=self.plan.compute, platform=self.plan.platform,
-                             fp8=self.plan.fp8), jax.sharding.use_abstract_mesh(_abstract(self.mesh)):
+        with step_context(self.rules, compute=self.plan.compute, platform=self.plan.platform, fp8=self.plan.fp8,
+                          pin_layouts=self.plan.pins_weight_layouts), jax.sharding.use_abstract_mesh(_abstract(self.mesh)):
             yield
 
     def _body(self, state: TrainState, batch):

@@ -438,7 +438,8 @@ class ShardedStep(PlannedStep):
         return micro_step
 
     def _body(self, state: TrainState, batch):
-        with step_context(self.rules, self.whole_reads, self.plan.compute, self.plan.platform, self.plan.fp8):
+        with step_context(self.rules, self.whole_reads, self.plan.compute, self.plan.platform, self.plan.fp8,
+                          self.plan.pins_weight_layouts):
             loss, grads, model_state = self._loss_and_grads(state.params, state.model_state, batch, state.master)
             if state.master is not None:
                 shards = state.master
@@ -454,7 +455,8 @@ class ShardedStep(PlannedStep):
 
     def _loss_body(self, params, others, batch, master=None):
         """Evaluation: step 2's forward alone, on the same blocks; no gradient, no state written."""
-        with step_context(self.rules, self.whole_reads, self.plan.compute, self.plan.platform, self.plan.fp8):
+        with step_context(self.rules, self.whole_reads, self.plan.compute, self.plan.platform, self.plan.fp8,
+                          self.plan.pins_weight_layouts):
             diff, _ = self._differentiable(params, master)
             model_of = self._model_builder(params, self.others.for_batch_shard(others, self.batch_axes))
             with self._splitting_sequences():
@@ -467,7 +469,8 @@ class ShardedStep(PlannedStep):
             return over_batch_shards(value, self.batch_axes)
 
     def _grads_body(self, params, others, batch, master=None):
-        with step_context(self.rules, self.whole_reads, self.plan.compute, self.plan.platform, self.plan.fp8):
+        with step_context(self.rules, self.whole_reads, self.plan.compute, self.plan.platform, self.plan.fp8,
+                          self.plan.pins_weight_layouts):
             return self._loss_and_grads(params, others, batch, master)[:2]
 
     # -- what the step does with each param ------------------------------------------------

@@ -164,6 +164,20 @@ class Plan:
         return options
 
     @property
+    def pins_weight_layouts(self) -> bool:
+        """Whether a weight ZeRO-3 gathers along a later dim (the down and output projections'
+        `embed`) keeps the row-major layout it is held in, each layer's slice pinned so
+        (`nn.params.param`): on a GPU, without a tensor axis, under full remat. XLA:GPU gathers
+        along a tensor's most major dim only, and left alone gave those weights' whole stacks that
+        layout, a copy made before the layers' loops and alive through the backward's (Llama 3.1 8B,
+        fsdp=8, bf16: 1.1 GiB of fp32, 22.34 -> 21.21 GiB; mixed 21.62 -> 21.38); pinned, each
+        trip transposes its own slice. Without remat it saved 0.15 GiB and XLA's rematerialization
+        then gathered a small tensor twice; under dp+fsdp+tp the data sums in the backward lost
+        their matmuls (84% -> 27% of the bytes): not pinned there (docs/gpu-compile.md)."""
+        return (self.platform == "gpu" and self.rules.zero == 3 and bool(self.zero_axes) and not self.tensor_axes
+                and self.layer_remat == "full")
+
+    @property
     def scatters_without_tensor_axes(self) -> bool:
         """Whether ZeRO-3 reduce-scatters each layer's gradients inside the backward, with no tensor
         axis, in bf16 compute: where XLA:GPU's cuBLAS GEMMs let those scatters run beside matmuls.
