@@ -39,7 +39,6 @@ from flax import nnx
 from jax.lax import with_sharding_constraint
 from jax.sharding import NamedSharding
 
-from jshard.nn.step_context import step_context
 from jshard.parallel.model_state import ModelState
 from jshard.parallel.step_plan import Plan
 from jshard.parallel.state import (PlannedStep, TrainState, accumulate, lower, over_micro_batches, split_loss,
@@ -168,8 +167,7 @@ class CompiledStep(PlannedStep):
         """The step context (`nn.step_context`: the rules), and the mesh for `jshard.constrain`'s bare
         specs, while the step is traced (`jax.set_mesh` may not be entered inside `jax.jit`; the
         abstract mesh may)."""
-        with step_context(self.rules, compute=self.plan.compute, platform=self.plan.platform, fp8=self.plan.fp8,
-                          pin_layouts=self.plan.pins_weight_layouts), jax.sharding.use_abstract_mesh(_abstract(self.mesh)):
+        with self._step_context(), jax.sharding.use_abstract_mesh(_abstract(self.mesh)):
             yield
 
     def _body(self, state: TrainState, batch):

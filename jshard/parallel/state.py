@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh
 
+from jshard.nn.step_context import step_context
 from jshard.parallel.step_plan import Plan
 from jshard.rules import ShardingError
 
@@ -43,6 +44,13 @@ class PlannedStep:
     batch_axes = property(lambda self: self.plan.batch_axes)
     data_shards = property(lambda self: self.plan.data_shards)
     batch_shards = property(lambda self: self.plan.batch_shards)
+
+    def _step_context(self, whole_reads: dict | None = None):
+        """The step context its functions trace in (`nn.step_context`), as the plan says: its rules,
+        compute dtype, platform, FP8, whether weights' layouts are pinned; whole reads recorded
+        into `whole_reads`."""
+        plan = self.plan
+        return step_context(plan.rules, whole_reads, plan.compute, plan.platform, plan.fp8, plan.pins_weight_layouts)
 
     def shard_batch(self, batch):
         """Put a global batch on the mesh, split along dim 0 over the batch axes."""

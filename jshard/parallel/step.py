@@ -56,7 +56,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jshard import vma
 from jshard.nn.layouts import Layout as AxesLayout, relayout_local
 from jshard.nn.params import LocalBlock, ShardWithReplica, gathers_weights, remat_policy
-from jshard.nn.step_context import current_step, step_context
+from jshard.nn.step_context import current_step
 from jshard.parallel import pipelining
 from jshard.parallel.compiled import CompiledStep
 from jshard.parallel.model_state import ModelState, sync_batch_norms
@@ -438,8 +438,7 @@ class ShardedStep(PlannedStep):
         return micro_step
 
     def _body(self, state: TrainState, batch):
-        with step_context(self.rules, self.whole_reads, self.plan.compute, self.plan.platform, self.plan.fp8,
-                          self.plan.pins_weight_layouts):
+        with self._step_context(self.whole_reads):
             loss, grads, model_state = self._loss_and_grads(state.params, state.model_state, batch, state.master)
             if state.master is not None:
                 shards = state.master
@@ -455,8 +454,7 @@ class ShardedStep(PlannedStep):
 
     def _loss_body(self, params, others, batch, master=None):
         """Evaluation: step 2's forward alone, on the same blocks; no gradient, no state written."""
-        with step_context(self.rules, self.whole_reads, self.plan.compute, self.plan.platform, self.plan.fp8,
-                          self.plan.pins_weight_layouts):
+        with self._step_context(self.whole_reads):
             diff, _ = self._differentiable(params, master)
             model_of = self._model_builder(params, self.others.for_batch_shard(others, self.batch_axes))
             with self._splitting_sequences():
@@ -469,8 +467,7 @@ class ShardedStep(PlannedStep):
             return over_batch_shards(value, self.batch_axes)
 
     def _grads_body(self, params, others, batch, master=None):
-        with step_context(self.rules, self.whole_reads, self.plan.compute, self.plan.platform, self.plan.fp8,
-                          self.plan.pins_weight_layouts):
+        with self._step_context(self.whole_reads):
             return self._loss_and_grads(params, others, batch, master)[:2]
 
     # -- what the step does with each param ------------------------------------------------

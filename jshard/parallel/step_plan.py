@@ -125,7 +125,7 @@ class Plan:
         XLA's one; what XLA_FLAGS set, where they set it."""
         if m := re.search(rf"--{COLLECTIVES_IN_FLIGHT_OPTION}=(\d+)", os.environ.get("XLA_FLAGS", "")):
             return int(m[1])
-        return ZERO3_COLLECTIVES_IN_FLIGHT if self.rules.zero == 3 and self.zero_axes and not self.tensor_axes else 1
+        return ZERO3_COLLECTIVES_IN_FLIGHT if self.zero3_without_tensor_axes else 1
 
     @functools.cached_property
     def xla_options(self) -> dict[str, int | str]:
@@ -164,6 +164,12 @@ class Plan:
         return options
 
     @property
+    def zero3_without_tensor_axes(self) -> bool:
+        """Whether params are split over ZeRO axes (ZeRO-3) and no tensor axis splits them: the
+        programs whose GPU options are their own (`collectives_in_flight`, `xla_options`)."""
+        return self.rules.zero == 3 and bool(self.zero_axes) and not self.tensor_axes
+
+    @property
     def pins_weight_layouts(self) -> bool:
         """Whether a weight ZeRO-3 gathers along a later dim (the down and output projections'
         `embed`) keeps the row-major layout it is held in, each layer's slice pinned so
@@ -174,8 +180,7 @@ class Plan:
         trip transposes its own slice. Without remat it saved 0.15 GiB and XLA's rematerialization
         then gathered a small tensor twice; under dp+fsdp+tp the data sums in the backward lost
         their matmuls (84% -> 27% of the bytes): not pinned there (docs/gpu-compile.md)."""
-        return (self.platform == "gpu" and self.rules.zero == 3 and bool(self.zero_axes) and not self.tensor_axes
-                and self.layer_remat == "full")
+        return self.platform == "gpu" and self.zero3_without_tensor_axes and self.layer_remat == "full"
 
     @property
     def scatters_without_tensor_axes(self) -> bool:
@@ -183,8 +188,8 @@ class Plan:
         axis, in bf16 compute: where XLA:GPU's cuBLAS GEMMs let those scatters run beside matmuls.
         (ZeRO-2's program grew 3.4x with them on the validation Llama: its GEMMs' split-K
         partials; there, and in fp32 compute, XLA keeps its Triton GEMMs.)"""
-        return (self.rules.zero == 3 and bool(self.zero_axes) and not self.tensor_axes
-                and self.compute is not None and np.dtype(self.compute) == np.dtype(jnp.bfloat16))
+        return (self.zero3_without_tensor_axes and self.compute is not None
+                and np.dtype(self.compute) == np.dtype(jnp.bfloat16))
 
     @functools.cached_property
     def summed_in_backward(self) -> tuple[tuple[str, ...], ...]:
