@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jshard import hlo
 from jshard.layout import Layout
 from jshard.mesh import make_mesh, mesh_shape
+from jshard.parallel.tick_branches import TickBranches
 from jshard.parallel.state import abstract_batch
 from jshard.parallel.step import build_step
 from jshard.placement import format_bytes as fmt
@@ -129,6 +130,9 @@ class GpuProgram:
     kernels: dict[str, int] = dataclasses.field(default_factory=dict)
     hlo: str = dataclasses.field(repr=False, default="")
     xla_options: dict = dataclasses.field(default_factory=dict)  # this program's own (`Plan.xla_options`)
+    # A pipeline's tick table on the program's conditionals (`tick_branches.TickBranches`): what a
+    # reading of it (bytes here, `planner.schedule.timeline`) takes to run on each tick.
+    ticks: TickBranches | None = dataclasses.field(repr=False, default=None)
 
     @property
     def fits(self) -> bool:
@@ -156,7 +160,8 @@ class GpuProgram:
         return {kind: hidden / total for kind, (hidden, total) in moved.items()}
 
     def as_json(self) -> dict:
-        return dataclasses.asdict(self) | dict(hlo=None, fits=self.fits, overlap=self.overlap(),
+        return dataclasses.asdict(dataclasses.replace(self, ticks=None)) | dict(
+            hlo=None, ticks=None, fits=self.fits, overlap=self.overlap(),
                                                overlap_in_loops=self.overlap(looped=True))
 
 
@@ -177,23 +182,25 @@ def memory_of(compiled) -> dict[str, int]:
     return memory
 
 
-def program_of(compiled, mesh: dict[str, int], t: Target, seconds: float) -> GpuProgram:
+def program_of(compiled, mesh: dict[str, int], t: Target, seconds: float, ticks: TickBranches | None = None) -> GpuProgram:
     """A compiled executable's `GpuProgram`: its memory_analysis() and its optimized HLO read by
-    `jshard.hlo` (bytes as compiled: XLA:GPU keeps bf16 collectives bf16). A program compiled on
-    a GPU itself reads the same way (`jshard bench gpu` compares the two)."""
+    `jshard.hlo` (bytes as compiled: XLA:GPU keeps bf16 collectives bf16; a pipeline's, with
+    its `ticks`, as often as a mean device runs each). A program compiled on a GPU itself reads
+    the same way (`jshard bench gpu` compares the two)."""
     text = compiled.as_text()
     hidden = hlo.overlapped(text)
     rows = []
-    for c in hlo.collectives(text):
+    for c in hlo.collectives(text, branch_weights=ticks and ticks.weights):
         axes = hlo.group_axes(c.line, mesh)
         by_dtype: dict[str, int] = {}
         for dtype, nbytes in zip(c.dtypes, c.buffers):
-            by_dtype[dtype] = by_dtype.get(dtype, 0) + nbytes * c.count * (c.bytes > 0)
+            by_dtype[dtype] = by_dtype.get(dtype, 0) + round(nbytes * c.count) * (c.bytes > 0)
         rows.append(dict(kind=c.kind, axes="+".join(axes) if axes is not None else "?", bytes_by_dtype=by_dtype,
-                         bytes=c.bytes * c.count, count=c.count, asynchronous=c.asynchronous,
+                         bytes=round(c.bytes * c.count), count=c.count, asynchronous=c.asynchronous,
                          overlapped=hidden.get(c.name, False), name=c.name))
     memory = memory_of(compiled) | dict(hbm=t.hbm_bytes)
-    return GpuProgram(t.name, dict(mesh), seconds, memory, rows, attention_kernel(text), hlo.kernel_counts(text), text)
+    return GpuProgram(t.name, dict(mesh), seconds, memory, rows, attention_kernel(text), hlo.kernel_counts(text), text,
+                      ticks=ticks)
 
 
 def compile_step(model, tx, loss_fn, layout: Layout | str, t: Target, batch_shape: tuple[int, int]) -> GpuProgram:
@@ -213,7 +220,8 @@ def compile_step(model, tx, loss_fn, layout: Layout | str, t: Target, batch_shap
     except jax.errors.JaxRuntimeError as e:  # XLA's own failure: its first line, which names the check
         raise CompileError(f"XLA's GPU compiler failed on this step for {t.name}: {str(e).strip().splitlines()[0]}. "
                            "Fix: none in jshard's flags; report it with the command (a JAX/XLA issue)") from None
-    program = program_of(compiled, mesh_shape(mesh), t, time.perf_counter() - start)
+    ticks = TickBranches.of(step.schedule, step.stage_remat, step.plan.stage_layers) if step.schedule else None
+    program = program_of(compiled, mesh_shape(mesh), t, time.perf_counter() - start, ticks)
     return dataclasses.replace(program, xla_options=dict(step.plan.xla_options))
 
 

@@ -42,6 +42,7 @@ _BELOW = re.compile(r"compare\(%[\w.\-]+, %(?P<limit>[\w.\-]+)\), direction=LT")
 _S32 = re.compile(r"^\s*%(?P<name>[\w.\-]+) = s32\[\] (?:constant\((?P<value>-?\d+)\)|copy\(%(?P<source>[\w.\-]+)\))")
 _CALLED = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%(?P<name>[\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
+_PREDICATED = re.compile(r"true_computation=%(?P<true>[\w.\-]+), false_computation=%(?P<false>[\w.\-]+)")
 # XLA prints replica groups in three forms (group size in brackets):
 #   a list           replica_groups={{0,2},{1,3}}                                  (2)
 #   an iota          replica_groups=[2,2]<=[4]  or  [2,4]<=[2,2,2]T(1,0,2)         (the last dim)
@@ -80,7 +81,7 @@ def _group_size(line: str, devices: int) -> int:
 class Collective:
     kind: str
     buffers: tuple[int, ...]  # K of each buffer it moves (a combined collective moves several)
-    count: int  # executions per program run (loop trips)
+    count: float  # executions per program run (loop trips; a conditional's branch by its weight: a mean device's)
     group: int  # devices taking part together
     line: str
     dtypes: tuple[str, ...] = ()  # each buffer's, as compiled (a combined one's may differ: bf16 and FP8 weights)
@@ -134,19 +135,33 @@ def loop_trips(line: str, blocks: dict[str, list[str]], holder: str) -> int:
     return limit - start if limit is not None and start is not None and limit > start else 1
 
 
-def _executions(blocks: dict[str, list[str]], entry: str) -> dict[str, int]:
-    """How many times each computation runs per program run: loop bodies once per trip."""
-    runs: dict[str, int] = collections.Counter({entry: 1})
+def branches(line: str) -> list[str]:
+    """A conditional's computations in the order of its branch index (a predicate's: false,
+    true, as `lax.cond` numbers them); [] for any other instruction."""
+    if found := _BRANCHES.search(line):
+        return [n.strip().lstrip("%") for n in found["names"].split(",")]
+    return [found["false"], found["true"]] if (found := _PREDICATED.search(line)) else []
+
+
+def _executions(blocks: dict[str, list[str]], entry: str, branch_weights=None) -> dict[str, float]:
+    """How many times each computation runs per program run: loop bodies once per trip, each
+    branch of a conditional every time (an upper bound), unless `branch_weights(line)` (as
+    `matmul_flops` takes it) says how often each runs."""
+    runs: dict[str, float] = collections.Counter({entry: 1})
     pending = [entry]
     while pending:
         name = pending.pop(0)
         for line in blocks[name]:
+            if arms := branches(line):
+                weights = branch_weights(line) if branch_weights else None
+                for i, arm in enumerate(arms):
+                    if arm in blocks:
+                        runs[arm] += runs[name] * (1 if weights is None else weights[i])
+                        pending.append(arm)
+                continue
             loop = WHILE.search(line)
             trips = loop_trips(line, blocks, name) if loop else 1
-            called = [m["name"] for m in _CALLED.finditer(line)]
-            if branches := _BRANCHES.search(line):
-                called += [n.strip().lstrip("%") for n in branches["names"].split(",")]
-            for callee in filter(blocks.__contains__, called):
+            for callee in filter(blocks.__contains__, (m["name"] for m in _CALLED.finditer(line))):
                 runs[callee] += runs[name] * (trips if loop and callee == loop["body"] else 1)
                 pending.append(callee)
     return runs
@@ -226,12 +241,13 @@ def itemsize(dtype: str) -> int:
     return _ITEMSIZE.get(dtype) or (1 if dtype.startswith("f8") else int(dtype[1:]) // 8)
 
 
-def collectives(hlo_text: str, program: str | None = None) -> list[Collective]:
-    """Every collective of a compiled HLO module, with how often it runs; with the lowered
+def collectives(hlo_text: str, program: str | None = None, branch_weights=None) -> list[Collective]:
+    """Every collective of a compiled HLO module, with how often it runs (inside a conditional,
+    on every run unless `branch_weights` says how often: `_executions`); with the lowered
     `program` (StableHLO text), its buffers in the program's dtypes (see the module docstring)."""
     asked = program_dtypes(program) if program else {}
     blocks, entry = computations(hlo_text)
-    runs = _executions(blocks, entry)
+    runs = _executions(blocks, entry, branch_weights)
     devices = int(m["n"]) if (m := _PARTITIONS.search(hlo_text)) else 1
     found = []
     for name, lines in blocks.items():
@@ -255,19 +271,18 @@ def collectives(hlo_text: str, program: str | None = None) -> list[Collective]:
     return found
 
 
-def bytes_by_kind(hlo_text: str, program: str | None = None) -> dict[str, int]:
+def bytes_by_kind(hlo_text: str, program: str | None = None, branch_weights=None) -> dict[str, int]:
     """{kind: bytes per device per program run}, for the kinds present."""
-    totals: dict[str, int] = collections.Counter()
-    for c in collectives(hlo_text, program):
+    totals: dict[str, float] = collections.Counter()
+    for c in collectives(hlo_text, program, branch_weights):
         totals[c.kind] += c.bytes * c.count
-    return {kind: n for kind, n in totals.items() if n}
+    return {kind: round(n) for kind, n in totals.items() if n}
 
 
 # -- matmul FLOPs ---------------------------------------------------------------------------
 
 _DEFINE = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<dtype>pred|[suf]\d+|bf16)\[(?P<dims>[\d,]*)\]")
 DOT = re.compile(r"\bdot\(%(?P<lhs>[\w.\-]+),.*lhs_contracting_dims=\{(?P<contracted>[\d,]*)\}")
-_CONDITIONAL = re.compile(r"\sconditional\(")
 
 
 def dims_of(text: str) -> list[int]:
@@ -289,9 +304,9 @@ def _own_flops(lines: list[str]) -> int:
 def matmul_flops(hlo_text: str, branch_weights=None) -> float:
     """Matmul FLOPs (2·M·N·K per dot, fused or not) per program run on one device: loop
     bodies once per trip. A conditional counts its costliest branch, unless
-    `branch_weights(line, branches)` (given the conditional's HLO line and its number of
-    branches) returns how often each branch runs per run of the computation holding it (a
-    pipeline's tick table, say), or None to keep the costliest."""
+    `branch_weights(line)` (given the conditional's HLO line) returns how often each branch
+    (`branches`, in index order) runs per run of the computation holding it (a pipeline's tick
+    table, say: `parallel.tick_branches.TickBranches`), or None to keep the costliest."""
     blocks, entry = computations(hlo_text)
     own = {name: _own_flops(lines) for name, lines in blocks.items()}
     memo: dict[str, float] = {}
@@ -303,10 +318,9 @@ def matmul_flops(hlo_text: str, branch_weights=None) -> float:
         for line in blocks[name]:
             loop = WHILE.search(line)
             trips = loop_trips(line, blocks, name) if loop else 1
-            if (branches := _BRANCHES.search(line)) and _CONDITIONAL.search(line):
-                names = [n.strip().lstrip("%") for n in branches["names"].split(",")]
-                costs = [total(n) for n in names if n in blocks]
-                weights = branch_weights(line, len(costs)) if branch_weights else None
+            if arms := branches(line):
+                costs = [total(n) if n in blocks else 0.0 for n in arms]
+                weights = branch_weights(line) if branch_weights else None
                 flops += sum(w * c for w, c in zip(weights, costs)) if weights is not None else max(costs, default=0)
                 continue
             for callee in (m["name"] for m in _CALLED.finditer(line)):
@@ -352,10 +366,7 @@ def kernel_counts(hlo_text: str) -> dict[str, int]:
 
 
 def callees(line: str) -> list[str]:
-    names = [m["name"] for m in _CALLED.finditer(line)]
-    if branches := _BRANCHES.search(line):
-        names += [n.strip().lstrip("%") for n in branches["names"].split(",")]
-    return names
+    return [m["name"] for m in _CALLED.finditer(line) if not _PREDICATED.search(line)] + branches(line)
 
 
 def permutes_waiting_for_matmuls(hlo_text: str) -> list[bool]:

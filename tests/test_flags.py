@@ -149,6 +149,13 @@ def test_plan_batch_size_that_does_not_split_gets_one_line(capsys):
         "jshard plan: --batch-size 12 does not split over 8 batch shards (data) = 8. Fix: make --batch-size a multiple of 8."]
 
 
+def test_a_pipeline_without_micro_batches_is_told_the_flag(capsys):
+    assert main(["plan", "--strategy", "dp+pp", "--mesh", "data=2,stage=4"]) == 2
+    line, = capsys.readouterr().err.strip().splitlines()
+    assert "it needs --microbatches," in line and line.endswith("Fix: --microbatches=4 (or more, for a smaller bubble).")
+    assert "Layout" not in line, line
+
+
 def test_plan_says_which_of_its_defaults_differ_from_trains(capsys):
     assert main(["plan"]) == 0
     line, = [x for x in capsys.readouterr().out.splitlines() if x.startswith("  defaults")]

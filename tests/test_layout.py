@@ -75,7 +75,7 @@ def test_the_new_form_has_no_deprecation_warning():
      r"^Layout.remat='full', but the model was built with remat='none'\. Fix: build it from "
      r"dataclasses.replace\(config, remat='full'\)"),
     (lambda m: build_step(m, OPTIMIZER, gpt_loss, "pp+dp stage=2,data=4"),
-     r"it needs Layout.microbatches=M >= 1 \(got None\)"),
+     r"it needs Layout.microbatches, .* at least 1 \(got None\)\. Fix: Layout.microbatches=4"),
     (lambda m: build_step(m, OPTIMIZER, gpt_loss, "dp data=8 m=4"),
      r"^build_step: Layout.microbatches=4 but rules 'dp' put no layers on a stage axis"),
     (lambda m: build_step(m, OPTIMIZER, gpt_loss, "dp data=8 precision=fp64"),

@@ -13,7 +13,7 @@ import jshard
 from jshard import hlo
 from jshard.models import DeepMLP, MLPConfig, gpt_loss, mlp_loss
 from jshard.parallel import build_step
-from jshard.parallel import pipelining
+from jshard.parallel import pipelining, tick_branches
 from jshard.parallel.tick_program import compile_program
 from jshard.parallel.schedules import SCHEDULES, ScheduleError, make_schedule
 import decoders
@@ -125,7 +125,7 @@ def test_uneven_stages_skip_their_padding():
     (4 and 3 on 2 stages, each holding 4 rows), counted from the program's conditionals."""
     step, state = uneven_step(7, 2, "1f1b", None)
     text = step.lower(state, step.shard_batch(uneven_batch(2))).compile().as_text()
-    flops = pipelining.matmul_flops(step.schedule, text, step.stage_remat, step.plan.stage_layers)
+    flops = tick_branches.matmul_flops(step.schedule, text, step.stage_remat, step.plan.stage_layers)
     assert step.plan.stage_layers == (4, 3) and step.plan.layer_slots == 4
     assert flops[0] / flops[1] == pytest.approx(4 / 3, rel=1e-9)
 
@@ -155,7 +155,7 @@ def _flops(step, batch):
     text = step.lower(step.state, step.shard_batch(batch)).compile().as_text()
     if step.schedule is None:
         return hlo.matmul_flops(text)
-    return float(np.mean(pipelining.matmul_flops(step.schedule, text, step.stage_remat)))
+    return float(np.mean(tick_branches.matmul_flops(step.schedule, text, step.stage_remat)))
 
 
 def test_flops_of_every_schedule():
@@ -268,7 +268,7 @@ def make_mlp():
 @pytest.mark.parametrize(
     "preset, sizes, loss_fn, microbatches, fragment",
     [
-        ("dp+pp", dict(data=2, stage=4), mlp_loss, None, "needs Layout.microbatches=M >= 1"),
+        ("dp+pp", dict(data=2, stage=4), mlp_loss, None, r"needs Layout.microbatches.*Fix: Layout.microbatches=4"),
         ("dp+pp", dict(data=2, stage=4), lambda m, b: mlp_loss(m, b), 4, "StagedLoss"),
         ("dp", dict(data=8), mlp_loss, 4, "no pipeline to feed"),
     ],

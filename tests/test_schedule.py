@@ -3,8 +3,12 @@ written here, at a device of round numbers (1 TFLOP/s, 1 TB/s of HBM, 10 GB/s li
 every expected time is arithmetic on the page. The 8B program's reading is test_gpu_compile_8b's.
 """
 
+import numpy as np
 import pytest
 
+from jshard import hlo
+from jshard.parallel.tick_branches import TickBranches
+from jshard.parallel.schedules import make_schedule
 from jshard.planner import physics, schedule
 from jshard.planner.hardware import Hardware
 
@@ -133,6 +137,12 @@ def test_transfers_run_one_after_another_and_a_synchronous_one_is_waited_for_who
       "  %u = f32[1,1000,1000]{2,1,0} parameter(2)",
       "  %same = f32[8,1000,1000]{2,1,0} bitcast(%stack)",
       "  ROOT %d = f32[8,1000,1000]{2,1,0} dynamic-update-slice(%same, %u, %i, %z, %z)"], 4e6, 4e6),
+    # a slot read back and written in place (a pipeline's residual buffer): the slot and the update
+    (["  %stack = f32[8,1000,1000]{2,1,0} parameter(0)", "  %i = s32[] parameter(1)", "  %z = s32[] constant(0)",
+      "  %u = f32[1,1000,1000]{2,1,0} parameter(2)",
+      "  %old = f32[1,1000,1000]{2,1,0} dynamic-slice(%stack, %i, %z, %z), dynamic_slice_sizes={1,1000,1000}",
+      "  %new = f32[1,1000,1000]{2,1,0} add(%old, %u)",
+      "  ROOT %d = f32[8,1000,1000]{2,1,0} dynamic-update-slice(%stack, %new, %i, %z, %z)"], 8e6, 4e6),
 ])
 def test_a_fusion_moves_what_it_reads_and_writes(fused, read, written):
     result = fused[-1].split("=")[1].split()[0]
@@ -189,3 +199,56 @@ def test_flash_kernels_are_timed_by_their_flops(kernel):
              "  ROOT %r = bf16[1000,1000]{1,0} bitcast(%p0)"]
     flops = 4 * 1 * 4 * 128 * 256 * 32
     assert timed(module(entry)).seconds == pytest.approx(flops / (1e12 * physics.ATTENTION_EFFICIENCY))
+
+
+def test_a_pipeline_tick_takes_its_slowest_stage_and_sends_only_when_its_row_says():
+    """The scan over a 1F1B pipeline's ticks, as the executor traces it: per tick a cond per
+    kind of action (a forward: one matmul; a backward: two) and a cond around the send. Timed
+    with the tick table (`TickBranches`), each tick runs each stage's own branches and lasts as
+    long as its slowest stage; the send goes on the ticks that send. Without it, every tick would
+    run a forward, a backward and a send."""
+    s = make_schedule("1f1b", 2, 3)
+    ticks = TickBranches.of(s)
+    branch = lambda name, body: [f"%{name} (x: bf16[1000,1000]) -> bf16[1000,1000] {{",  # noqa: E731
+                                 "  %x = bf16[1000,1000]{1,0} parameter(0)", *body, "}"]
+    idle = branch("idle", ["  ROOT %same = bf16[1000,1000]{1,0} bitcast(%x)"])
+    forward = branch("forward", [gemm("f_mm", "%x", "%x"), "  ROOT %f = bf16[1000,1000]{1,0} get-tuple-element(%f_mm), index=0"])
+    backward = branch("backward", [gemm("b_mm", "%x", "%x"), gemm("w_mm", "%x", "%x"),
+                                   "  ROOT %b = bf16[1000,1000]{1,0} get-tuple-element(%w_mm), index=0"])
+    pairs = "source_target_pairs={{0,1},{1,2},{2,3},{3,4},{4,5},{5,6},{6,7},{7,0}}"
+    send = branch("send", [f"  ROOT %sent = bf16[1000,1000]{{1,0}} collective-permute(%x), {pairs}"])
+
+    def cond(name, scope, when):
+        return (f"  %{name} = bf16[1000,1000]{{1,0}} conditional(%{name}_p, %b0, %b0), true_computation=%{when}, "
+                f'false_computation=%idle, metadata={{op_name="jit(step)/while/body/{scope}/cond"}}')
+
+    body = ["%body (t: (s32[], bf16[1000,1000])) -> (s32[], bf16[1000,1000]) {",
+            "  %t = (s32[], bf16[1000,1000]{1,0}) parameter(0)",
+            "  %b0 = bf16[1000,1000]{1,0} get-tuple-element(%t), index=1",
+            *[f"  %{n}_p = pred[] constant(true)" for n in ("fw", "bw", "tx")],
+            cond("fw", "pipeline_F", "forward"), cond("bw", "pipeline_BW", "backward"),
+            cond("tx", "sends_forward", "send"),
+            "  %i = s32[] get-tuple-element(%t), index=0",
+            "  ROOT %out = (s32[], bf16[1000,1000]{1,0}) tuple(%i, %tx)", "}"]
+    loop_cond = ["%cond (c: (s32[], bf16[1000,1000])) -> pred[] {", "  %c = (s32[], bf16[1000,1000]{1,0}) parameter(0)",
+                 "  ROOT %k = pred[] constant(true)", "}"]
+    entry = ["  %zero = s32[] constant(0)", "  %init = (s32[], bf16[1000,1000]{1,0}) tuple(%zero, %p0)",
+             f'  %loop = (s32[], bf16[1000,1000]{{1,0}}) while(%init), condition=%cond, body=%body, '
+             f'backend_config={{"known_trip_count":{{"n":"{s.ticks}"}}}}',
+             "  ROOT %r = bf16[1000,1000]{1,0} bitcast(%p0)"]
+    text = module(entry, idle, forward, backward, send, body, loop_cond)
+
+    t = schedule.timeline(text, MESH, DEVICE, ticks)
+    permute_ms = (physics.LINK_LATENCY["intra"] + 2e6 / 1e10) * 1e3
+    cost = {"F": GEMM_MS, "BW": 2 * GEMM_MS, None: 0.0}
+    slowest = sum(max(cost[a.kind if a else None] for a in row) for row in s.table())
+    sends = int(ticks.program.sends_forward.sum())
+    assert 0 < sends < s.ticks and t.collectives["sent"].executions == sends
+    trips = s.ticks * physics.loop_seconds(1, DEVICE) * 1e3
+    assert t.seconds * 1e3 == pytest.approx(slowest + sends * permute_ms + trips)
+    # every branch on every tick, without the table; the bytes likewise
+    assert schedule.timeline(text, MESH, DEVICE).seconds * 1e3 == pytest.approx(
+        s.ticks * (3 * GEMM_MS + permute_ms) + trips)
+    assert hlo.bytes_by_kind(text, branch_weights=ticks.weights) == {"collective-permute": sends * 2_000_000}
+    assert hlo.bytes_by_kind(text) == {"collective-permute": s.ticks * 2_000_000}
+    assert np.allclose(ticks.weights(cond("tx", "sends_forward", "send")), [1 - sends / s.ticks, sends / s.ticks])

@@ -32,7 +32,7 @@ from jshard.mesh import default_mesh, format_mesh, mesh_shape, mesh_sizes
 from jshard.metrics import median_step_seconds
 from jshard.models import DecoderConfig, decoder, gpt_loss
 from jshard.parallel import build_step
-from jshard.parallel.pipelining import matmul_flops
+from jshard.parallel.tick_branches import matmul_flops
 from jshard.parallel.tick_program import compile_program, work
 
 

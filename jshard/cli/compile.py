@@ -61,7 +61,7 @@ def run(args) -> int:
     rows = est["tokens_per_step"] // config.seq_len  # (the plan's: every accumulated micro-batch's rows)
     program = aot.compile_step(model, optax.adamw(1e-4), gpt_loss, planned.layout, target, (rows, config.seq_len + 1))
     devices = f"{target.hosts} × {target.per_host} × {HARDWARE[target.hardware].name.upper()}"
-    along = timeline(program.hlo, program.mesh, HARDWARE[target.hardware])
+    along = timeline(program.hlo, program.mesh, HARDWARE[target.hardware], program.ticks)
     print(aot.report(program, est, devices, along))
     print(f"XLA_FLAGS in effect: {xla_flags_line()}; this program's own options: {xla_options_line(program.xla_options)}")
     if args.hlo:

@@ -98,7 +98,7 @@ def confirm(candidates, target) -> None:
         rows = est["tokens_per_step"] // p.config.seq_len
         program = aot.compile_step(nnx.eval_shape(lambda: decoder(p.model, nnx.Rngs(0))), optax.adamw(1e-4), gpt_loss,
                                    p.layout, target, (rows, p.config.seq_len + 1))
-        vs, along = aot.compared(program, est), timeline(program.hlo, program.mesh, HARDWARE[target.hardware])
+        vs, along = aot.compared(program, est), timeline(program.hlo, program.mesh, HARDWARE[target.hardware], program.ticks)
         print(f"{i:>3}  {c.label:<72} {program.memory['total'] / GiB:>6.1f} GiB compiled (plan {vs['memory_rel_err']:+.1%}), "
               f"{'fits' if program.fits else 'DOES NOT FIT'}; collective bytes "
               f"{'equal to the plan' if vs['bytes_exact'] else 'NOT equal to the plan'}; step along its schedule "

@@ -44,7 +44,6 @@ are summed over it once, at the end.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable
 
 import jax
@@ -53,7 +52,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from jshard import hlo, vma
+from jshard import vma
 from jshard.nn.losses import scaled_losses
 from jshard.nn.params import gathers_weights, holds_replicas, remat_policy
 from jshard.models.stack import StagedLoss, layer_call, scan_stack
@@ -62,6 +61,8 @@ from jshard.parallel.schedules import Schedule
 from jshard.parallel.tick_program import KINDS, ROLES, SEGMENTS, compile_program, segments
 
 PADDING_SCOPE = "layer_or_padding"  # the cond that skips a padding row of the layer stack
+# The tick row's flags, each naming the scope of the send (a cond around a ppermute) it decides.
+SEND_SCOPES = ("sends_forward", "sends_backward", "late_forward", "late_backward")
 
 
 # --- what a chunk computes ----------------------------------------------------------------------
@@ -219,7 +220,7 @@ def _unless_padding(real: tuple, run: Callable, skip: Callable, *operands):
         return run(*operands)
     # (the shapes found before the cond: `run` records its `Backward` as it traces, last in the cond)
     zeros = jax.tree.map(lambda a: _zeros(a, vma.aval_axes(a)), jax.eval_shape(run, *operands))
-    with jax.named_scope(PADDING_SCOPE):  # (named, for `matmul_flops` to find it in the program)
+    with jax.named_scope(PADDING_SCOPE):  # (named, for `tick_branches` to find it in the program)
         return lax.cond(real[0], run, lambda *operands: skip(zeros, *operands), *operands)
 
 
@@ -274,7 +275,7 @@ def _per_role(make: Callable) -> Callable:
     branches = [make(role) for role in ROLES]
 
     def run(here, *args):
-        with jax.named_scope("role"):  # (named, for `matmul_flops` to find it in the program)
+        with jax.named_scope("role"):  # (named, for `tick_branches` to find it in the program)
             return lax.switch(here["role"], branches, *args)
 
     return run
@@ -407,16 +408,19 @@ def _execute(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, bat
     forward_pairs = [(s, (s + 1) % p) for s in range(p if ring else p - 1)]
     backward_pairs = [((s + 1) % p, s) for s in range(p if ring else p - 1)]
 
-    def send(when, x, pairs, ever=True):  # `ever`: whether any tick does (else no ppermute at all)
-        return lax.cond(when, lambda x: lax.ppermute(x, stage_axis, pairs), jnp.zeros_like, x) if ever else x * 0
+    def send(row, flag, x, pairs, ever=True):  # `ever`: whether any tick does (else no ppermute at all)
+        if not ever:
+            return x * 0
+        with jax.named_scope(flag):  # (named, for `tick_branches` to find it in the program)
+            return lax.cond(row[flag], lambda x: lax.ppermute(x, stage_axis, pairs), jnp.zeros_like, x)
 
     def tick(carry, row):
         buffers, grads, loss_sum, (out, dx) = carry
         here = jax.tree.map(lambda a: a[stage], {k: v for k, v in row.items() if not k.startswith(("sends", "late"))})
         mb, x = take(micro, here["microbatch"]), buffers["act"][here["act_slot"]]
         # The last tick's sends that nobody reads in this one: they depend on no compute of this tick.
-        late_out = send(row["late_forward"], out, forward_pairs, program.late_forward.any())
-        late_dx = send(row["late_backward"], dx, backward_pairs, program.late_backward.any())
+        late_out = send(row, "late_forward", out, forward_pairs, program.late_forward.any())
+        late_dx = send(row, "late_backward", dx, backward_pairs, program.late_backward.any())
 
         g = buffers["grad"][here["grad_slot"]]
         zero = jnp.zeros_like(x)
@@ -452,9 +456,9 @@ def _execute(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, bat
         grads, dx_bw = when("BW", backward, lambda grads: (grads, zero), grads)
         dx = dx_b + dx_bw  # (one of them is zero)
         buffers = dict(
-            act=buffers["act"].at[here["act_arrival"]].set(send(row["sends_forward"], out, forward_pairs))
+            act=buffers["act"].at[here["act_arrival"]].set(send(row, "sends_forward", out, forward_pairs))
                               .at[here["act_late"]].set(late_out),
-            grad=buffers["grad"].at[here["grad_arrival"]].set(send(row["sends_backward"], dx, backward_pairs))
+            grad=buffers["grad"].at[here["grad_arrival"]].set(send(row, "sends_backward", dx, backward_pairs))
                                 .at[here["grad_late"]].set(late_dx),
             saved=saved, crossover=crossover)
         return (buffers, grads, loss_sum, (out, dx)), None
@@ -517,43 +521,3 @@ def interleave(x: jax.Array, stages: int, virtual: int, inverse: bool = False) -
     axis splits dim 0 in contiguous blocks, so block d holds chunks d, p + d, 2p + d, ..."""
     split = (stages, virtual) if inverse else (virtual, stages)
     return x.reshape(*split, -1, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
-
-
-_OP_NAME = re.compile(r'op_name="(?P<name>[^"]*)"')
-
-
-def _scopes(line: str) -> list[str]:
-    """The names of the scopes an HLO instruction was traced in (its op_name metadata)."""
-    return m["name"].split("/") if (m := _OP_NAME.search(line)) else []
-
-
-def matmul_flops(schedule: Schedule, hlo_text: str, stage_remat: str = "none",
-                 stage_layers: tuple[int, ...] | None = None) -> list[float]:
-    """Per stage, the matmul FLOPs a device of that stage runs in one step of the compiled
-    program `hlo_text` (`hlo.matmul_flops`; XLA's `cost_analysis()` counts a loop body once
-    and a conditional's costliest branch): each kind's cond weighted by how often that stage
-    runs it per tick, the switch over roles inside it by how often each role comes up, and
-    under uneven stages (`stage_layers`) the cond of each row of the stack by how many of the
-    stage's rows hold a layer."""
-    program, mask = compile_program(schedule, stage_remat), layer_mask(stage_layers)
-    per_stage = []
-    for stage in range(schedule.stages):
-        kinds, roles = program.kind[:, stage], program.role[:, stage]
-        # (every action of a kind runs each of the stage's chunks equally often)
-        layers = mask[stage::schedule.stages].mean() if mask is not None else 1.0
-
-        def runs(line, branches, kinds=kinds, roles=roles, layers=layers):
-            scopes = _scopes(line)
-            if PADDING_SCOPE in scopes:
-                return np.array([1 - layers, layers])  # (skip, run)
-            kind = next((n[len("pipeline_"):] for n in reversed(scopes) if n.startswith("pipeline_")), None)
-            if kind not in KINDS:
-                return None
-            of_kind = kinds == 1 + KINDS.index(kind)
-            if "role" in scopes[scopes.index(f"pipeline_{kind}"):]:  # the switch over roles, inside that kind's cond
-                return np.bincount(roles[of_kind], minlength=len(ROLES)) / max(of_kind.sum(), 1)
-            return np.array([1 - of_kind.mean(), of_kind.mean()])  # the cond: (no, yes)
-
-        per_stage.append(hlo.matmul_flops(hlo_text, runs))
-    return per_stage
-

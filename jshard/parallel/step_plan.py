@@ -531,9 +531,8 @@ def _schedule(rules: Rules, mesh, stages, given: str, loss_fn, microbatches, sch
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ShardingError(
             f"build_step: rules {rules.name!r} split layers over {stages[0]}={size}, "
-            f"which pipelines them: it needs Layout.microbatches=M >= 1 (got {microbatches!r}) and a "
-            "jshard.models.StagedLoss that says where the stack of layers starts and ends "
-            "(jshard.models.gpt_loss and mlp_loss are). Fix: Layout(..., microbatches=4).")
+            f"which pipelines them: it needs Layout.microbatches, the micro-batches a step pipelines, "
+            f"at least 1 (got {microbatches!r}). Fix: Layout.microbatches=4 (or more, for a smaller bubble).")
     tick_program.check_stage_remat(stage_remat or "none")
     context = rules.context_axes(mesh)
     if context and rules.context_attention == "ring":

@@ -7,7 +7,10 @@ time, and the links', on which each collective runs in the order it was started,
 or when the one before it ends. A done whose transfer has not ended waits for it: that wait is
 the collective's exposed time. A loop runs its body trip by trip, so a collective started before
 a loop and done after it hides behind the trips between (XLA:GPU's pipeliner keeps a start and
-its done in one trip: it moves the next trip's transfer into this one).
+its done in one trip: it moves the next trip's transfer into this one). A conditional runs its
+longest branch, except a pipeline's: given the tick table (`parallel.tick_branches.TickBranches`),
+the scan over ticks runs each tick once per stage, each taking the branches its row says (its
+action's kind, its role, a send or none), and the tick lasts as long as its slowest stage.
 
 Each kernel is timed by the planner's physics, from its shapes in the HLO:
 
@@ -18,7 +21,8 @@ Each kernel is timed by the planner's physics, from its shapes in the HLO:
 - jshard's flash kernels (Triton) likewise, 4·b·h·s·s'·d FLOPs each of the forward, dq and dkv
   kernels (what the planner charges them);
 - every other kernel (XLA's fusions, copies) by the bytes it reads and writes at streaming
-  bandwidth: a fused operand only sliced counts its slices, an in-place update its update;
+  bandwidth: a fused operand only sliced counts its slices, an in-place update its update (and
+  the slot it reads back, where it does);
 - a collective by its link's latency and bandwidth (`physics.collective_seconds`), its axes read
   off its replica groups;
 - a loop's trip as `physics.loop_seconds` says, each kernel's launch gap `physics.LAUNCH_GAP_S`
@@ -100,11 +104,11 @@ class Timeline:
     def hidden(self) -> dict[tuple[str, str], float]:
         """{(kind, axes): the share of their time that work beside them covers}, as the planner
         keys its traffic (collectives that take no time left out)."""
-        return {k: 1 - e / s for k, (e, s) in self._sums(lambda c: (c.kind, c.axes)).items() if s}
+        return {k: max(0.0, 1 - e / s) for k, (e, s) in self._sums(lambda c: (c.kind, c.axes)).items() if s}
 
     def hidden_by_kind(self) -> dict[str, float]:
         """{kind: the share of its time covered}, over its axes."""
-        return {k: 1 - e / s for k, (e, s) in self._sums(lambda c: c.kind).items() if s}
+        return {k: max(0.0, 1 - e / s) for k, (e, s) in self._sums(lambda c: c.kind).items() if s}
 
     def exposed(self) -> dict[tuple[str, str], float]:
         """{(kind, axes): seconds the step waited on them}."""
@@ -120,8 +124,9 @@ class Timeline:
 class _Program:
     """One HLO module's computations, and what timing them needs (read once)."""
 
-    def __init__(self, hlo_text: str, mesh: dict[str, int], hw: Hardware):
+    def __init__(self, hlo_text: str, mesh: dict[str, int], hw: Hardware, ticks=None):
         self.blocks, self.entry = hlo.computations(hlo_text)
+        self.ticks, self.lane, self.trips = ticks, None, []  # (the lane: the stage and tick being run)
         mesh = {a: mesh.get(a, 1) for a in AXES}
         self.hw, self.gap = hw, physics.LAUNCH_GAP_S if physics.measured(hw.name) else 0.0
         self.types = {m["name"]: m["type"] for lines in self.blocks.values() for m in map(hlo.INSTRUCTION.match, lines) if m}
@@ -245,14 +250,15 @@ class _Program:
         read, written = 0, _nbytes(result)
         for index, operand in enumerate(operands):
             used = uses(params.get(index, ""))
-            if used and all(op in ("dynamic-slice", "slice", "gather") and i == 0 for op, i, *_ in used):
-                read += sum(_nbytes(t) for _, _, t, _ in used)
-            elif used and all(op == "dynamic-update-slice" and i == 0 for op, i, *_ in used):
-                for *_, line in used:  # the buffer updated in place: only the update is written
-                    update = _OPERAND.findall(hlo.INSTRUCTION.match(line)["args"])[1]
-                    written += _nbytes(self.types.get(update, "")) - _nbytes(self.types.get(operand, ""))
-            else:
+            sliced = [t for op, i, t, _ in used if op in ("dynamic-slice", "slice", "gather") and i == 0]
+            updated = [line for op, i, _, line in used if op == "dynamic-update-slice" and i == 0]
+            if not used or len(sliced) + len(updated) < len(used):
                 read += _nbytes(self.types.get(operand, ""))
+                continue
+            read += sum(map(_nbytes, sliced))
+            for line in updated:  # the buffer updated in place (a slot read back beside it, say): the update written
+                update = _OPERAND.findall(hlo.INSTRUCTION.match(line)["args"])[1]
+                written += _nbytes(self.types.get(update, "")) - _nbytes(self.types.get(operand, ""))
         return read + max(written, 0)
 
     # -- the schedule --------------------------------------------------------------------------
@@ -279,21 +285,27 @@ class _Program:
                 continue
             if op == "while":
                 body = hlo.WHILE.search(line)["body"]
-                for _ in range(hlo.loop_trips(line, self.blocks, name)):
-                    clock, links_free = self.run(body, clock, links_free, carried)
+                trips = hlo.loop_trips(line, self.blocks, name)
+                ticking = self.lane is None and self._runs_ticks(body) and trips == self.ticks.ticks
+                for trip in range(trips):
+                    self.trips.append(trip)
+                    lanes = [(stage, trip) for stage in range(self.ticks.stages)] if ticking else [self.lane]
+                    clock, links_free = self._slowest([(body, lane) for lane in lanes], clock, links_free, carried)
+                    self.trips.pop()
                     clock += physics.loop_seconds(1, self.hw)
                     self.compute += physics.loop_seconds(1, self.hw)
                 continue
             if op == "call":
                 clock, links_free = self.run(hlo.callees(line)[0], clock, links_free, carried)
                 continue
-            if op == "conditional":  # its longest branch (a pipeline tick's busiest stage)
-                before, runs = self._state(carried), []
-                for branch in (c for c in hlo.callees(line) if c in self.blocks):
-                    self._restore(before, carried)
-                    runs.append((self.run(branch, clock, links_free, carried), self._state(carried)))
-                (clock, links_free), after = max(runs, key=lambda r: r[0], default=((clock, links_free), before))
-                self._restore(after, carried)
+            if op == "conditional":  # the branch the tick table says, else its longest
+                arms = hlo.branches(line)
+                taken = self.ticks.taken(line, *self.lane, self.trips[-1] if self.trips else 0) if self.lane else None
+                if taken is not None:
+                    clock, links_free = self.run(arms[taken], clock, links_free, carried)
+                    continue
+                clock, links_free = self._slowest([(arm, self.lane) for arm in arms if arm in self.blocks],
+                                                  clock, links_free, carried)
                 continue
             key = m["name"]
             if key not in self.kernel_memo:
@@ -302,6 +314,37 @@ class _Program:
             self.compute += self.kernel_memo[key]
         return clock, links_free
 
+
+    def _slowest(self, runs: list, clock: float, links_free: float, carried: dict) -> tuple[float, float]:
+        """Each of `runs`, (computation, lane) pairs, from the same state: a conditional's
+        branches, or a pipeline tick's stages (lanes (stage, tick) of the loop's body); the
+        slowest one's clocks and state kept. (A tick ends when its slowest stage does: the next
+        waits on its sends.)"""
+        lane = self.lane
+        if len(runs) == 1:
+            (computation, self.lane), = runs
+            clocks, self.lane = self.run(computation, clock, links_free, carried), lane
+            return clocks
+        before, outcomes = self._state(carried), []
+        for computation, self.lane in runs:
+            self._restore(before, carried)
+            outcomes.append((self.run(computation, clock, links_free, carried), self._state(carried)))
+        self.lane = lane
+        (clock, links_free), after = max(outcomes, key=lambda r: r[0], default=((clock, links_free), before))
+        self._restore(after, carried)
+        return clock, links_free
+
+    def _runs_ticks(self, body: str) -> bool:
+        """Whether loop `body` is a pipeline's scan over ticks: it runs a conditional the tick
+        table decides per tick (an action's kind or a send), directly or in a call."""
+        if self.ticks is None:
+            return False
+        for line in self.blocks[body]:
+            if hlo.branches(line) and (self.ticks.chooses(line) or ("", ""))[0] in ("kind", "send"):
+                return True
+            if " call(" in line and any(self._runs_ticks(c) for c in hlo.callees(line) if c in self.blocks):
+                return True
+        return False
 
     def start(self, name: str, clock: float, links_free: float, carried: dict) -> float:
         """Collective `name` put on the links at `clock`, after those before it: in flight in
@@ -336,10 +379,12 @@ class _Program:
         carried.update(kept)
 
 
-def timeline(hlo_text: str, mesh: dict[str, int], hw: Hardware) -> Timeline:
+def timeline(hlo_text: str, mesh: dict[str, int], hw: Hardware, ticks=None) -> Timeline:
     """The step of a scheduled (optimized GPU) HLO module on `hw`, along its schedule; `mesh`:
-    its axes' sizes (to name each collective's axes and so its link)."""
-    program = _Program(hlo_text, mesh, hw)
+    its axes' sizes (to name each collective's axes and so its link). A pipeline's `ticks`
+    (`parallel.tick_branches.TickBranches`, `aot.GpuProgram.ticks`): each tick run as each stage
+    runs it, the branches its row of the table takes, and timed as the slowest stage."""
+    program = _Program(hlo_text, mesh, hw, ticks)
     seconds, _ = program.run(program.entry, 0.0, 0.0, {})
     rows = {name: row for name, (_, row) in program.links.items() if row.executions}
     return Timeline(seconds, program.compute, rows)

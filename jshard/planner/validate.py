@@ -20,10 +20,9 @@ from jshard import hlo
 from jshard.layout import Layout
 from jshard.mesh import default_mesh, format_mesh, make_mesh, mesh_shape
 from jshard.models import LLAMA_SIZES, DecoderConfig, GPTConfig, LlamaConfig, decoder, gpt_loss
-from jshard.parallel.tick_program import compile_program
+from jshard.parallel.tick_branches import TickBranches
 from jshard.parallel.state import abstract_batch
 from jshard.parallel.step import build_step
-from jshard.planner.planned_step import computed
 from jshard.planner.estimate import PlanInput, estimate
 from jshard.planner.hardware import HARDWARE
 from jshard.precision import precision as precision_policy
@@ -143,16 +142,6 @@ def model_name(config: DecoderConfig) -> str:
     return "MoE" if getattr(config, "experts", 0) else config.family
 
 
-def compiled_pipeline_permute_bytes(schedule, config: DecoderConfig, rows: int, context: int = 1) -> int:
-    """What hlo.collectives counts for the executor's ppermutes (forward and backward, and each
-    again for late sends where the schedule has any): they sit in a `cond` inside the scan over
-    ticks, so it counts them on every tick; the planner's figure (`sends`) counts the sends.
-    Each carries a device's seq / `context` tokens of its rows."""
-    program = compile_program(schedule)
-    permutes = 2 + int(program.late_forward.any()) + int(program.late_backward.any())
-    return permutes * schedule.ticks * rows * config.seq_len // context * config.embed * jnp.dtype(config.dtype).itemsize
-
-
 def validate_one(strategy: str, microbatches, schedule, remat: str, mesh: str = "example", precision: str = "fp32",
                  stage_remat: str | None = None, rows: int = 2, devices=None, model=VALIDATION_MODEL,
                  hardware: str = "cpu", grad_accum: int = 1) -> dict:
@@ -184,11 +173,10 @@ def validate_one(strategy: str, microbatches, schedule, remat: str, mesh: str = 
     compiled = lowered.compile()
     ma = compiled.memory_analysis()
     measured = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
-    counted = hlo.bytes_by_kind(compiled.as_text(), lowered.as_text())  # in the program's dtypes
+    # In the program's dtypes; a pipeline's sends as often as they run (the tick table's).
+    ticks = TickBranches.of(step.schedule, step.stage_remat, step.plan.stage_layers) if step.schedule else None
+    counted = hlo.bytes_by_kind(compiled.as_text(), lowered.as_text(), ticks and ticks.weights)
     predicted = dict(est["comm_bytes_per_step"])
-    if step.schedule:
-        predicted["collective-permute"] = compiled_pipeline_permute_bytes(step.schedule, computed(config, step.plan), rows,
-                                                                          step.plan.context_shards)
     predicted_memory = est["memory_bytes_per_device"]["total"]
     compared = "total"
     if step.plan.platform == "cpu" and policy.compute != jnp.float32:
