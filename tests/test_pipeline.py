@@ -14,7 +14,10 @@ from jshard import hlo
 from jshard.models import DeepMLP, MLPConfig, gpt_loss, mlp_loss
 from jshard.parallel import build_step
 from jshard.parallel import pipelining, tick_branches
+from jshard.parallel.pipelining import SEND_SCOPES
 from jshard.parallel.tick_program import compile_program
+from jshard.planner.hardware import HARDWARE
+from jshard.planner.schedule import timeline
 from jshard.parallel.schedules import SCHEDULES, ScheduleError, make_schedule
 import decoders
 from parity import (OPTIMIZER, TOLERANCE, assert_gradients_close, assert_trains_like_one_device,
@@ -193,6 +196,14 @@ def test_sends_one_activation_per_tick_only_when_needed(schedule):
     for tick, row in enumerate(s.table()):  # a send, exactly where a non-final forward ran
         forwards = [a for stage, a in enumerate(row) if a and a.kind == "F" and s.work(a, stage)[2] < stages * s.virtual - 1]
         assert sent[tick] == bool(forwards)
+    # Read with the tick table (each send's cond found by its scope in the compiled program), a
+    # permute runs on the ticks that send, counted and timed alike; without it, on every tick.
+    ticks = tick_branches.TickBranches.of(s)
+    sends = sum(int(getattr(program, flag).sum()) for flag in SEND_SCOPES if getattr(program, flag).any())
+    weighted = [c for c in hlo.collectives(compiled.as_text(), branch_weights=ticks.weights) if c.kind == "collective-permute"]
+    assert sum(c.count for c in weighted) == pytest.approx(sends) and sum(c.count for c in permutes) == len(permutes) * s.ticks
+    timed = timeline(compiled.as_text(), dict(data=8 // stages, stage=stages), HARDWARE["h100"], ticks)
+    assert sum(r.executions for r in timed.collectives.values() if r.kind == "collective-permute") == sends
 
 
 def test_late_sends_wait_for_no_compute():
