@@ -161,8 +161,7 @@ class GpuProgram:
 
     def as_json(self) -> dict:
         return dataclasses.asdict(dataclasses.replace(self, ticks=None)) | dict(
-            hlo=None, ticks=None, fits=self.fits, overlap=self.overlap(),
-                                               overlap_in_loops=self.overlap(looped=True))
+            hlo=None, fits=self.fits, overlap=self.overlap(), overlap_in_loops=self.overlap(looped=True))
 
 
 def attention_kernel(hlo_text: str) -> str:
