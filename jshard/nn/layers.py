@@ -22,7 +22,7 @@ from jshard.nn.collective_matmul import gather_matmul, matmul_scatter, ring_step
 from jshard.nn.context_parallel import input_layout, split_input
 from jshard.nn.fp8 import dot as fp8_dot
 from jshard.nn.layouts import layout, relayout_local
-from jshard.nn.params import gathered_layout, held, param
+from jshard.nn.params import gathered, gathered_layout, held, param, released_together
 from jshard.nn.step_context import compute_dtype, current_step, in_step
 from jshard.rules import active_rules, constrain, named
 
@@ -147,6 +147,9 @@ class Linear(nnx.Module):
         dtype = compute_dtype(self.dtype)
         if current_step().fp8 and self.kernel.get_metadata().get("fp8"):
             y = matmul(x.astype(dtype), x_names, held(self.kernel, dtype), self.names, fp8=True)
+        elif current_step().head_first and "vocab" in self.names:  # the output head (`Plan.head_backward_first`)
+            x, kernel = released_together(x.astype(dtype), held(self.kernel, dtype))
+            y = matmul(x, x_names, gathered(self.kernel, kernel), self.names)
         else:
             y = matmul(x.astype(dtype), x_names, param(self.kernel, dtype), self.names)
         if self.bias is None:

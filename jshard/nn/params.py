@@ -226,7 +226,11 @@ def param(variable: nnx.Variable, dtype=None) -> jax.Array:
     of fp32 params, as FSDP2's param dtype), and its remat policy, which drops gathered
     values, drops the weight it computes with, not just the wider copy before the cast.
     """
-    value = held(variable, dtype)
+    return gathered(variable, held(variable, dtype))
+
+
+def gathered(variable: nnx.Variable, value: jax.Array) -> jax.Array:
+    """`param`'s gather of `value`, `variable`'s held value (cast) or a value standing for it."""
     if not in_step() or isinstance(variable.get_value(), ShardWithReplica):
         return value
     names = variable.get_metadata()["out_sharding"]
@@ -240,6 +244,26 @@ def param(variable: nnx.Variable, dtype=None) -> jax.Array:
     if current_step().pin_layouts and have[1:] != want[1:]:
         value = with_layout_constraint(value, MemoryLayout(major_to_minor=tuple(range(value.ndim))))
     return relayout_local(value, have, want)
+
+
+@jax.custom_vjp
+def released_together(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`x` and `w` unchanged; in the backward their gradients come out together (an optimization
+    barrier), so that neither is used before both are computed: given a layer's input and its
+    held weight, the weight's gradient is computed and reduce-scattered before the input's
+    gradient goes on to the layers below (`Plan.head_backward_first`)."""
+    return x, w
+
+
+def _released_forward(x, w):
+    return (x, w), None
+
+
+def _released_backward(_, gradients):
+    return lax.optimization_barrier(gradients)
+
+
+released_together.defvjp(_released_forward, _released_backward)
 
 
 def gathers_weights() -> bool:

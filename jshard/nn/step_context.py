@@ -46,6 +46,7 @@ class StepContext:
     platform: str | None = None  # what the step is compiled for ("gpu", "cpu"); None: this host's backend
     fp8: bool = False  # the projections compute in FP8 (the `fp8` precision policy; `nn.fp8`)
     pin_layouts: bool = False  # weights gathered along a later dim keep their row-major layout (`nn.params.param`)
+    head_first: bool = False  # the output head's weight gradient before the layers' backward (`nn.Linear`)
 
 
 _current: contextvars.ContextVar[StepContext] = contextvars.ContextVar("jshard_step", default=StepContext())
@@ -75,17 +76,19 @@ def replaced(**changes) -> Iterator[StepContext]:
 @contextlib.contextmanager
 def step_context(rules: Rules, whole_reads: dict[str, tuple[str, ...]] | None = None,
                  compute=None, platform: str | None = None, fp8: bool = False,
-                 pin_layouts: bool = False) -> Iterator[StepContext]:
+                 pin_layouts: bool = False, head_first: bool = False) -> Iterator[StepContext]:
     """While a step's function traces: `rules` active (`jshard.rules.use_rules`) and a fresh
     step context, recording whole reads into `whole_reads` (None: not recorded) and context
     splits into a new list; loss scale 1; layers without a dtype of their own compute in
     `compute` (the step's precision policy's; None: float32); kernels are chosen for `platform`
     (its devices', which for a deviceless GPU compile are not this host's); `fp8`: the
     projections (`nn.Linear` kernels marked so) compute in FP8; `pin_layouts`: weights ZeRO-3
-    gathers along a later dim keep their layout (`Plan.pins_weight_layouts`)."""
+    gathers along a later dim keep their layout (`Plan.pins_weight_layouts`); `head_first`: the
+    output head's weight gradient is computed and scattered before the layers' backward
+    (`Plan.head_backward_first`)."""
     model_shardings.install()  # the model's own out_sharding= / reshard requests, met in the step
     token = _current.set(StepContext(whole_reads, [], compute=compute and np.dtype(compute), platform=platform,
-                                     fp8=fp8, pin_layouts=pin_layouts))
+                                     fp8=fp8, pin_layouts=pin_layouts, head_first=head_first))
     try:
         with use_rules(rules):
             yield _current.get()

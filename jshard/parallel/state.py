@@ -47,10 +47,11 @@ class PlannedStep:
 
     def _step_context(self, whole_reads: dict | None = None):
         """The step context its functions trace in (`nn.step_context`), as the plan says: its rules,
-        compute dtype, platform, FP8, whether weights' layouts are pinned; whole reads recorded
-        into `whole_reads`."""
+        compute dtype, platform, FP8, whether weights' layouts are pinned and the head's backward
+        goes first; whole reads recorded into `whole_reads`."""
         plan = self.plan
-        return step_context(plan.rules, whole_reads, plan.compute, plan.platform, plan.fp8, plan.pins_weight_layouts)
+        return step_context(plan.rules, whole_reads, plan.compute, plan.platform, plan.fp8, plan.pins_weight_layouts,
+                            plan.head_backward_first)
 
     def shard_batch(self, batch):
         """Put a global batch on the mesh, split along dim 0 over the batch axes."""
