@@ -219,8 +219,7 @@ def compile_step(model, tx, loss_fn, layout: Layout | str, t: Target, batch_shap
     except jax.errors.JaxRuntimeError as e:  # XLA's own failure: its first line, which names the check
         raise CompileError(f"XLA's GPU compiler failed on this step for {t.name}: {str(e).strip().splitlines()[0]}. "
                            "Fix: none in jshard's flags; report it with the command (a JAX/XLA issue)") from None
-    ticks = TickBranches.of(step.schedule, step.stage_remat, step.plan.stage_layers) if step.schedule else None
-    program = program_of(compiled, mesh_shape(mesh), t, time.perf_counter() - start, ticks)
+    program = program_of(compiled, mesh_shape(mesh), t, time.perf_counter() - start, step.tick_branches)
     return dataclasses.replace(program, xla_options=dict(step.plan.xla_options))
 
 

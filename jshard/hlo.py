@@ -40,7 +40,7 @@ _INDUCTION = re.compile(r'"known_induction_variable":\{"tuple_index":"(?P<i>\d+)
 _LOOP_PARTS = re.compile(r"\swhile\(%(?P<init>[\w.\-]+)\).*condition=%(?P<condition>[\w.\-]+)")
 _BELOW = re.compile(r"compare\(%[\w.\-]+, %(?P<limit>[\w.\-]+)\), direction=LT")
 _S32 = re.compile(r"^\s*%(?P<name>[\w.\-]+) = s32\[\] (?:constant\((?P<value>-?\d+)\)|copy\(%(?P<source>[\w.\-]+)\))")
-_CALLED = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%(?P<name>[\w.\-]+)")
+_CALLED = re.compile(r"(?:calls|to_apply|body|condition)=%(?P<name>[\w.\-]+)")  # (a conditional's: `branches`)
 _BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
 _PREDICATED = re.compile(r"true_computation=%(?P<true>[\w.\-]+), false_computation=%(?P<false>[\w.\-]+)")
 # XLA prints replica groups in three forms (group size in brackets):
@@ -366,7 +366,7 @@ def kernel_counts(hlo_text: str) -> dict[str, int]:
 
 
 def callees(line: str) -> list[str]:
-    return [m["name"] for m in _CALLED.finditer(line) if not _PREDICATED.search(line)] + branches(line)
+    return [m["name"] for m in _CALLED.finditer(line)] + branches(line)
 
 
 def permutes_waiting_for_matmuls(hlo_text: str) -> list[bool]:

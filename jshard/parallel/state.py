@@ -18,6 +18,7 @@ from jax.sharding import AbstractMesh
 
 from jshard.nn.step_context import step_context
 from jshard.parallel.step_plan import Plan
+from jshard.parallel.tick_branches import TickBranches
 from jshard.rules import ShardingError
 
 
@@ -44,6 +45,12 @@ class PlannedStep:
     batch_axes = property(lambda self: self.plan.batch_axes)
     data_shards = property(lambda self: self.plan.data_shards)
     batch_shards = property(lambda self: self.plan.batch_shards)
+
+    @property
+    def tick_branches(self) -> TickBranches | None:
+        """The pipeline's tick table on its compiled program's conditionals (None: no pipeline)."""
+        plan = self.plan
+        return TickBranches.of(plan.schedule, plan.stage_remat, plan.stage_layers) if plan.schedule else None
 
     def _step_context(self, whole_reads: dict | None = None):
         """The step context its functions trace in (`nn.step_context`), as the plan says: its rules,

@@ -20,7 +20,6 @@ from jshard import hlo
 from jshard.layout import Layout
 from jshard.mesh import default_mesh, format_mesh, make_mesh, mesh_shape
 from jshard.models import LLAMA_SIZES, DecoderConfig, GPTConfig, LlamaConfig, decoder, gpt_loss
-from jshard.parallel.tick_branches import TickBranches
 from jshard.parallel.state import abstract_batch
 from jshard.parallel.step import build_step
 from jshard.planner.estimate import PlanInput, estimate
@@ -174,7 +173,7 @@ def validate_one(strategy: str, microbatches, schedule, remat: str, mesh: str = 
     ma = compiled.memory_analysis()
     measured = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
     # In the program's dtypes; a pipeline's sends as often as they run (the tick table's).
-    ticks = TickBranches.of(step.schedule, step.stage_remat, step.plan.stage_layers) if step.schedule else None
+    ticks = step.tick_branches
     counted = hlo.bytes_by_kind(compiled.as_text(), lowered.as_text(), ticks and ticks.weights)
     predicted = dict(est["comm_bytes_per_step"])
     predicted_memory = est["memory_bytes_per_device"]["total"]
