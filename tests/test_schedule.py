@@ -157,6 +157,22 @@ def test_a_fusion_moves_what_it_reads_and_writes(fused, read, written):
     assert t.seconds == pytest.approx((read + written + index) / 1e12)
 
 
+def test_a_gemm_fused_with_the_slice_it_reads_is_timed_as_the_gemm():
+    """XLA:GPU's dynamic_slice_fusion: a cuBLAS call on a layer's slice of a stacked buffer, read
+    in place (the backward loop's GEMM on a saved residual). Timed by the bytes it moves it would
+    take 6 µs where its 2 GFLOP take 2 ms (as `planner.schedule` read the 8B's before 2026-11-29)."""
+    kernel = ["%sliced_gemm (stack: bf16[8,1000,1000], i: s32[], w: bf16[1000,1000]) -> (bf16[1000,1000], s8[0]) {",
+              "  %stack = bf16[8,1000,1000]{2,1,0} parameter(0)", "  %i = s32[] parameter(1)",
+              "  %w = bf16[1000,1000]{1,0} parameter(2)", "  %z = s32[] constant(0)",
+              "  %one = bf16[1,1000,1000]{2,1,0} dynamic-slice(%stack, %i, %z, %z), dynamic_slice_sizes={1,1000,1000}",
+              "  %x = bf16[1000,1000]{1,0} bitcast(%one)",
+              gemm("mm", "%x", "%w").replace("  %mm", "  ROOT %mm"), "}"]
+    entry = ["  %stack = bf16[8,1000,1000]{2,1,0} parameter(3)", "  %i = s32[] parameter(4)",
+             "  %k = (bf16[1000,1000]{1,0}, s8[0]{0}) fusion(%stack, %i, %p1), kind=kCustom, calls=%sliced_gemm",
+             "  ROOT %r = bf16[1000,1000]{1,0} bitcast(%p0)"]
+    assert timed(module(entry, kernel)).seconds * 1e3 == pytest.approx(GEMM_MS)
+
+
 def test_a_permute_moves_its_buffer_once_along_its_axis():
     """A pipeline's send: one step of the link's latency and its 2 MB at 10 GB/s (a permute's
     group is the axis it moves along, not the one device its pairs name)."""

@@ -175,12 +175,12 @@ def lookup_axes(names, ids_names) -> tuple[str, ...]:
 
 
 class Embed(nnx.Module):
-    """Rows of a (vocab, embed)-named table; vocab-parallel where the rules split the vocab.
-    `tied`: the table is a head's too (`attend`), which gathers it under ZeRO-3 anyway."""
+    """Rows of a (vocab, embed)-named table; vocab-parallel where the rules split the vocab. A
+    head tied to the table reads it through `attend`."""
 
     def __init__(self, num_embeddings: int, features: int, *, names=("vocab", "embed"), rngs: nnx.Rngs,
-                 embedding_init=nnx.initializers.normal(0.02), dtype=None, param_dtype=jnp.float32, tied: bool = False):
-        self.names, self.dtype, self.tied = tuple(names), dtype, tied
+                 embedding_init=nnx.initializers.normal(0.02), dtype=None, param_dtype=jnp.float32):
+        self.names, self.dtype = tuple(names), dtype
         self.embedding = nnx.Param(
             embedding_init(rngs.params(), (num_embeddings, features), param_dtype), **named(*self.names)
         )
@@ -189,17 +189,20 @@ class Embed(nnx.Module):
         """Rows for int `ids`; inside a step `ids` arrive split over the batch axes only.
 
         Under ZeRO-3 the table is not gathered where its ZeRO axes split its embed dim and the
-        batch (FSDP's), it is no head's, and this device has fewer tokens than table rows: the
-        ids are gathered (4 bytes a token), each device looks up every one of its group's tokens
-        in its own columns, and an all-to-all hands each its own tokens' rows whole, (N-1)/N of
-        tokens × embed, not (N-1)/N of the table; the all-to-all's transpose brings each device
-        its columns' gradient of every token, summed where it lives (no reduce-scatter)."""
+        batch (FSDP's) and this device has fewer tokens than table rows: the ids are gathered (4
+        bytes a token), each device looks up every one of its group's tokens in its own columns,
+        and an all-to-all hands each its own tokens' rows whole, (N-1)/N of tokens × embed, not
+        (N-1)/N of the table; the all-to-all's transpose brings each device its columns' gradient
+        of every token, summed where it lives (no reduce-scatter). A tied table too: the head
+        gathers it, but a gathered lookup's gradient would be a second table-sized reduce-scatter
+        (XLA sums the two uses' only where they meet in one dtype) and keep the gathered table
+        from the first layer to the head."""
         dtype = compute_dtype(self.dtype)
         if not in_step():
             return constrain(jnp.take(param(self.embedding, dtype), ids, axis=0), out_names)
         ids = split_input(ids, ids_names)
         vocab_axes, embed_axes = gathered_layout(self.names)
-        columns = () if self.tied else lookup_axes(self.names, ids_names)
+        columns = lookup_axes(self.names, ids_names)
         table = held(self.embedding, dtype) if columns else param(self.embedding, dtype)
         if columns and ids.size >= table.shape[0]:  # as many tokens as rows: the table's gather moves less
             columns, table = (), param(self.embedding, dtype)
@@ -210,8 +213,10 @@ class Embed(nnx.Module):
         inside = (local >= 0) & (local < rows)
         table, local = vma.match(table, local)
         out = vma.where(inside[..., None], jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0), 0)
-        if columns:
-            out = lax.all_to_all(out, columns, 0, out.ndim - 1, tiled=True)
+        if columns:  # chunks exchanged whole, then put side by side: the rows keep their layout
+            n = lax.axis_size(columns)
+            out = lax.all_to_all(out.reshape(n, -1, *out.shape[1:]), columns, 0, 0, tiled=True)
+            out = jnp.moveaxis(out, 0, -2).reshape(*out.shape[1:-1], -1)
         return relayout_local(out, input_layout(ids_names) + (embed_axes,), layout(out_names), vocab_axes)
 
     def attend(self, x: jax.Array, x_names: Sequence[str | None]) -> jax.Array:

@@ -169,6 +169,10 @@ class _Program:
                               result)
             if callee and (dot := next((l for l in self.blocks[callee] if " dot(" in l), None)):
                 return self.dot_seconds(dot) + self.gap
+            # a cuBLAS call fused with the slices of its operands it reads in place (XLA's
+            # dynamic_slice_fusion: a GEMM on a layer's slice of a stacked residual)
+            if callee and (gemm := next((l for l in self.blocks[callee] if '"__cublas' in l), None)):
+                return self.gemm_seconds(gemm, _OPERAND.findall(hlo.INSTRUCTION.match(gemm)["args"]))
             return self.fusion_bytes(callee, result, operands) / self.hw.stream_bw + self.gap
         if op == "copy-start":  # an asynchronous copy: its operand read and written
             return 2 * sum(_nbytes(self.types.get(o, "")) for o in operands) / self.hw.stream_bw + self.gap
