@@ -24,3 +24,16 @@ def cudnn_installed() -> bool:
 
 
 NEEDS_CUDNN = pytest.mark.skipif(not cudnn_installed(), reason="cuDNN is not installed (nvidia-cudnn-cu13)")
+
+
+def scatter_before_the_last_loop(hlo_text: str, shapes: tuple[str, ...]) -> tuple[str, bool]:
+    """In the entry of a scheduled GPU program, the one reduce-scatter of a buffer of one of
+    `shapes` (e.g. "bf16[512,128256]"; alone or combined with others) and whether it is done
+    before the entry's last loop (the layers' backward): an output head's weight gradient, ordered
+    first (`Plan.head_backward_first`)."""
+    lines = hlo_text[hlo_text.index("ENTRY "):].splitlines()
+    starts = [line.split(" = ")[0].split("%")[-1] for line in lines
+              if " reduce-scatter-start(" in line and any(s + "{" in line.split(" reduce-scatter")[0] for s in shapes)]
+    assert len(starts) == 1, starts
+    done = next(i for i, line in enumerate(lines) if f"reduce-scatter-done(%{starts[0]})" in line)
+    return starts[0], done < max(i for i, line in enumerate(lines) if " while(" in line)

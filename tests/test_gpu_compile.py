@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import jshard
-from gpu_compiler import GPU_COMPILE, NEEDS_CUDNN
+from gpu_compiler import GPU_COMPILE, NEEDS_CUDNN, scatter_before_the_last_loop
 from jshard import aot, hlo
 from jshard.mesh import SCATTER_OVERLAP_OPTIONS
 from jshard.models import decoder, gpt_loss
@@ -179,6 +179,19 @@ def test_a_tied_table_is_reduce_scattered_once():
     assert scattered == 1, scattered
     compared = aot.compared(compiled, planned_zero3_llama("bf16", tied_head=True))
     assert compared["bytes_exact"], compared["bytes"]
+
+
+def test_a_tied_heads_gradient_is_scattered_before_the_layers_backward():
+    """`Plan.head_backward_first` (a GPU, ZeRO-3 without a tensor axis, full remat) orders a head
+    tied to the token table as an untied one (`nn.Embed.attend`): its weight gradient is
+    reduce-scattered before the backward loop, the table's only scatter (the lookup's gradient
+    stays where the table lives). The untied 8B's: test_gpu_compile_8b.py."""
+    config = dataclasses.replace(VALIDATION_MODELS["llama"], tied_head=True, remat="full")
+    model = nnx.eval_shape(lambda: decoder(config, nnx.Rngs(0)))
+    layout = jshard.Layout.of("zero3", example_mesh("zero3"), precision="bf16")
+    compiled = aot.compile_step(model, optax.adamw(1e-3), gpt_loss, layout, aot.target("h100x8"), (16, config.seq_len + 1))
+    table = (f"bf16[{config.vocab_rows},{config.embed}]", f"bf16[{config.embed},{config.vocab_rows}]")
+    assert scatter_before_the_last_loop(compiled.hlo, table)[1], "the tied head's scatter runs after the backward loop"
 
 
 @pytest.fixture(scope="module")

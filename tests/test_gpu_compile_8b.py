@@ -7,7 +7,6 @@ what the program must overlap (docs/gpu-compile.md). The test models' rows are
 import functools
 import importlib.util
 import json
-import re
 import tempfile
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 import jshard
-from gpu_compiler import GPU_COMPILE, NEEDS_CUDNN
+from gpu_compiler import GPU_COMPILE, NEEDS_CUDNN, scatter_before_the_last_loop
 from jshard import aot
 from jshard.cli import main
 from jshard.models import GPTConfig
@@ -131,12 +130,8 @@ def test_the_heads_gradient_is_scattered_before_the_layers_backward_at_8b():
     gradient (2 GiB) is not kept through the loop to compute it after: the `bf16` step in 19.12
     GiB (21.21 with the head's gradient after the loop), under issue 54's 21.5."""
     result = compile_8b("--strategy fsdp --mesh fsdp=8 --remat full", "bf16")
-    lines = result["hlo_text"][result["hlo_text"].index("ENTRY "):].splitlines()
-    where = {name: i for i, line in enumerate(lines) for name in re.findall(r"^\s*(?:ROOT )?%([\w.\-]+) = ", line)}
-    start, = [n for n, i in where.items() if " reduce-scatter-start(" in lines[i] and "bf16[512,128256]" in lines[i]]
-    done, = [i for i in where.values() if f"reduce-scatter-done(%{start})" in lines[i]]
-    loops = [i for i in where.values() if " while(" in lines[i]]
-    assert done < max(loops), "the head's scatter runs after the backward loop"
+    start, first = scatter_before_the_last_loop(result["hlo_text"], ("bf16[512,128256]",))
+    assert first, "the head's scatter runs after the backward loop"
     head = [c for c in result["compiled"]["collectives"] if c["name"] == start]
     assert head[0]["overlapped"], head
     assert result["compiled"]["memory"]["total"] <= 19.5 * 2**30, result["compiled"]["memory"]

@@ -1,7 +1,8 @@
 """The elementwise work between matmuls (`nn.LayerNorm`, `nn.RMSNorm`, `nn.gelu`, `nn.swiglu`):
 the plain formulas' values and gradients, keeping only their inputs for backward, with or
 without an enclosing checkpoint whose policy saves everything (the stack's or ZeRO's); and
-XLA's attention (`jshard.nn.attn.xla_attention`): JAX's forward to the bit, keeping its probabilities alone."""
+XLA's attention (`jshard.nn.attn.xla_attention`): JAX's forward to the bit, keeping its probabilities alone;
+and `nn.params.released_together`, the identity."""
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ from flax import nnx
 
 from jshard import nn
 from jshard.nn.attn import xla_attention
+from jshard.nn.params import released_together
 from seed import SEED
 
 H = 64
@@ -111,3 +113,21 @@ def test_xla_attention_is_jaxs_forward_and_keeps_its_probabilities_alone(kv_head
     kept = _kept_bytes(xla_attention, q, k, v)
     assert kept <= inputs + constants + scores * jnp.dtype(dtype).itemsize + 4  # (+ the scale, a float32 scalar)
     assert _kept_bytes(jaxs, q, k, v) >= kept + scores * 4
+
+
+def test_released_together_is_the_identity_forward_and_backward():
+    """`nn.params.released_together`, which an output head's input and weight pass through where
+    the step orders its weight gradient first (`Plan.head_backward_first`, XLA:GPU only): its
+    values and both gradients those of the identity, to the bit."""
+    keys = jax.random.split(jax.random.key(SEED), 2)
+    x, w = jax.random.normal(keys[0], (4, 8)), jax.random.normal(keys[1], (8, 16))
+
+    def loss(x, w):
+        return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+    def released(x, w):
+        return loss(*released_together(x, w))
+
+    assert released(x, w) == loss(x, w)
+    for got, want in zip(jax.grad(released, (0, 1))(x, w), jax.grad(loss, (0, 1))(x, w)):
+        np.testing.assert_array_equal(got, want)
