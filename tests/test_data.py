@@ -16,7 +16,7 @@ import jshard
 from jshard.app import data, documents, tokenizer
 from jshard.cli import main
 from jshard.models import GPT, GPT_SIZES, gpt_loss
-from jshard.parallel import build_step
+from jshard.parallel import abstract_batch, build_step
 from jshard.app.train_config import TrainConfig
 from jshard.app.training import train
 
@@ -120,9 +120,10 @@ def test_eval_loss_is_the_one_device_loss_and_leaves_the_state(layout, collectiv
 
 def test_eval_runs_no_backward():
     mesh, rules = jshard.make_mesh(data=8), jshard.preset("dp")
-    step = build_step(jshard.init(lambda: GPT(GPT_SIZES["tiny"], rngs=nnx.Rngs(0)), mesh, rules), optax.sgd(0.1),
-                      gpt_loss, jshard.Layout.of(rules, mesh), mesh)
-    batch = step.shard_batch(np.zeros((8, 33), np.int32))
+    # only compiled: built from shapes (`abstract`: the program of the step built on the devices)
+    step = build_step(nnx.eval_shape(lambda: GPT(GPT_SIZES["tiny"], rngs=nnx.Rngs(0))), optax.sgd(0.1),
+                      gpt_loss, jshard.Layout.of(rules, mesh), mesh, abstract=True)
+    batch = abstract_batch(step.plan, (8, 33), np.int32)
     forward = step._loss.lower(step.state.params, step.state.model_state, batch, None).compile().cost_analysis()
     training = step.lower(step.state, batch).compile().cost_analysis()
     forward, training = (c[0] if isinstance(c, list) else c for c in (forward, training))

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import uuid
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +70,56 @@ def tensors_of(directory: str) -> dict:
 
 def relative_error(a, b) -> float:
     return float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.asarray(b)).max())
+
+
+# -- transformers (JSHARD_HF_PYTHON): one process of that Python for the module's checks -----------
+# Each check is `check_with_transformers.main(argv)`, the script's own, as its command line runs it;
+# the process imports torch and transformers once (~5 s of each check's ~6 s when each was a process).
+_SERVE = r"""
+import contextlib, io, json, sys, traceback
+sys.path.insert(0, sys.argv[1])
+import check_with_transformers
+for line in sys.stdin:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = check_with_transformers.main(json.loads(line))
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    print(sys.argv[2], json.dumps(dict(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())), flush=True)
+"""
+_transformers = {}  # the process, while one runs
+
+
+def with_transformers(*argv: str) -> subprocess.CompletedProcess:
+    """`JSHARD_HF_PYTHON tests/hf/check_with_transformers.py *argv`: its exit status, stdout and
+    stderr (with whatever the process wrote outside a check: a crash's last words)."""
+    process = _transformers.get("process")
+    if process is None or process.poll() is not None:
+        tag = f"jshard-hf-{uuid.uuid4().hex}"
+        process = subprocess.Popen([os.environ["JSHARD_HF_PYTHON"], "-c", _SERVE, HERE, tag], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        _transformers.update(process=process, tag=tag)
+    process.stdin.write(json.dumps(list(argv)) + "\n")
+    process.stdin.flush()
+    other = []
+    for line in process.stdout:
+        if line.startswith(_transformers["tag"] + " "):
+            done = json.loads(line.split(" ", 1)[1])
+            stderr = "".join(other) + done["stderr"]
+            return subprocess.CompletedProcess(argv, done["returncode"], done["stdout"], stderr)
+        other.append(line)
+    _transformers.clear()  # it ended within the check
+    return subprocess.CompletedProcess(argv, process.wait(), "", "".join(other))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _transformers_process():
+    yield
+    if process := _transformers.pop("process", None):
+        process.stdin.close()
+        process.wait(timeout=60)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -135,8 +186,7 @@ def test_hf_import_export_import_is_bit_identical(family, tmp_path):
         np.testing.assert_array_equal(flat_params(again)[path], value)
     python = os.environ.get("JSHARD_HF_PYTHON")
     if python:  # transformers loads the export and gives its own logits back exactly
-        checked = subprocess.run([python, os.path.join(HERE, "check_with_transformers.py"), fixture(family),
-                                  str(tmp_path)], capture_output=True, text=True)
+        checked = with_transformers(fixture(family), str(tmp_path))
         assert checked.returncode == 0, checked.stdout + checked.stderr
         assert json.loads(checked.stdout.strip().splitlines()[-1])["max_rel_err"] <= 1e-5
 
@@ -164,8 +214,7 @@ def transformers_loss(directory: str, ids: np.ndarray, tmp_path) -> float | None
     if not python:
         return None
     np.save(tmp_path / "ids.npy", ids)
-    out = subprocess.run([python, os.path.join(HERE, "check_with_transformers.py"), "--loss", directory,
-                          str(tmp_path / "ids.npy")], capture_output=True, text=True)
+    out = with_transformers("--loss", directory, str(tmp_path / "ids.npy"))
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])["loss"]
 
@@ -361,11 +410,11 @@ def test_hf_gpt2_vocabulary_trains_under_tp_and_exports_unpadded(tmp_path, capsy
     ids = np.random.default_rng(5).integers(0, GPT2_VOCAB, 3000)
     np.save(tmp_path / "tokens.npy", ids.astype(np.int32))
     config = TrainConfig.of(init_from=directory, data=str(tmp_path / "tokens.npy"), strategy="dp+tp", mesh="data=4,tensor=2",
-                         steps=2, batch_size=8, seq_len=23, checkpoint_dir=str(tmp_path / "ck"))
+                         steps=1, batch_size=8, seq_len=23, checkpoint_dir=str(tmp_path / "ck"))
     _, result, first_batch, expected = trained_from_hf(config, tmp_path)
     assert f"vocab {GPT2_VOCAB} (table {GPT2_TABLE}: padded" in capsys.readouterr().out
     assert abs(result.losses[0] - expected) <= 1e-5 * expected, (result.losses[0], expected)
-    resumed = train(config.replace(strategy="dp", mesh="data=8", steps=3, resume=True))
+    resumed = train(config.replace(strategy="dp", mesh="data=8", steps=2, resume=True))
     assert len(resumed.losses) == 1 and np.isfinite(resumed.losses[0])
     with pytest.raises(jshard.app.generation.GenerateError, match=r"no tokenizer.json, and its vocab of 50257 is not bytes' "
                                                              r"256: .* Fix: put the model's tokenizer.json in "):

@@ -74,9 +74,9 @@ def test_the_balance_loss_adds_its_gradient_only():
     weight = CONFIG.balance_loss
     with_balance = decoder(CONFIG, nnx.Rngs(SEED))
     without = decoder(dataclasses.replace(CONFIG, balance_loss=0.0), nnx.Rngs(SEED))
-    loss, grads = nnx.value_and_grad(gpt_loss)(with_balance, batch)
-    plain_loss, plain_grads = nnx.value_and_grad(gpt_loss)(without, batch)
-    balance_grads = nnx.grad(lambda m: m.router_stats(batch[:, :-1])["balance"].sum())(without)
+    loss, grads = one_device_gradients(with_balance, gpt_loss, batch)  # jitted: one program, not op by op
+    plain_loss, plain_grads = one_device_gradients(without, gpt_loss, batch)
+    balance_grads = nnx.jit(nnx.grad(lambda m, tokens: m.router_stats(tokens)["balance"].sum()))(without, batch[:, :-1])
     assert float(loss) == float(plain_loss)
     expected = jax.tree.map(lambda g, b: g + weight * b, plain_grads, balance_grads)
     assert_trees_close(grads, expected, "gradient")
@@ -111,7 +111,9 @@ def test_collective_bytes_are_the_planners(preset, sizes, remat, moe_every):
     equal the planner's formulas (`planner.traffic`)."""
     config = dataclasses.replace(SIZES["moe-tiny"], remat=remat, layers=2 * moe_every, moe_every=moe_every)
     batch = np.random.default_rng(SEED).integers(0, config.vocab, (16, config.seq_len + 1))
-    step = build_step(decoder(config, nnx.Rngs(0)), OPTIMIZER, gpt_loss, jshard.Layout.of(preset, sizes))
+    # only compiled: built from shapes (`abstract`: the program of the step built on the devices)
+    step = build_step(nnx.eval_shape(lambda: decoder(config, nnx.Rngs(0))), OPTIMIZER, gpt_loss,
+                      jshard.Layout.of(preset, sizes), jshard.make_mesh(**sizes), abstract=True)
     counted = collective_bytes(step, batch)
     planned = {}
     for (kind, _), nbytes in planner.traffic(config, step.plan, 16 // step.data_shards, config.seq_len).items():

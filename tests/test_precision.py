@@ -21,7 +21,7 @@ from jshard import hlo
 from jshard import planner
 from jshard.mesh import STANDARD_AXES
 from jshard.models import DeepMLP, GPTConfig, MLPConfig, decoder, gpt_loss, mlp_loss
-from jshard.parallel import build_step
+from jshard.parallel import abstract_batch, build_step
 from jshard.parallel.schedules import SCHEDULES
 from jshard.precision import PRECISIONS, Precision, precision
 import decoders
@@ -91,9 +91,11 @@ MLP_BATCH = np.ones((16, MLP.dim), np.float32)
 def mlp_step(preset: str, sizes: tuple[tuple[str, int], ...], policy: Precision):
     """The MLP's step under `policy` (its compute dtype), one object per program: the tests here
     and test_fp8's that lower the same one share its compilation (JAX keeps a jitted function's
-    lowering and executable). Only lowered, never called (a call would donate its `.state`)."""
-    model = DeepMLP(dataclasses.replace(MLP, dtype=policy.compute), rngs=nnx.Rngs(0))
-    return build_step(model, OPTIMIZER, mlp_loss, jshard.Layout.of(preset, dict(sizes), precision=policy))
+    lowering and executable). Only lowered, never called: built from shapes (`abstract`: the program
+    of the step built on the devices, no params made)."""
+    model = nnx.eval_shape(lambda: DeepMLP(dataclasses.replace(MLP, dtype=policy.compute), rngs=nnx.Rngs(0)))
+    return build_step(model, OPTIMIZER, mlp_loss, jshard.Layout.of(preset, dict(sizes), precision=policy),
+                      jshard.make_mesh(**dict(sizes)), abstract=True)
 
 
 def program_traffic(preset, sizes, policy) -> dict[str, int]:
@@ -149,12 +151,13 @@ def test_memory_falls_with_each_zero_stage_under_mixed():
     difference visible.)"""
     policy = PRECISIONS["mixed"]
     config = GPTConfig(vocab=256, seq_len=32, embed=128, heads=4, mlp=512, layers=4, dtype=policy.compute)
-    batch = np.zeros((16, 33), np.int32)
+    model = nnx.eval_shape(lambda: decoder(config, nnx.Rngs(0)))  # only compiled: no params made
 
     def per_device(preset, sizes):
-        step = build_step(decoder(config, nnx.Rngs(0)), OPTIMIZER, gpt_loss,
-                          jshard.Layout.of(preset, sizes, precision=policy))
-        m = step.lower(step.state, step.shard_batch(batch)).compile().memory_analysis()
+        # `abstract`: the program of the step built on the devices (test_abstract_step), compiled for them
+        step = build_step(model, OPTIMIZER, gpt_loss, jshard.Layout.of(preset, sizes, precision=policy),
+                          jshard.make_mesh(**sizes), abstract=True)
+        m = step.lower(step.state, abstract_batch(step.plan, (16, 33), np.int32)).compile().memory_analysis()
         return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
 
     sizes = [per_device("dp", dict(data=8))] + [per_device(f"zero{s}", dict(fsdp=8)) for s in (1, 2, 3)]

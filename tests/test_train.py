@@ -32,7 +32,7 @@ from jshard.cli.train import config_from_args
 from jshard import metrics
 from jshard.metrics import device_memory
 from jshard.models import GPT, gpt_loss
-from jshard.parallel import build_step
+from jshard.parallel import abstract_batch, build_step
 from jshard.placement import specs
 from jshard.models import GPT_SIZES
 from jshard.app.train_config import TrainConfig
@@ -209,8 +209,9 @@ def test_bad_precision_in_a_config_is_refused(field, value, message):
 def test_remat_policies_cut_activation_memory():
     tokens = np.zeros((8, 33), np.int32)
 
-    def temp_bytes(remat):
-        graphdef, params = nnx.split(GPT(dataclasses.replace(GPT_SIZES["tiny"], remat=remat), rngs=nnx.Rngs(0)))
+    def temp_bytes(remat):  # only compiled: the params' shapes (`nnx.eval_shape`)
+        graphdef, params = nnx.split(nnx.eval_shape(lambda: GPT(dataclasses.replace(GPT_SIZES["tiny"], remat=remat),
+                                                               rngs=nnx.Rngs(0))))
         grad = jax.jit(jax.grad(lambda params: gpt_loss(nnx.merge(graphdef, params), tokens)))
         return grad.lower(params).compile().memory_analysis().temp_size_in_bytes
 
@@ -221,12 +222,13 @@ def test_remat_policies_cut_activation_memory():
 def test_remat_policies_cut_memory_under_zero3_too():
     """The ZeRO-3 step's own checkpoint (gather weights again) keeps the layers' policy."""
     mesh, rules = jshard.make_mesh(fsdp=8), jshard.preset("zero3")
-    tokens = np.zeros((16, 65), np.int32)
 
     def temp_bytes(remat):
-        model = GPT(dataclasses.replace(GPT_SIZES["tiny"], remat=remat), rngs=nnx.Rngs(0))
-        step = build_step(model, optax.sgd(0.1), gpt_loss, jshard.Layout.of(rules, mesh), mesh)
-        return step.lower(step.state, step.shard_batch(tokens)).compile().memory_analysis().temp_size_in_bytes
+        # only compiled: built from shapes (`abstract`, the program of the step built on the devices)
+        model = nnx.eval_shape(lambda: GPT(dataclasses.replace(GPT_SIZES["tiny"], remat=remat), rngs=nnx.Rngs(0)))
+        step = build_step(model, optax.sgd(0.1), gpt_loss, jshard.Layout.of(rules, mesh), mesh, abstract=True)
+        tokens = abstract_batch(step.plan, (16, 65), np.int32)
+        return step.lower(step.state, tokens).compile().memory_analysis().temp_size_in_bytes
 
     none, selective, full = temp_bytes("none"), temp_bytes("selective"), temp_bytes("full")
     assert none > selective > full, (none, selective, full)
@@ -240,7 +242,7 @@ def test_global_norm_sums_over_the_shards():
     _, grads = step.value_and_grad(step.state, step.shard_batch(tokens))
     grad_specs = specs(grads, mesh, rules, "opt")
     sharded = jax.jit(jax.shard_map(optim.global_norm, mesh=mesh, in_specs=(grad_specs,), out_specs=jax.P()))
-    np.testing.assert_allclose(sharded(grads), optax.tree.norm(grads), rtol=1e-5)
+    np.testing.assert_allclose(sharded(grads), jax.jit(optax.tree.norm)(grads), rtol=1e-5)  # (jitted: one program)
 
 
 # -- data --------------------------------------------------------------------------------
