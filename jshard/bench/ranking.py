@@ -82,14 +82,13 @@ class Timed:
         """The fastest of `repeats` steps (after one untimed)."""
 
         def once():
+            # The whole step, its update too: a step's collectives that need no state (a lookup's
+            # ids gathered) would otherwise start beside the last step's, and two multi-device
+            # runs at once can deadlock in XLA:CPU's rendezvous (jax 0.10.2).
             self.state, loss = self.compiled(self.state, self.tokens)
-            loss.block_until_ready()
+            jax.block_until_ready((self.state, loss))
 
-        seconds = best_seconds(once, repeats)
-        # The last update may still run: let it end before another program runs (two multi-device
-        # XLA:CPU programs at once can deadlock in their collectives' rendezvous).
-        jax.block_until_ready(self.state)
-        return seconds
+        return best_seconds(once, repeats)
 
 
 def measure(candidates: list, batch: np.ndarray, repeats: int, rounds: int) -> list[list[float]]:
