@@ -18,8 +18,8 @@ import pytest
 from flax import nnx
 
 import jshard
-from gpu_compiler import GPU_COMPILE, NEEDS_CUDNN, scatter_before_the_last_loop
-from jshard import aot, hlo
+from gpu_compiler import GPU_COMPILE, NEEDS_CUDNN
+from jshard import aot
 from jshard.mesh import SCATTER_OVERLAP_OPTIONS
 from jshard.models import decoder, gpt_loss
 from jshard.parallel import make_plan
@@ -116,18 +116,18 @@ def test_fp8_scales_under_remat_are_the_planners():
     assert row["comm_exact"], row
 
 
-def zero3_llama(precision: str, tied_head: bool = False):
+def zero3_llama(precision: str):
     """The validation Llama (head dim 16) under ZeRO-3 on 8 H100s, compiled under `precision`."""
-    config = dataclasses.replace(VALIDATION_MODELS["llama"], tied_head=tied_head)
+    config = VALIDATION_MODELS["llama"]
     model = nnx.eval_shape(lambda: decoder(config, nnx.Rngs(0)))
     return aot.compile_step(model, optax.adamw(1e-3), gpt_loss,
                             jshard.Layout.of("zero3", example_mesh("zero3"), precision=precision),
                             aot.target("h100x8"), (16, config.seq_len + 1))
 
 
-def planned_zero3_llama(precision: str, tied_head: bool = False) -> dict:
-    """The planner's estimate for `zero3_llama(precision, tied_head)`: 2 rows a device, on H100s."""
-    return estimate(PlanInput(dataclasses.replace(VALIDATION_MODELS["llama"], tied_head=tied_head),
+def planned_zero3_llama(precision: str) -> dict:
+    """The planner's estimate for `zero3_llama(precision)`: 2 rows a device, on H100s."""
+    return estimate(PlanInput(VALIDATION_MODELS["llama"],
                               jshard.Layout.of("zero3", dict(example_mesh("zero3")), precision=precision,
                                                micro_batch_size=2), HARDWARE["h100"]))
 
@@ -161,37 +161,6 @@ def test_zero3_gathers_overlap_matmuls_inside_the_layer_scan(zero3_mixed):
     assert in_loop and all(c["asynchronous"] for c in in_loop)
     assert any(c["overlapped"] for c in in_loop)
     assert zero3_mixed.overlap()["all-gather"] > 0
-
-
-def test_a_tied_table_is_reduce_scattered_once():
-    """A table tied to the head, under ZeRO-3 and bf16: the head's use gathers it, the lookup
-    reads it where it lives (`nn.Embed`), so its gradient has one reduce-scatter, the head's. (Had
-    the lookup gathered it too, each use's bf16 gradient would be scattered, the two summed only
-    after their casts to the fp32 param's dtype: two table-sized scatters, as in Llama 3.2 1B's
-    step until 2026-11-29.) The bytes are the planner's."""
-    compiled = zero3_llama("bf16", tied_head=True)
-    config = VALIDATION_MODELS["llama"]
-    # (XLA combines small scatters into one of a tuple, the table's among its operands, in either
-    # order of its dims: no other param of this model has the shape)
-    tables = (f"bf16[{config.vocab_rows},{config.embed}]{{", f"bf16[{config.embed},{config.vocab_rows}]{{")
-    scattered = sum(c.line.split(" reduce-scatter")[0].count(table) for c in hlo.collectives(compiled.hlo)
-                    if c.kind == "reduce-scatter" for table in tables)
-    assert scattered == 1, scattered
-    compared = aot.compared(compiled, planned_zero3_llama("bf16", tied_head=True))
-    assert compared["bytes_exact"], compared["bytes"]
-
-
-def test_a_tied_heads_gradient_is_scattered_before_the_layers_backward():
-    """`Plan.head_backward_first` (a GPU, ZeRO-3 without a tensor axis, full remat) orders a head
-    tied to the token table as an untied one (`nn.Embed.attend`): its weight gradient is
-    reduce-scattered before the backward loop, the table's only scatter (the lookup's gradient
-    stays where the table lives). The untied 8B's: test_gpu_compile_8b.py."""
-    config = dataclasses.replace(VALIDATION_MODELS["llama"], tied_head=True, remat="full")
-    model = nnx.eval_shape(lambda: decoder(config, nnx.Rngs(0)))
-    layout = jshard.Layout.of("zero3", example_mesh("zero3"), precision="bf16")
-    compiled = aot.compile_step(model, optax.adamw(1e-3), gpt_loss, layout, aot.target("h100x8"), (16, config.seq_len + 1))
-    table = (f"bf16[{config.vocab_rows},{config.embed}]", f"bf16[{config.embed},{config.vocab_rows}]")
-    assert scatter_before_the_last_loop(compiled.hlo, table)[1], "the tied head's scatter runs after the backward loop"
 
 
 @pytest.fixture(scope="module")

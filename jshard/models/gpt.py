@@ -151,7 +151,8 @@ class GPT(nnx.Module):
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         self.config = config
         embed = dict(embedding_init=_init(config), dtype=config.dtype, rngs=rngs)
-        self.token_embed = nn.Embed(config.vocab_rows, config.embed, names=("vocab", "embed"), **embed)
+        self.token_embed = nn.Embed(config.vocab_rows, config.embed, names=("vocab", "embed"), tied=config.tied_head,
+                                    **embed)
         self.pos_embed = nn.Embed(config.seq_len, config.embed, names=("seq", "embed"), **embed)
         self.blocks = stack_layers(lambda rngs: Block(config, rngs=rngs), config.layers, rngs, config.remat)
         self.final_norm = nn.LayerNorm(config.embed, epsilon=config.norm_epsilon, dtype=config.dtype)

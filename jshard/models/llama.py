@@ -279,7 +279,7 @@ class Llama(nnx.Module):
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         self.config = config
         self.token_embed = nn.Embed(config.vocab_rows, config.embed, names=("vocab", "embed"),
-                                    embedding_init=INIT, dtype=config.dtype, rngs=rngs)
+                                    embedding_init=INIT, dtype=config.dtype, rngs=rngs, tied=config.tied_head)
         per_layer = config.blocks_per_layer
         layer = Blocks if per_layer > 1 else Block
         self.blocks = stack_layers(lambda rngs: layer(config, rngs=rngs), config.layers // per_layer, rngs, config.remat)

@@ -162,8 +162,8 @@ class Linear(nnx.Module):
 
 
 def head_operands(x: jax.Array, weight: nnx.Variable, dtype):
-    """The output head's input and weight (gathered), in `dtype`; where the step computes the
-    head's weight gradient before the layers' backward (`Plan.head_backward_first`), passed
+    """An untied output head's input and weight (gathered), in `dtype`; where the step computes
+    the head's weight gradient before the layers' backward (`Plan.head_backward_first`), passed
     through `released_together`."""
     if not current_step().head_first:
         return x.astype(dtype), param(weight, dtype)
@@ -185,12 +185,12 @@ def lookup_axes(names, ids_names) -> tuple[str, ...]:
 
 
 class Embed(nnx.Module):
-    """Rows of a (vocab, embed)-named table; vocab-parallel where the rules split the vocab. A
-    head tied to the table reads it through `attend`."""
+    """Rows of a (vocab, embed)-named table; vocab-parallel where the rules split the vocab.
+    `tied`: the table is a head's too (`attend`), which gathers it under ZeRO-3 anyway."""
 
     def __init__(self, num_embeddings: int, features: int, *, names=("vocab", "embed"), rngs: nnx.Rngs,
-                 embedding_init=nnx.initializers.normal(0.02), dtype=None, param_dtype=jnp.float32):
-        self.names, self.dtype = tuple(names), dtype
+                 embedding_init=nnx.initializers.normal(0.02), dtype=None, param_dtype=jnp.float32, tied: bool = False):
+        self.names, self.dtype, self.tied = tuple(names), dtype, tied
         self.embedding = nnx.Param(
             embedding_init(rngs.params(), (num_embeddings, features), param_dtype), **named(*self.names)
         )
@@ -203,16 +203,15 @@ class Embed(nnx.Module):
         bytes a token), each device looks up every one of its group's tokens in its own columns,
         and an all-to-all hands each its own tokens' rows whole, (N-1)/N of tokens × embed, not
         (N-1)/N of the table; the all-to-all's transpose brings each device its columns' gradient
-        of every token, summed where it lives (no reduce-scatter). A tied table too: the head
-        gathers it, but a gathered lookup's gradient would be a second table-sized reduce-scatter
-        (XLA sums the two uses' only where they meet in one dtype) and keep the gathered table
-        from the first layer to the head."""
+        of every token, summed where it lives (no reduce-scatter). Not a tied table: its lookup
+        in its own columns aborted in XLA:CPU 0.10.2's rendezvous inside a pipeline's ticks
+        (docs/gpu-compile.md), so it is gathered, as the head gathers it."""
         dtype = compute_dtype(self.dtype)
         if not in_step():
             return constrain(jnp.take(param(self.embedding, dtype), ids, axis=0), out_names)
         ids = split_input(ids, ids_names)
         vocab_axes, embed_axes = gathered_layout(self.names)
-        columns = lookup_axes(self.names, ids_names)
+        columns = () if self.tied else lookup_axes(self.names, ids_names)
         table = held(self.embedding, dtype) if columns else param(self.embedding, dtype)
         if columns and ids.size >= table.shape[0]:  # as many tokens as rows: the table's gather moves less
             columns, table = (), param(self.embedding, dtype)
@@ -231,8 +230,8 @@ class Embed(nnx.Module):
 
     def attend(self, x: jax.Array, x_names: Sequence[str | None]) -> jax.Array:
         """Logits x · tableᵀ, a head tied to this table: (..., embed) -> (..., vocab)."""
-        x, table = head_operands(x, self.embedding, compute_dtype(self.dtype))
-        return matmul(x, x_names, table, self.names)
+        dtype = compute_dtype(self.dtype)
+        return matmul(x.astype(dtype), x_names, param(self.embedding, dtype), self.names)
 
 
 class LayerNorm(nnx.Module):

@@ -61,9 +61,9 @@ def param_traffic(plan: Plan, remat: bool = False, tied_head: bool = True, combi
     ZeRO-3 gathers each param forward and reduce-scatters its gradient; the layer stack's
     kernels and norm scales are gathered again in backward (the remat policy frees them; under
     `remat`, every stacked param, biases too, as the layer's forward runs again); the token
-    table, `looked_up` without a gather (`lookup_axes`), is neither gathered nor scattered, but
-    for a tied head's use; a tied table's gradient is otherwise reduce-scattered once per use
-    (lookup and head; XLA:GPU, `combined`, sums them first where both are in one dtype). ZeRO-1/2
+    table, `looked_up` without a gather (`lookup_axes`), is neither gathered nor scattered; a
+    tied table's gradient is reduce-scattered once per use (lookup and head; XLA:GPU,
+    `combined`, sums them first). ZeRO-1/2
     reduce-scatter each gradient and gather the new params (ZeRO-2 per use, inside backward).
     What is left of the batch axes all-reduces the gradient in its optimizer layout.
     Under a pipeline, params on every stage (embeddings, final norm) sum over the stage axis:
@@ -87,9 +87,8 @@ def param_traffic(plan: Plan, remat: bool = False, tied_head: bool = True, combi
         reduced = tuple(a for a in plain if not any(a in axes for axes in p.param))
         table = p.path.startswith("token_embed")
         # a tied table's two gradients (lookup, head), each scattered; XLA:GPU sums them first (`combined`)
-        tied = table and tied_head and plan.rules.zero >= 2 and not combined and not looked_up
-        # (ZeRO-3's lookup: the table gathered and scattered for a tied head's use alone)
-        if in_param and not (table and looked_up and not tied_head):
+        tied = table and tied_head and plan.rules.zero >= 2 and not combined
+        if in_param and not (table and looked_up):  # (ZeRO-3's lookup: the table neither gathered nor scattered)
             size = p.gathered_bytes // shards(p.param, sizes, skip=in_param)
             # (a norm's scale: the norm's backward runs it again, `nn.recomputed`; its bias it does not read)
             again = p.stacked_kernel or (p.names[:1] == ("layers",) and (remat or p.path.endswith("norm/scale")))
@@ -119,9 +118,9 @@ def param_traffic(plan: Plan, remat: bool = False, tied_head: bool = True, combi
 def lookup_axes(config: DecoderConfig, plan: Plan, tokens: int) -> tuple[str, ...]:
     """The ZeRO axes the token table is looked up over without gathering it, for a call of the
     model on `tokens` local tokens (`nn.Embed`): under ZeRO-3, those that split its embed dim
-    alone and the batch, where the table has more local rows than `tokens`."""
+    alone and the batch, where the table is no head's and has more local rows than `tokens`."""
     table = next((p for p in plan.params if p.path.startswith("token_embed")), None)
-    if plan.rules.zero != 3 or table is None:
+    if plan.rules.zero != 3 or table is None or config.tied_head:
         return ()
     zero, batch = set(plan.zero_axes), {a for a in plan.batch_axes if plan.mesh_sizes[a] > 1}
     vocab, embed = table.param
