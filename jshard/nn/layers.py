@@ -147,9 +147,9 @@ class Linear(nnx.Module):
         dtype = compute_dtype(self.dtype)
         if current_step().fp8 and self.kernel.get_metadata().get("fp8"):
             y = matmul(x.astype(dtype), x_names, held(self.kernel, dtype), self.names, fp8=True)
-        elif "vocab" in self.names:  # the output head
-            x, kernel = head_operands(x, self.kernel, dtype)
-            y = matmul(x, x_names, kernel, self.names)
+        elif current_step().head_first and "vocab" in self.names:  # the output head (`Plan.head_backward_first`)
+            x, kernel = released_together(x.astype(dtype), held(self.kernel, dtype))
+            y = matmul(x, x_names, gathered(self.kernel, kernel), self.names)
         else:
             y = matmul(x.astype(dtype), x_names, param(self.kernel, dtype), self.names)
         if self.bias is None:
@@ -159,16 +159,6 @@ class Linear(nnx.Module):
             b = relayout_local(b, gathered_layout(self.out_names), layout(self.out_names))
             y, b = vma.match(y, b)
         return y + b
-
-
-def head_operands(x: jax.Array, weight: nnx.Variable, dtype):
-    """An untied output head's input and weight (gathered), in `dtype`; where the step computes
-    the head's weight gradient before the layers' backward (`Plan.head_backward_first`), passed
-    through `released_together`."""
-    if not current_step().head_first:
-        return x.astype(dtype), param(weight, dtype)
-    x, w = released_together(x.astype(dtype), held(weight, dtype))
-    return x, gathered(weight, w)
 
 
 def lookup_axes(names, ids_names) -> tuple[str, ...]:
