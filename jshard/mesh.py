@@ -27,6 +27,9 @@ import glob
 import importlib.util
 import math
 import os
+import re
+import subprocess
+import sys
 from collections.abc import Mapping
 
 import jax
@@ -133,6 +136,13 @@ DEVICELESS_XLA_FLAGS = ("--xla_gpu_autotune_level=0",)
 # of matmuls (dp+fsdp+tp: 75% -> 31%), so there it stays 1. XLA_FLAGS that set it win.
 COLLECTIVES_IN_FLIGHT_OPTION = "xla_gpu_experimental_parallel_collective_overlap_limit"
 ZERO3_COLLECTIVES_IN_FLIGHT = 4
+# Two where `SCATTER_OVERLAP_OPTIONS` apply (full remat): with four, XLA's scheduler left two
+# layers' scatters after the backward loop, beside the optimizer alone, and queued the embedding
+# gradient's all-to-all behind them. Timed along each program's schedule (`planner.schedule`),
+# two were as fast or faster on every such program compiled (Llama 3.1 8B and 3.2 1B, fsdp=8 and
+# data=2,fsdp=4, bf16 and mixed: 0.0-1.4% a step, up to 1.46 GiB less; docs/gpu-compile.md).
+# Not under FP8, whose step it did not shorten (+0.2 ms) and whose gathers beside matmuls it cut.
+SCATTER_OVERLAP_COLLECTIVES_IN_FLIGHT = 2
 # Set per program (`Plan.xla_options`) where ZeRO-3 reduce-scatters each layer's gradients with
 # no tensor axis, under full remat (without it they cost the gathers): the layer loop
 # double-buffered (two trips an iteration, so a trip's scatters and the next one's gathers each
@@ -173,6 +183,38 @@ def use_gpu_xla_flags(compiling_for_gpu: bool = False) -> list[str]:
     if added:
         os.environ["XLA_FLAGS"] = " ".join(given + added)
     return added
+
+
+# What XLA prints where it rejects XLA_FLAGS, before it aborts the process (with, for a bad value,
+# its usage of every flag: ~90 lines): a flag it does not know, a value it cannot read, a word
+# without "--" (which it takes for a file of flags).
+_XLA_FLAGS_CHECKED = "JSHARD_XLA_FLAGS_CHECKED"  # XLA_FLAGS found good (`check_xla_flags`)
+_XLA_FLAG_REJECTION = re.compile(r"\] ((?:Unknown flag|Couldn't interpret value|Could not open file).*)")
+
+
+def check_xla_flags() -> None:
+    """For commands, before JAX starts: raise `MeshError` (one line) where XLA would abort the
+    process on the environment's XLA_FLAGS. XLA parses them when its first backend starts and
+    aborts on a flag it does not know or a value it cannot read, so they are tried first in a
+    child process on the CPU, as XLA parses GPU flags there too (about a second); not where
+    every flag is jshard's own or the fake-device count, nor again where this process or its
+    parent found the same flags good (`_XLA_FLAGS_CHECKED`, which child processes inherit: the
+    processes of `jshard launch`)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    own = set(GPU_XLA_FLAGS + DEVICELESS_XLA_FLAGS)
+    if (os.environ.get(_XLA_FLAGS_CHECKED) == flags
+            or all(f in own or re.fullmatch(r"--xla_force_host_platform_device_count=\d+", f) for f in flags.split())):
+        return
+    try:
+        probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices('cpu')"], capture_output=True,
+                               text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    except subprocess.TimeoutExpired:
+        return
+    if probe.returncode and (m := _XLA_FLAG_REJECTION.search(probe.stderr)):
+        raise MeshError(f"XLA_FLAGS={flags!r}: XLA rejects it: {m[1].strip().rstrip('.')}. "
+                        "Fix: correct or remove that flag (each is --name=value; jshard adds its own GPU flags beside yours).")
+    if not probe.returncode:
+        os.environ[_XLA_FLAGS_CHECKED] = flags
 
 
 def xla_flags_line() -> str:

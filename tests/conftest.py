@@ -27,6 +27,8 @@ os.environ["XLA_FLAGS"] = " ".join(os.environ.get("XLA_FLAGS", "").split() + (
     [] if ON_DEVICE else CPU_COMPILE_FLAGS + list(jshard.mesh.DEVICELESS_XLA_FLAGS)) + list(jshard.mesh.GPU_XLA_FLAGS))
 if not ON_DEVICE:
     jshard.use_fake_cpu_devices(8)
+# Tried once here, as every command tries a user's flags; child processes inherit the answer.
+jshard.mesh.check_xla_flags()
 
 
 def pytest_report_header(config):

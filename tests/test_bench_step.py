@@ -80,6 +80,35 @@ def test_gpu_xla_flags_are_known_to_this_xla():
     assert not _xla_starts("--xla_gpu_no_such_flag=true")
 
 
+@pytest.mark.parametrize("flags, message", [
+    ("--xla_no_such_flag=1", "Unknown flag in XLA_FLAGS: --xla_no_such_flag=1."),
+    ("--xla_gpu_enable_latency_hiding_scheduler=maybe",
+     "Couldn't interpret value maybe for flag xla_gpu_enable_latency_hiding_scheduler."),
+    ("xla_dump_to=/tmp/dump", 'Could not open file "xla_dump_to=/tmp/dump"'),
+])
+def test_xla_flags_xla_would_abort_on_are_one_line(monkeypatch, capsys, flags, message):
+    """XLA aborts the process on such XLA_FLAGS (a bad value with ~90 lines of its usage): every
+    command tries them first and says so in one line, before JAX starts."""
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    monkeypatch.delenv("JSHARD_XLA_FLAGS_CHECKED", raising=False)
+    assert main(["plan", "--strategy", "zero3", "--devices", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"jshard plan: XLA_FLAGS='{flags}': XLA rejects it: ")
+    assert message in err and "Fix: correct or remove that flag" in err
+
+
+def test_xla_flags_xla_reads_pass_the_check(monkeypatch):
+    flags = "--xla_dump_to=/tmp/jshard-dump --xla_gpu_enable_pipelined_all_gather=false"
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    monkeypatch.delenv("JSHARD_XLA_FLAGS_CHECKED", raising=False)
+    mesh.check_xla_flags()  # tried in a child process, accepted, and remembered for child processes
+    assert os.environ["JSHARD_XLA_FLAGS_CHECKED"] == flags
+    monkeypatch.setattr(subprocess, "run", None)  # not tried again; nor jshard's own flags and the device count
+    mesh.check_xla_flags()
+    monkeypatch.setenv("XLA_FLAGS", " ".join((*mesh.GPU_XLA_FLAGS, "--xla_force_host_platform_device_count=8")))
+    mesh.check_xla_flags()
+
+
 def test_gpu_xla_flags_only_on_gpu_beside_the_users_whose_values_win(monkeypatch):
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     assert not mesh.use_gpu_xla_flags()  # the suite runs on CPU

@@ -201,7 +201,8 @@ def test_attention_is_cudnns_for_the_gpu_on_a_cpu_host(zero3_mixed):
 def test_zero_steps_without_tensor_parallelism_get_their_own_xla_options(monkeypatch):
     """`Plan.xla_options`, per program: 4 collectives in flight (`mesh.ZERO3_COLLECTIVES_IN_FLIGHT`)
     for ZeRO-3 steps without a tensor axis, Triton GEMMs off for those in bf16 compute, and under
-    full remat `mesh.SCATTER_OVERLAP_OPTIONS`; XLA_FLAGS that set them win."""
+    full remat `mesh.SCATTER_OVERLAP_OPTIONS` with 2 in flight (not under FP8); XLA_FLAGS that set
+    them win."""
     devices = aot.target_devices(aot.target("h100x8"))
 
     def options(strategy: str, precision: str = "bf16", remat: str = "full", **sizes):
@@ -210,10 +211,14 @@ def test_zero_steps_without_tensor_parallelism_get_their_own_xla_options(monkeyp
         model = nnx.eval_shape(lambda: decoder(config, nnx.Rngs(0)))
         return make_plan(model, layout, jshard.make_mesh(devices, **sizes)).xla_options
 
-    in_flight = {"xla_gpu_experimental_parallel_collective_overlap_limit": 4}
-    # ZeRO-3's scatters beside cuBLAS matmuls, no tensor axis; under full remat the loop double-buffered
+    limit = "xla_gpu_experimental_parallel_collective_overlap_limit"
+    in_flight = {limit: 4}
+    # ZeRO-3's scatters beside cuBLAS matmuls, no tensor axis; under full remat the loop
+    # double-buffered, and two collectives in flight
     no_triton = {"xla_gpu_enable_triton_gemm": False} | SCATTER_OVERLAP_OPTIONS
-    assert options("zero3", fsdp=8) == in_flight | no_triton
+    assert options("zero3", fsdp=8) == {limit: 2} | no_triton
+    assert options("dp+zero3", "mixed", data=2, fsdp=4) == {limit: 2} | no_triton
+    assert options("zero3", "fp8", fsdp=8)[limit] == 4
     # without full remat the double buffering costs the gathers: Triton GEMMs off alone
     assert options("zero3", remat="none", fsdp=8) == in_flight | {"xla_gpu_enable_triton_gemm": False}
     assert options("dp+zero3+tp", data=2, fsdp=2, tensor=2) == {} and options("dp", data=8) == {}
@@ -256,5 +261,5 @@ def test_train_prints_the_programs_own_options_on_a_gpu():
     plan = make_plan(model, jshard.Layout.of("zero3", dict(fsdp=8), precision="bf16"), jshard.make_mesh(devices, fsdp=8))
     text = xla_text(plan, "gpu")
     assert text.startswith("; XLA_FLAGS ") and "; this program's own options " in text
-    assert "--xla_gpu_experimental_parallel_collective_overlap_limit=4" in text and "--xla_gpu_enable_triton_gemm=false" in text
+    assert "--xla_gpu_experimental_parallel_collective_overlap_limit=2" in text and "--xla_gpu_enable_triton_gemm=false" in text
     assert xla_text(plan, "cpu") == ""

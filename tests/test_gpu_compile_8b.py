@@ -95,15 +95,16 @@ def test_zero3_hides_each_layers_gather_and_scatter_under_full_remat():
     loop's gathers started a trip early, as the forward's (`models.stack.layer_call`: no remat
     barrier in the scan; 90% of the loops' gathers with it), the scatters with Triton GEMMs off
     (`Plan.xla_options`; 54% with them on) and the loop double-buffered with MaxText's combine
-    thresholds (`mesh.SCATTER_OVERLAP_OPTIONS`). Of the step's scatters at least 90% (94%): the
-    last layer's (6% of the bytes) run after the backward loop (docs/gpu-compile.md), beside the
-    optimizer's updates: timed along the schedule (`planner.schedule`), those hide them, and
-    every gather and scatter of the step is at least 99% hidden (99.9% and 99.6% measured)."""
+    thresholds (`mesh.SCATTER_OVERLAP_OPTIONS`), two collectives in flight. Of the step's
+    scatters at least 95% (97%; 94% with four in flight, when the last two layers' ran after the
+    backward loop's peeled trip, beside the optimizer's updates alone: docs/gpu-compile.md); the
+    last layer's (3% of the bytes) still do: timed along the schedule (`planner.schedule`), those
+    hide them, and every gather and scatter of the step is at least 99% hidden (100% measured)."""
     result = compile_8b("--strategy fsdp --mesh fsdp=8 --remat full")
     in_loops = result["compiled"]["overlap_in_loops"]
     assert in_loops["reduce-scatter"] >= 0.95 and in_loops["all-gather"] >= 0.95, in_loops
     overlap = result["compiled"]["overlap"]
-    assert overlap["all-gather"] >= 0.95 and overlap["reduce-scatter"] >= 0.9, overlap
+    assert overlap["all-gather"] >= 0.95 and overlap["reduce-scatter"] >= 0.95, overlap
     hidden = result["compiled"]["timeline"]["hidden"]
     assert hidden["all-gather"] >= 0.99 and hidden["reduce-scatter"] >= 0.99, hidden
 

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from jshard.distributed import DistributedError, initialize, leave, needs_supervisor, supervise
     from jshard.app.generation import GenerateError
     from jshard.app.hf import HFError
-    from jshard.mesh import MeshError
+    from jshard.mesh import MeshError, check_xla_flags
     from jshard.parallel.schedules import ScheduleError
     from jshard.app.curves import PlotError
     from jshard.rules import ShardingError
@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         # its parent prints one line, not JAX's report, if JAX's runtime ends it (a lost host)
         return supervise([sys.executable, "-m", "jshard.cli", *argv], args.command)
     try:
+        check_xla_flags()  # before JAX starts: XLA would abort on a flag it cannot read
         if args.command != "launch":  # every process of a multi-process run joins it first
             initialize()
         return int(args.run(args) or 0)
