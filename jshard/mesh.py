@@ -136,13 +136,15 @@ DEVICELESS_XLA_FLAGS = ("--xla_gpu_autotune_level=0",)
 # of matmuls (dp+fsdp+tp: 75% -> 31%), so there it stays 1. XLA_FLAGS that set it win.
 COLLECTIVES_IN_FLIGHT_OPTION = "xla_gpu_experimental_parallel_collective_overlap_limit"
 ZERO3_COLLECTIVES_IN_FLIGHT = 4
-# Two where `SCATTER_OVERLAP_OPTIONS` apply (full remat): with four, XLA's scheduler left two
-# layers' scatters after the backward loop, beside the optimizer alone, and queued the embedding
-# gradient's all-to-all behind them. Timed along each program's schedule (`planner.schedule`),
-# two were as fast or faster on every such program compiled (Llama 3.1 8B and 3.2 1B, fsdp=8 and
-# data=2,fsdp=4, bf16 and mixed: 0.0-1.4% a step, up to 1.46 GiB less; docs/gpu-compile.md).
-# Not under FP8, whose step it did not shorten (+0.2 ms) and whose gathers beside matmuls it cut.
-SCATTER_OVERLAP_COLLECTIVES_IN_FLIGHT = 2
+# Two where the layers are rematerialised (full or selective remat, bf16 compute, not FP8). Under
+# full remat, with four XLA's scheduler left two layers' scatters after the backward loop, beside
+# the optimizer alone; under selective it started a trip's five gathers together beside one
+# matmul. Timed along each program's schedule (`planner.schedule`): full remat as fast or faster
+# on every program compiled (Llama 3.1 8B and 3.2 1B, fsdp=8 and data=2,fsdp=4, bf16 and mixed:
+# 0.0-1.4% a step, up to 1.46 GiB less); selective 1.4-9.0% faster on the 8B, within 2% slower
+# on the 1B. Not under FP8 (no faster; fewer gathers beside matmuls), nor without remat (mixed
+# results): docs/gpu-compile.md.
+REMAT_COLLECTIVES_IN_FLIGHT = 2
 # Set per program (`Plan.xla_options`) where ZeRO-3 reduce-scatters each layer's gradients with
 # no tensor axis, under full remat (without it they cost the gathers): the layer loop
 # double-buffered (two trips an iteration, so a trip's scatters and the next one's gathers each

@@ -201,8 +201,8 @@ def test_attention_is_cudnns_for_the_gpu_on_a_cpu_host(zero3_mixed):
 def test_zero_steps_without_tensor_parallelism_get_their_own_xla_options(monkeypatch):
     """`Plan.xla_options`, per program: 4 collectives in flight (`mesh.ZERO3_COLLECTIVES_IN_FLIGHT`)
     for ZeRO-3 steps without a tensor axis, Triton GEMMs off for those in bf16 compute, and under
-    full remat `mesh.SCATTER_OVERLAP_OPTIONS` with 2 in flight (not under FP8); XLA_FLAGS that set
-    them win."""
+    full remat `mesh.SCATTER_OVERLAP_OPTIONS`; 2 in flight where the layers are rematerialised
+    (`mesh.REMAT_COLLECTIVES_IN_FLIGHT`; not under FP8); XLA_FLAGS that set them win."""
     devices = aot.target_devices(aot.target("h100x8"))
 
     def options(strategy: str, precision: str = "bf16", remat: str = "full", **sizes):
@@ -221,6 +221,7 @@ def test_zero_steps_without_tensor_parallelism_get_their_own_xla_options(monkeyp
     assert options("zero3", "fp8", fsdp=8)[limit] == 4
     # without full remat the double buffering costs the gathers: Triton GEMMs off alone
     assert options("zero3", remat="none", fsdp=8) == in_flight | {"xla_gpu_enable_triton_gemm": False}
+    assert options("zero3", remat="selective", fsdp=8) == {limit: 2, "xla_gpu_enable_triton_gemm": False}
     assert options("dp+zero3+tp", data=2, fsdp=2, tensor=2) == {} and options("dp", data=8) == {}
     assert options("zero2", fsdp=8) == {} and options("zero1", fsdp=8) == {}
     assert options("zero3", "fp32", fsdp=8) == in_flight  # fp32 compute keeps XLA's Triton GEMMs

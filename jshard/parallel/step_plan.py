@@ -39,7 +39,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from jshard.distributed import axes_across_processes
 from jshard.layout import Layout, LayoutError
-from jshard.mesh import (COLLECTIVES_IN_FLIGHT_OPTION, SCATTER_OVERLAP_COLLECTIVES_IN_FLIGHT, SCATTER_OVERLAP_OPTIONS,
+from jshard.mesh import (COLLECTIVES_IN_FLIGHT_OPTION, REMAT_COLLECTIVES_IN_FLIGHT, SCATTER_OVERLAP_OPTIONS,
                          TRITON_GEMM_OPTION, ZERO3_COLLECTIVES_IN_FLIGHT, abstract_mesh, make_mesh, mesh_shape, mesh_text)
 from jshard.models.stack import StagedLoss, stack_remat
 from jshard.parallel import tick_program
@@ -121,15 +121,15 @@ class Plan:
     @functools.cached_property
     def collectives_in_flight(self) -> int:
         """How many collectives XLA:GPU may run at once in this step's program: several for
-        ZeRO-3 without tensor parallelism (`mesh.ZERO3_COLLECTIVES_IN_FLIGHT`, why there; two with
-        the full-remat scatter options but FP8, `mesh.SCATTER_OVERLAP_COLLECTIVES_IN_FLIGHT`), else
-        XLA's one; what XLA_FLAGS set, where they set it."""
+        ZeRO-3 without tensor parallelism (`mesh.ZERO3_COLLECTIVES_IN_FLIGHT`, why there; two where
+        its layers are rematerialised, in bf16 compute but FP8: `mesh.REMAT_COLLECTIVES_IN_FLIGHT`),
+        else XLA's one; what XLA_FLAGS set, where they set it."""
         if m := re.search(rf"--{COLLECTIVES_IN_FLIGHT_OPTION}=(\d+)", os.environ.get("XLA_FLAGS", "")):
             return int(m[1])
         if not self.zero3_without_tensor_axes:
             return 1
-        if self.scatters_without_tensor_axes and self.layer_remat == "full" and not self.fp8:
-            return SCATTER_OVERLAP_COLLECTIVES_IN_FLIGHT
+        if self.scatters_without_tensor_axes and self.layer_remat in ("full", "selective") and not self.fp8:
+            return REMAT_COLLECTIVES_IN_FLIGHT
         return ZERO3_COLLECTIVES_IN_FLIGHT
 
     @functools.cached_property
