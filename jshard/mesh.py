@@ -187,10 +187,10 @@ def use_gpu_xla_flags(compiling_for_gpu: bool = False) -> list[str]:
     return added
 
 
+_XLA_FLAGS_CHECKED = "JSHARD_XLA_FLAGS_CHECKED"  # XLA_FLAGS found good (`check_xla_flags`)
 # What XLA prints where it rejects XLA_FLAGS, before it aborts the process (with, for a bad value,
 # its usage of every flag: ~90 lines): a flag it does not know, a value it cannot read, a word
 # without "--" (which it takes for a file of flags).
-_XLA_FLAGS_CHECKED = "JSHARD_XLA_FLAGS_CHECKED"  # XLA_FLAGS found good (`check_xla_flags`)
 _XLA_FLAG_REJECTION = re.compile(r"\] ((?:Unknown flag|Couldn't interpret value|Could not open file).*)")
 
 
