@@ -17,7 +17,9 @@ from jshard.cli import main
 from jshard.cli.bench import measured_plans
 from jshard.app.config import model_config
 from jshard.layout import Layout, LayoutError
+from jshard.parallel.schedules import make_schedule
 from jshard.planner import physics, search
+from jshard.planner.lockstep import EXECUTOR_BYTES, lockstep
 from jshard.planner.estimate import PlanInput, estimate
 from jshard.planner.hardware import ELEMENTWISE_LAYER_BYTES, ELEMENTWISE_LOGIT_BYTES, HARDWARE, STREAM_SHARE
 from jshard.precision import precision
@@ -25,6 +27,7 @@ from jshard.precision import precision
 RESULTS = pathlib.Path(__file__).parent.parent / "docs" / "results"
 SWEEP = RESULTS / "bench-kernels-h100-jax0.11.2-2026-11-27.json"
 STEPS = RESULTS / "bench-step-h100-jax0.11.2-2026-11-27.json"
+PIPELINES = RESULTS / "compile-pipelines-lockstep-h100x8-jax0.12.0.1-2026-12-01.json"
 H100 = HARDWARE["h100"]
 # Left out of the fit, each step predicted within 10% (the issue's bar)
 TOLERANCE = 0.10
@@ -117,6 +120,83 @@ def test_grad_accum_reduces_once_what_waits_for_the_last_pass(strategy, mesh, on
         assert four[kind] == pytest.approx(one[kind] * (1 if kind in once else 4), rel=1e-6, abs=64), kind
     assert est4["memory_bytes_per_device"]["activations"] == est1["memory_bytes_per_device"]["activations"]
     assert est4["tokens_per_step"] == 4 * est1["tokens_per_step"]
+
+
+def unit_pieces(forward: float = 1.0, backward: float = 2.0, head: float = 0.0):
+    """`timing.phase_terms`-shaped costs for `lockstep`: a layer's forward `forward`, its backward
+    `backward` (B and W each half, ZB-H1's), the head `head` times a layer's."""
+    def pieces(layers):
+        def piece(n):
+            return {"F": {"gemms": n * forward}, "B": {"gemms": n * backward / 2}, "W": {"gemms": n * backward / 2}}
+        return {"layers": piece(layers), "head": piece(head)}
+    return pieces
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("name, p, m, expected", [
+    ("1f1b", 4, 4, 24),   # a steady tick pairs a forward (1) with a backward (2): 2
+    ("1f1b", 4, 16, 72),
+    ("1f1b", 2, 8, 34),
+    ("gpipe", 4, 4, 21),  # a tick runs one kind of action: (m + p - 1) · 3, the back-to-back step
+])
+def test_a_pipelines_ticks_run_in_lockstep(name, p, m, expected):
+    """Every stage starts a tick together and the tick lasts its slowest action (forward 1,
+    backward 2): 1F1B's steady state costs a backward a tick, GPipe loses nothing to it
+    (docs/planning.md's table)."""
+    ticks = lockstep(make_schedule(name, p, m), (1,) * p, "none", unit_pieces(), 0.0, 0.0, HARDWARE["cpu"])
+    assert ticks.seconds == pytest.approx(expected)
+    assert ticks.busy == pytest.approx((3 * m,) * p)  # each stage's own: m forwards and backwards
+    if name == "gpipe":  # in lockstep, GPipe's idle share is its textbook bubble
+        assert ticks.bubble == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.fast
+def test_the_slowest_stage_sets_each_tick_and_the_head_counts_on_the_last():
+    """GPipe on 2 stages, one micro-batch: ticks F@0, F@1, BW@1, BW@0. Uneven stages (2 and 1
+    layers), the head as dear as a layer on the last, a backward's gradient sums 0.5, each action's
+    buffers 0.25, two sends of 0.1 (forward after tick 0, backward after tick 2)."""
+    schedule = make_schedule("gpipe", 2, 1)
+    ticks = lockstep(schedule, (2, 1), "none", unit_pieces(head=1.0), 0.5, 0.1, HARDWARE["cpu"],
+                     moved=(0.25 / EXECUTOR_BYTES["kept"] * HARDWARE["cpu"].stream_bw, 0.0, 0.0))
+    f0, f1, bw1, bw0 = 2 + 0.25, (1 + 1) + 0.25, (2 + 2) + 0.5 + 0.25, 4 + 0.5 + 0.25
+    assert ticks.seconds == pytest.approx(f0 + f1 + bw1 + bw0 + 2 * 0.1)
+    assert ticks.busy == pytest.approx((f0 + bw0 + 0.2, f1 + bw1 + 0.2))
+    # a stage that recomputes its chunk runs the forward again in its backward, and keeps nothing forward
+    again = lockstep(schedule, (2, 1), "full", unit_pieces(head=1.0), 0.0, 0.0, HARDWARE["cpu"])
+    assert again.seconds == pytest.approx(2 + 2 + (2 + 4) + (2 + 4))
+
+
+@pytest.mark.fast
+def test_the_executors_traffic_is_the_fit_of_the_compiled_pipelines():
+    """`EXECUTOR_BYTES`: least squares over the forwards of the compiled programs that keep their
+    residuals, of what each ran beyond its layers' work, in the bytes it keeps, its head's slot
+    and its chunk's weights (the raw JSON's `forward_fit`)."""
+    rows = json.loads(PIPELINES.read_text())["rows"]
+    x, y = [], []
+    for row in rows:
+        if "--stage-remat full" in row["command"]:
+            continue
+        moved = row["forward_fit"]
+        for action, seconds in moved["timeline_less_layers_s"].items():
+            if action.startswith("F "):
+                x.append([moved["kept_bytes"], moved["head_slot_bytes"], moved["chunk_weight_bytes"]])
+                y.append(seconds * H100.stream_bw)
+    fitted = np.linalg.lstsq(np.array(x), np.array(y), rcond=None)[0]
+    assert len(y) >= 30 and np.round(fitted, 2).tolist() == list(EXECUTOR_BYTES.values())
+
+
+@pytest.mark.fast
+def test_a_pipelined_gpu_plan_sums_its_tick_table():
+    """`jshard plan` of a pipeline on H100s: its step is the tick table in lockstep, the optimizer
+    after it, the reductions after the last tick (the bubble at least the schedule's own)."""
+    est = estimate(PlanInput(model_config("llama-3.2-1b", {"seq_len": 2048}),
+                             Layout.of("dp+pp", {"data": 2, "stage": 4}, schedule="1f1b", microbatches=4,
+                                       micro_batch_size=1, precision=precision("mixed")), H100))
+    terms = est["compute_terms"]
+    assert terms["gradient_sums"] > 0 and terms["pipeline_buffers"] > 0 and terms["pipeline_sends"] > 0
+    assert est["bubble_fraction"] > make_schedule("1f1b", 4, 4).bubble_fraction_of_step
+    ticks = (sum(terms.values()) - terms["optimizer"]) / (1 - est["bubble_fraction"])  # the mean stage's, idle included
+    assert est["predicted_step_s"] >= (ticks + terms["optimizer"]) * (1 - 1e-9)
 
 
 @pytest.mark.fast

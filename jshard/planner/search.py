@@ -161,7 +161,8 @@ def pick(config, devices: int, hw: Hardware, batch_size: int, precision: str | N
 def bottleneck(est: dict) -> str:
     """What bounds a layout's step, in words: its largest share, and the bubble where there is one."""
     step = est["predicted_step_s"]
-    shares = {f"{name.replace('_', '-')} work": t for name, t in est["compute_terms"].items()}
+    # (a pipeline's sends are its collective-permute row below)
+    shares = {f"{name.replace('_', '-')} work": t for name, t in est["compute_terms"].items() if name != "pipeline_sends"}
     for row in est["collectives"]:
         where = "over the network" if row["link"] == "inter" else "in the node"
         shares[f"{row['kind']} over {row['axes']} {where}"] = shares.get(

@@ -8,6 +8,7 @@ leaves exposed, as a step time and MFU.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from jshard.planner import physics
 from jshard.planner.planned_step import PlannedStep, local
 from jshard.planner.counts import fp8_cast_widths, is_moe, slots_per_token
 from jshard.planner.hardware import Hardware, link
+from jshard.planner.lockstep import accumulate_bytes, lockstep, moved_bytes
 from jshard.planner.memory import state_bytes
 
 
@@ -36,49 +38,86 @@ XLA_SCORE_BYTES = 22
 FP8_CAST_BYTES = 5
 
 
-def compute_terms(config: DecoderConfig, step: Plan, hw: Hardware, rows: int, seq: int, passes: int, layers: int,
-                  tensor: int, sp: bool, fused: bool, optimizer_traffic: float, stage_recompute: bool) -> dict:
-    """One device's compute in a step, by term (`physics`): `passes` forward-backward passes
-    (micro-batches × accumulation) of `rows` rows of `seq` tokens through its `layers` and the
-    head, then the optimizer once. On a GPU also the memory-bound work between the GEMMs (bytes
-    per element, measured: `ELEMENTWISE_*`), kernel launches and the layers' loops; XLA:CPU
-    runs the elementwise work beside its matmuls (measured: none to add)."""
+PHASES = ("F", "B", "W")  # a forward; backward's input gradient; its weights' gradient
+TERMS = ("gemms", "attention", "memory_bound", "launches")
+
+
+def phase_terms(config: DecoderConfig, step: Plan, hw: Hardware, rows: int, seq: int, layers: int, tensor: int,
+                sp: bool, fused: bool) -> dict[str, dict[str, dict[str, float]]]:
+    """One micro-batch of `rows` rows of `seq` tokens through one device's pieces of the model,
+    in seconds, by piece ("layers": `layers` layers of the stack; "head": the head and the loss),
+    phase (`PHASES`) and term (`TERMS`; `physics`). The forward the model's remat runs again is
+    backward's (B's). On a GPU also the memory-bound work between the GEMMs (bytes per element,
+    measured: `ELEMENTWISE_*`; a forward moves a third of a layer's, its backward reads what the
+    forward wrote and the output's gradient and writes the input's: the rest), kernel launches
+    and the layers' loops; XLA:CPU runs the elementwise work beside its matmuls (measured: none
+    to add)."""
     tokens, gpu = rows * seq, hw.platform == "gpu"
     dtype = "bf16" if jnp.dtype(config.dtype) == jnp.bfloat16 else "f32"
-    # remat full (or a pipeline stage's) runs the forward again; selective, attention's core
-    forwards = 2.0 if config.remat == "full" or stage_recompute else 1.0
-    core_forwards = 2.0 if config.remat != "none" or stage_recompute else 1.0
+    gemm_dtype = "fp8" if step.fp8 else dtype
+    # remat full runs the forward again; selective, attention's core
+    forwards = 2.0 if config.remat == "full" else 1.0
+    core_forwards = 2.0 if config.remat != "none" else 1.0
     moe_layers = config.moe_layers * layers // config.layers if is_moe(config) else 0
     shapes = physics.projections(config, tensor)
-    gemms = layers * physics.training_gemms_seconds(shapes[:-2], tokens, "fp8" if step.fp8 else dtype, hw, forwards)
-    mlp = physics.training_gemms_seconds(shapes[-2:], tokens, "fp8" if step.fp8 else dtype, hw, forwards)
-    gemms += (layers - moe_layers) * mlp
+    zero = dict.fromkeys(TERMS, 0.0)
+    pieces = {piece: {phase: dict(zero) for phase in PHASES} for piece in ("layers", "head")}
+    stack, head = pieces["layers"], pieces["head"]
+
+    def projections(into, shapes, tokens, dtype, times, forwards=1.0):  # each forward, and backward's two GEMMs
+        for k, n in shapes:
+            into["F"]["gemms"] += times * physics.gemm_seconds(tokens, n, k, dtype, hw)
+            into["B"]["gemms"] += times * ((forwards - 1) * physics.gemm_seconds(tokens, n, k, dtype, hw)
+                                           + physics.gemm_seconds(tokens, k, n, dtype, hw))
+            into["W"]["gemms"] += times * physics.gemm_seconds(k, n, tokens, dtype, hw)
+
+    projections(stack, shapes[:-2], tokens, gemm_dtype, layers, forwards)
+    projections(stack, shapes[-2:], tokens, gemm_dtype, layers - moe_layers, forwards)
     if moe_layers:  # each slot through an expert's MLP: the tokens' slots, spread over the experts
-        gemms += moe_layers * physics.training_gemms_seconds(
-            shapes[-2:], math.ceil(tokens * slots_per_token(config)), dtype, hw, forwards)
-    gemms += physics.training_gemms_seconds([(config.embed, config.vocab // tensor)], tokens, dtype, hw)  # the head
+        projections(stack, shapes[-2:], math.ceil(tokens * slots_per_token(config)), dtype, moe_layers, forwards)
+    projections(head, [(config.embed, config.vocab // tensor)], tokens, dtype, 1)
     if fused:  # a flash kernel (cuDNN's; jshard's Pallas kernel under cp, unmeasured: charged as cuDNN's)
-        core = layers * physics.attention_seconds(config, tokens, config.seq_len, tensor, hw, core_forwards)
+        core = layers * physics.attention_seconds(config, tokens, config.seq_len, tensor, hw, forwards=1.0) / 3
+        stack["F"]["attention"], stack["B"]["attention"] = core, (core_forwards + 1) * core
     else:  # QK^T and PV per head as batched GEMMs: forward two, backward four
         hd, keys, batch = config.head_dim, config.seq_len, rows * config.heads // tensor
-        core = layers * batch * ((core_forwards + 1) * physics.gemm_seconds(seq, keys, hd, dtype, hw)
-                                 + (core_forwards + 1) * physics.gemm_seconds(seq, hd, keys, dtype, hw))
-    terms = dict(gemms=passes * gemms, attention=passes * core, memory_bound=0.0, launches=0.0, optimizer=0.0)
+        core = layers * batch * (physics.gemm_seconds(seq, keys, hd, dtype, hw)
+                                 + physics.gemm_seconds(seq, hd, keys, dtype, hw))
+        stack["F"]["attention"], stack["B"]["attention"] = core, core_forwards * core
     if not gpu:  # XLA:CPU runs the elementwise work beside its matmuls; a host's ops: `host_step_seconds`
-        return terms
-    recompute = forwards if config.remat == "full" or stage_recompute else 1.0
+        return pieces
+    recompute = forwards  # (the fitted bytes: a layer's twice under remat full)
     width = config.embed / (tensor if sp else 1) + config.mlp / tensor
     per_element = jnp.dtype(config.dtype).itemsize / 2
-    memory = (hw.elementwise_layer_bytes * per_element * tokens * layers * width * recompute
-              + hw.elementwise_logit_bytes * tokens * config.vocab / tensor)  # the loss is fp32 in any compute dtype
+    memory = hw.elementwise_layer_bytes * per_element * tokens * layers * width
     if step.fp8:
-        memory += FP8_CAST_BYTES * tokens * layers * fp8_cast_widths(config) / tensor * recompute
+        memory += FP8_CAST_BYTES * tokens * layers * fp8_cast_widths(config) / tensor
     if not fused:  # XLA's kernel, or XLA's blocks under cp: each local query's scores over the sequence
-        memory += XLA_SCORE_BYTES * layers * config.heads / tensor * rows * seq * config.seq_len * recompute
-    terms["memory_bound"] = passes * memory / hw.stream_bw
-    terms["launches"] = passes * (physics.launch_seconds(layers, hw) + physics.loop_seconds(2 * layers, hw))
-    fp8_weights = sum(local(p.elements, p.param, step.mesh_sizes) for p in step.params if p.fp8)
-    terms["optimizer"] = (optimizer_traffic + FP8_CAST_BYTES * 2 * fp8_weights * passes) / hw.stream_bw
+        memory += XLA_SCORE_BYTES * layers * config.heads / tensor * rows * seq * config.seq_len
+    stack["F"]["memory_bound"] = memory / 3 / hw.stream_bw
+    stack["B"]["memory_bound"] = (recompute - 1 / 3) * memory / hw.stream_bw
+    logits = hw.elementwise_logit_bytes * tokens * config.vocab / tensor / hw.stream_bw  # (fp32 in any compute dtype)
+    head["F"]["memory_bound"], head["B"]["memory_bound"] = logits / 3, 2 * logits / 3
+    launches = physics.launch_seconds(layers, hw)
+    stack["F"]["launches"] = launches / 3 + physics.loop_seconds(layers, hw)
+    stack["B"]["launches"] = 2 * launches / 3 + physics.loop_seconds(layers, hw)
+    return pieces
+
+
+def compute_terms(config: DecoderConfig, step: Plan, hw: Hardware, rows: int, seq: int, passes: int, layers: int,
+                  tensor: int, sp: bool, fused: bool, optimizer_traffic: float, stage_recompute: bool) -> dict:
+    """One device's compute in a step, by term: `passes` forward-backward passes (micro-batches ×
+    accumulation) through its `layers` and the head (`phase_terms`; a pipeline stage that
+    recomputes its chunk, its layers' forward once more), then the optimizer once (AdamW's pass
+    over the state, and FP8's casts of the weights each pass)."""
+    pieces = phase_terms(config, step, hw, rows, seq, layers, tensor, sp, fused)
+    runs = {("layers", "F"): 2.0 if stage_recompute else 1.0}
+    terms = {term: passes * sum(runs.get((piece, phase), 1.0) * pieces[piece][phase][term]
+                                for piece in pieces for phase in PHASES) for term in TERMS}
+    terms["optimizer"] = 0.0
+    if hw.platform == "gpu":
+        fp8_weights = sum(local(p.elements, p.param, step.mesh_sizes) for p in step.params if p.fp8)
+        terms["optimizer"] = (optimizer_traffic + FP8_CAST_BYTES * 2 * fp8_weights * passes) / hw.stream_bw
     return terms
 
 
@@ -192,9 +231,27 @@ def step_time(planned: PlannedStep, collectives: list[dict]) -> dict:
     # Collective matmuls (`sp-overlap`) take SP's transfers off the critical path, each ring step
     # beside a partial matmul (91% of their bytes in the compiled H100 program, docs/gpu-compile.md).
     t_ring = t_of(lambda k, a: k == "collective-permute" and a == "+".join(tensor_axes)) if rules.collective_matmul else 0.0
-    # The optimizer runs once, after the pipeline drains: the bubble stretches the rest.
-    step_s = ((t_compute - terms["optimizer"]) / (1 - bubble) + terms["optimizer"] + t_tp - t_ring + t_ep + t_lookup
-              + t_cp_exposed + max(0.0, t_dp + t_zero + t_pp + t_ring - t_compute))
+    critical = t_tp - t_ring + t_ep + t_lookup + t_cp_exposed
+    if schedule and hw.platform == "gpu":  # the tick table as the executor runs it: in lockstep (`lockstep`)
+        sends = next((r for r in collectives if r["kind"] == "collective-permute" and r["axes"] == stage_axis), None)
+        chunk = functools.cache(lambda n: phase_terms(config, step, hw, rows, local_seq, n, tensor, sp, fused))
+        ticks = lockstep(schedule, step.stage_layers, stage_remat, chunk, accumulate_bytes(step) / hw.stream_bw,
+                         sends["seconds"] / sends["calls"] if sends else 0.0, hw,
+                         scale=1 + critical / (t_compute - terms["optimizer"]), moved=moved_bytes(planned))
+        pipelined = accum * ticks.seconds
+        terms = {term: accum * t for term, t in ticks.terms.items()} | {"optimizer": terms["optimizer"]}
+        t_compute, bubble = sum(terms.values()), ticks.bubble
+        # Within the ticks ZeRO-3's gathers and scatters and the collective matmuls' rings hide behind
+        # the actions; the reductions of the accumulated gradients (DP's all-reduce, ZeRO-1/2's
+        # scatter and gather) follow the last tick, beside the optimizer only.
+        inside = t_ring + (t_zero if rules.zero == 3 else 0.0)
+        after = t_dp + (t_zero if rules.zero < 3 else 0.0)
+        step_s = (pipelined + terms["optimizer"] + max(0.0, inside - pipelined)
+                  + max(0.0, after - terms["optimizer"]))
+    else:  # (fake CPU devices' pipelines too: replaced by the host's time below)
+        # The optimizer runs once, after the pipeline drains: the bubble stretches the rest.
+        step_s = ((t_compute - terms["optimizer"]) / (1 - bubble) + terms["optimizer"] + critical
+                  + max(0.0, t_dp + t_zero + t_pp + t_ring - t_compute))
     host = None
     if hw.platform == "cpu":
         host = host_work(step, collectives, schedule.ticks * accum if schedule else 0)
