@@ -205,6 +205,11 @@ class ParamLayout:
         return self.placement.names or (None,) * len(self.shape)
 
     @property
+    def stacked(self) -> bool:
+        """Whether it is a stack of layers (its first logical name is 'layers'): what a pipeline splits."""
+        return self.names[:1] == ("layers",)
+
+    @property
     def elements(self) -> int:
         return math.prod(self.shape)
 

@@ -206,6 +206,35 @@ def test_sends_one_activation_per_tick_only_when_needed(schedule):
     assert sum(r.executions for r in timed.collectives.values() if r.kind == "collective-permute") == sends
 
 
+def _shapes_in(text: str, scope: str, op: str, dtype: str) -> list[tuple[int, ...]]:
+    """The result shapes of the HLO instructions `op` of `dtype` traced in `scope` (their op_name)."""
+    found = []
+    for line in text.splitlines():
+        m = hlo.INSTRUCTION.match(line)
+        if m and m["op"] == op and f"/{scope}/" in line and m["type"].startswith(f"{dtype}["):
+            found.append(hlo.dims_of(m["type"][len(dtype) + 1:m["type"].index("]")]))
+    return found
+
+
+def test_a_backward_adds_only_the_gradients_it_computed():
+    """A backward adds into the step's gradient sums what it computed: an interleaved chunk its
+    rows of the layer stack (the SPMD program's gradient of the rest is zeros, and adding them
+    read and wrote the whole stack each backward), the params outside the stack only at the first
+    and last positions, in a cond the tick table decides (`tick_branches`: each stage's backwards
+    are half at an end, half in the middle, on 2 stages of 2 chunks)."""
+    step = mlp_step("interleaved", 2, 4)  # 8 layers: 4 rows of the stack a device, 2 a chunk
+    text = step.lower(step.state, step.shard_batch(np.ones((32, MLP_CONFIG.dim), np.float32))).compile().as_text()
+    sums = _shapes_in(text, "pipeline_BW", "add", "f32")
+    assert sums and {dims[0] for dims in sums if len(dims) == 3} == {2}, sums
+    gpt = build_step(decoders.make("gpt", SEED, layers=4), OPTIMIZER, gpt_loss,
+                     jshard.Layout.of("dp+pp", dict(data=4, stage=2), microbatches=2, schedule="interleaved"))
+    batch = np.zeros((16, decoders.CONFIGS["gpt"].seq_len + 1), np.int32)
+    text = gpt.lower(gpt.state, gpt.shard_batch(batch)).compile().as_text()
+    ticks = tick_branches.TickBranches.of(gpt.schedule)
+    ends = [line for line in text.splitlines() if ticks.chooses(line) == ("ends", "BW")]
+    assert ends and all(ticks.weights(line, stage).tolist() == [0.5, 0.5] for line in ends for stage in (0, 1))
+
+
 def test_late_sends_wait_for_no_compute():
     """Where the tick table allows (ZB-H1's input gradients mostly wait for a W), a tick's sends
     go out in the next tick, and the compiled loop body's late collective-permutes read only the

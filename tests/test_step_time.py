@@ -143,7 +143,7 @@ def test_a_pipelines_ticks_run_in_lockstep(name, p, m, expected):
     """Every stage starts a tick together and the tick lasts its slowest action (forward 1,
     backward 2): 1F1B's steady state costs a backward a tick, GPipe loses nothing to it
     (docs/planning.md's table)."""
-    ticks = lockstep(make_schedule(name, p, m), (1,) * p, "none", unit_pieces(), 0.0, 0.0, HARDWARE["cpu"])
+    ticks = lockstep(make_schedule(name, p, m), (1,) * p, "none", unit_pieces(), (0.0, 0.0), 0.0, HARDWARE["cpu"])
     assert ticks.seconds == pytest.approx(expected)
     assert ticks.busy == pytest.approx((3 * m,) * p)  # each stage's own: m forwards and backwards
     if name == "gpipe":  # in lockstep, GPipe's idle share is its textbook bubble
@@ -156,14 +156,18 @@ def test_the_slowest_stage_sets_each_tick_and_the_head_counts_on_the_last():
     layers), the head as dear as a layer on the last, a backward's gradient sums 0.5, each action's
     buffers 0.25, two sends of 0.1 (forward after tick 0, backward after tick 2)."""
     schedule = make_schedule("gpipe", 2, 1)
-    ticks = lockstep(schedule, (2, 1), "none", unit_pieces(head=1.0), 0.5, 0.1, HARDWARE["cpu"],
+    ticks = lockstep(schedule, (2, 1), "none", unit_pieces(head=1.0), (0.5, 0.0), 0.1, HARDWARE["cpu"],
                      moved=(0.25 / EXECUTOR_BYTES["kept"] * HARDWARE["cpu"].stream_bw, 0.0, 0.0))
     f0, f1, bw1, bw0 = 2 + 0.25, (1 + 1) + 0.25, (2 + 2) + 0.5 + 0.25, 4 + 0.5 + 0.25
     assert ticks.seconds == pytest.approx(f0 + f1 + bw1 + bw0 + 2 * 0.1)
     assert ticks.busy == pytest.approx((f0 + bw0 + 0.2, f1 + bw1 + 0.2))
     # a stage that recomputes its chunk runs the forward again in its backward, and keeps nothing forward
-    again = lockstep(schedule, (2, 1), "full", unit_pieces(head=1.0), 0.0, 0.0, HARDWARE["cpu"])
+    again = lockstep(schedule, (2, 1), "full", unit_pieces(head=1.0), (0.0, 0.0), 0.0, HARDWARE["cpu"])
     assert again.seconds == pytest.approx(2 + 2 + (2 + 4) + (2 + 4))
+    # the params outside the stack are summed at the first and last positions only: on 3 stages
+    # F@0, F@1, F@2, BW@2 (+1), BW@1, BW@0 (+1)
+    ends = lockstep(make_schedule("gpipe", 3, 1), (1, 1, 1), "none", unit_pieces(), (0.0, 1.0), 0.0, HARDWARE["cpu"])
+    assert ends.seconds == pytest.approx(3 + (2 + 1) + 2 + (2 + 1))
 
 
 @pytest.mark.fast

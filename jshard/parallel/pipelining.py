@@ -61,6 +61,7 @@ from jshard.parallel.schedules import Schedule
 from jshard.parallel.tick_program import KINDS, ROLES, SEGMENTS, compile_program, segments
 
 PADDING_SCOPE = "layer_or_padding"  # the cond that skips a padding row of the layer stack
+ENDS_SCOPE = "grads_at_the_ends"  # the cond that adds the params outside the stack at the first and last positions
 # The tick row's flags, each naming the scope of the send (a cond around a ppermute) it decides.
 SEND_SCOPES = ("sends_forward", "sends_backward", "late_forward", "late_backward")
 
@@ -336,12 +337,13 @@ def actions(stages: Stages, backwards: dict, loss_abstract, microbatches: int, k
 
 
 def value_and_grad(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, batch, stage_axis: str,
-                   one_value: Callable[[jax.Array], jax.Array], accumulate=None, stage_remat: str = "none",
-                   stage_layers: tuple[int, ...] | None = None):
+                   one_value: Callable[[jax.Array], jax.Array], stacked: tuple[bool, ...], accumulate=None,
+                   stage_remat: str = "none", stage_layers: tuple[int, ...] | None = None):
     """The mean loss over this device's `batch` and its gradient with respect to `diff`.
 
     `model_of(diff)` builds the model from the differentiable params; `one_value` turns a
     micro-batch's loss into one value per batch shard (a pmean over the axes it is spread on).
+    `stacked`: per leaf of `diff`, whether it is the layer stack (`ParamLayout.stacked`).
     The micro-batches' gradients add up in `accumulate` where it is wider than a param's
     dtype (fp32 over bf16 params), else in the param's. `stage_remat` (`STAGE_REMAT`): keep
     each segment's residuals from F to its backward, or recompute them there. `stage_layers`:
@@ -350,7 +352,7 @@ def value_and_grad(schedule: Schedule, loss: StagedLoss, model_of: Callable, dif
     """
     with scaled_losses(1 / schedule.microbatches):  # as each micro-batch's loss is seeded
         return _execute(schedule, loss, model_of, diff, batch, stage_axis, one_value, accumulate, stage_remat,
-                        stage_layers=stage_layers)
+                        stage_layers=stage_layers, stacked=stacked)
 
 
 def forward_loss(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, batch, stage_axis: str,
@@ -363,7 +365,7 @@ def forward_loss(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff,
 
 def _execute(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, batch, stage_axis: str,
              one_value: Callable, accumulate=None, stage_remat: str = "none", grad: bool = True,
-             stage_layers: tuple[int, ...] | None = None):
+             stage_layers: tuple[int, ...] | None = None, stacked: tuple[bool, ...] = ()):
     """`value_and_grad`; without `grad`, (loss, None) from the F ticks alone."""
     p, v, m = schedule.stages, schedule.virtual, schedule.microbatches
     program = compile_program(schedule, stage_remat if grad else "full")  # (full: no residual slots)
@@ -408,6 +410,33 @@ def _execute(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, bat
     forward_pairs = [(s, (s + 1) % p) for s in range(p if ring else p - 1)]
     backward_pairs = [((s + 1) % p, s) for s in range(p if ring else p - 1)]
 
+    def added(grads, weights, here):
+        """The step's gradient sums plus one backward's: only what the chunk's backward computed.
+        A branch returns every param's gradient, zeros for those it did not compute with, and
+        adding those would read and write the whole accumulator each backward (docs/planning.md).
+        The layer stack's gradient is the chunk's rows of it (interleaved: added into their slice
+        alone, where the stage axis alone splits the stack); the others' (embeddings, head, norms)
+        only at the pipeline's first and last positions, a middle chunk's being zeros."""
+        acc, tree = jax.tree.flatten(grads)
+        new = jax.tree.leaves(weights)
+        start = here["chunk"] * chunk_layers
+        for i, (a, w) in enumerate(zip(acc, new)):
+            if not stacked[i]:
+                continue
+            if v > 1 and a.shape[0] == v * chunk_layers:
+                rows = [lax.dynamic_slice_in_dim(x, start, chunk_layers) for x in (a, w)]
+                acc[i] = lax.dynamic_update_slice_in_dim(a, rows[0] + rows[1], start, 0)
+            else:
+                acc[i] = a + w
+        others = [i for i in range(len(acc)) if not stacked[i]]
+        if others:
+            with jax.named_scope(ENDS_SCOPE):  # (named, for `tick_branches` to find it in the program)
+                summed = lax.cond(here["role"] != ROLES.index("middle"), lambda a, w: [x + y for x, y in zip(a, w)],
+                                  lambda a, w: a, [acc[i] for i in others], [new[i] for i in others])
+            for i, a in zip(others, summed):
+                acc[i] = a
+        return tree.unflatten(acc)
+
     def send(row, flag, x, pairs, ever=True):  # `ever`: whether any tick does (else no ppermute at all)
         if not ever:
             return x * 0
@@ -446,12 +475,12 @@ def _execute(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, bat
             return {s: _write(b, here["crossover_write"][s], handed[s]) for s, b in crossover.items()}, dx
 
         crossover, dx_b = when("B", backward_input, lambda crossover: (crossover, zero), buffers["crossover"])
-        grads = when("W", lambda grads: jax.tree.map(jnp.add, grads, act["W"](here, diff, saved, crossover, x, mb, here)),
+        grads = when("W", lambda grads: added(grads, act["W"](here, diff, saved, crossover, x, mb, here), here),
                      lambda grads: grads, grads)
 
         def backward(grads):
             dx, weights = act["BW"](here, diff, saved, g, x, mb, here)
-            return jax.tree.map(jnp.add, grads, weights), dx
+            return added(grads, weights, here), dx
 
         grads, dx_bw = when("BW", backward, lambda grads: (grads, zero), grads)
         dx = dx_b + dx_bw  # (one of them is zero)

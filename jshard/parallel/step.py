@@ -412,7 +412,8 @@ class ShardedStep(PlannedStep):
             model_of = self._model_builder(params, mine)
             if self.schedule:  # the pipeline runs its own backward, micro-batch by micro-batch
                 loss, grads = pipelining.value_and_grad(self.schedule, self.loss_fn, model_of, diff, batch,
-                                                      self.plan.stage_axis, self._one_value, self._reduce_dtype,
+                                                      self.plan.stage_axis, self._one_value,
+                                                      tuple(p.stacked for p in self.plan.params), self._reduce_dtype,
                                                       self.stage_remat, self.plan.stage_layers)
                 return (loss, None), grads, mine
 

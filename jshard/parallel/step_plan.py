@@ -232,8 +232,7 @@ class Plan:
 
         def summed(p: ParamLayout) -> tuple[str, ...]:
             held = {a for axes in p.param for a in axes}
-            stacked = bool(p.placement.names) and p.placement.names[0] == "layers"
-            if not stacked or not held & set(self.zero_axes) or p.param != p.opt:
+            if not p.stacked or not held & set(self.zero_axes) or p.param != p.opt:
                 return ()
             axes = tuple(a for a in self.grad_axes if a not in held and self.mesh_sizes[a] > 1)
             return axes if self.tensor_axes or across_hosts & set(axes) else ()

@@ -2,7 +2,8 @@
 
 `pipelining.value_and_grad` traces each tick's choices as `lax.cond`s (one per kind of
 action, a switch over the stage's role inside each, one around each send, one per padding
-row of an uneven stack), each in a named scope. XLA keeps them conditionals inside the scan
+row of an uneven stack, one around a backward's sums of the params outside the stack), each
+in a named scope. XLA keeps them conditionals inside the scan
 over ticks, where which branch runs depends on the device's stage and the tick. A reading of
 the program that took every branch (`hlo.collectives`) or the costliest (`hlo.matmul_flops`,
 `planner.schedule`) on every tick would charge each tick a forward and a backward of the last
@@ -18,7 +19,7 @@ import re
 import numpy as np
 
 from jshard import hlo
-from jshard.parallel.pipelining import PADDING_SCOPE, SEND_SCOPES, layer_mask
+from jshard.parallel.pipelining import ENDS_SCOPE, PADDING_SCOPE, SEND_SCOPES, layer_mask
 from jshard.parallel.schedules import Schedule
 from jshard.parallel.tick_program import KINDS, ROLES, Program, compile_program
 
@@ -51,13 +52,16 @@ class TickBranches:
     def chooses(self, line: str) -> tuple[str, str | None] | None:
         """What the conditional on HLO `line` decides, by its innermost scope: ("kind", "F") an
         action of that kind or nothing, ("role", "F") the role inside that kind's action,
-        ("send", "sends_forward") a send, ("padding", None) a row of the stack; None: none of
-        the executor's."""
+        ("send", "sends_forward") a send, ("padding", None) a row of the stack, ("ends", "BW")
+        that kind's sums of the params outside the stack (at the first and last positions only);
+        None: none of the executor's."""
         scopes = _scopes(line)[:-1]  # (the last: the primitive, `cond`)
         inner = scopes[-1] if scopes else ""
         kind = next((n[len("pipeline_"):] for n in reversed(scopes) if n.startswith("pipeline_")), None)
         if inner == PADDING_SCOPE:
             return "padding", None
+        if inner == ENDS_SCOPE:
+            return "ends", kind
         if inner in SEND_SCOPES:
             return "send", inner
         if kind in KINDS and inner in (f"pipeline_{kind}", "role"):
@@ -78,6 +82,8 @@ class TickBranches:
             return int(program.kind[tick, stage] == 1 + KINDS.index(name))
         if what == "role":
             return int(program.role[tick, stage])
+        if what == "ends":
+            return int(program.role[tick, stage] != ROLES.index("middle"))
         position = program.chunk[tick, stage] * self.stages + stage
         return 1 if self.mask is None else int(trip < self.mask[position].sum())
 
@@ -100,6 +106,9 @@ class TickBranches:
         of_kind = program.kind[:, stage] == 1 + KINDS.index(name)
         if what == "role":
             return np.bincount(program.role[:, stage][of_kind], minlength=len(ROLES)) / max(of_kind.sum(), 1)
+        if what == "ends":
+            ends = (program.role[:, stage][of_kind] != ROLES.index("middle")).mean() if of_kind.any() else 0.0
+            return np.array([1 - ends, ends])
         return np.array([1 - of_kind.mean(), of_kind.mean()])  # (no, yes)
 
 

@@ -50,7 +50,7 @@ def folded_norms(plan: Plan) -> frozenset[str]:
     if not plan.sequence_parallel or not plain or plan.stage_axis:
         return frozenset()
     apart = plain | set(plan.zero_axes)
-    return frozenset(p.path for p in plan.params if "norm" in p.path and p.names[:1] != ("layers",)
+    return frozenset(p.path for p in plan.params if "norm" in p.path and not p.stacked
                      and not apart & {a for axes in p.param for a in axes})
 
 
@@ -91,12 +91,12 @@ def param_traffic(plan: Plan, remat: bool = False, tied_head: bool = True, combi
         if in_param and not (table and looked_up):  # (ZeRO-3's lookup: the table neither gathered nor scattered)
             size = p.gathered_bytes // shards(p.param, sizes, skip=in_param)
             # (a norm's scale: the norm's backward runs it again, `nn.recomputed`; its bias it does not read)
-            again = p.stacked_kernel or (p.names[:1] == ("layers",) and (remat or p.path.endswith("norm/scale")))
+            again = p.stacked_kernel or (p.stacked and (remat or p.path.endswith("norm/scale")))
             _add(out, "all-gather", in_mesh_order(in_param), size * (2 if again else 1))
             scattered = p.scattered_bytes // shards(p.param, sizes, skip=in_param)
             _add(out, "reduce-scatter", in_mesh_order(in_param), scattered * (2 if tied else 1))
             if p.fp8:  # its e4m3 shards share one scale, the max of theirs: a float32 all-reduce a layer
-                layers = p.shape[0] if p.names[:1] == ("layers",) else 1
+                layers = p.shape[0] if p.stacked else 1
                 _add(out, "all-reduce", in_mesh_order(in_param), 4 * layers * scale_reductions)
         elif shards(p.opt, sizes) > shards(p.param, sizes):
             axes = in_mesh_order({a for axes in p.opt for a in axes} - {a for axes in p.param for a in axes})
@@ -365,7 +365,7 @@ def calls(kind: str, axes: str, nbytes: float, step: Plan, layers: int, passes: 
         return max(1, sends or 1)
     if step.rules.zero == 3 and group <= set(step.zero_axes):
         if platform == "cpu":
-            stacked = sum(1 for p in step.params if p.names[:1] == ("layers",))
+            stacked = sum(1 for p in step.params if p.stacked)
             per_pass = stacked * layers + len(step.params) - stacked
             return max(1, (2 if kind == "all-gather" else 1) * per_pass * passes)
         return max(1, (2 if kind == "all-gather" else 1) * layers * passes)

@@ -14,7 +14,8 @@ Each action is costed for its own stage (`action_terms`): its chunk's layers
 and the loss on the last position, the forward again where the stage recomputes it
 (`stage_remat="full"`: once for BW, once for each of ZB-H1's B and W), and what the executor does
 on every backward (`accumulate_bytes`): each micro-batch's gradients added into the step's
-accumulator, every param the device holds, the shared embedding and head included, and the
+accumulator, its chunk's rows of the layer stack and, at the first and last positions, the
+embedding, head and norms, and the
 buffers it moves on every action (`EXECUTOR_BYTES`): the residuals a forward keeps written into
 their slot (every segment's: a stage not last writes zeros into the head's) and read back, the
 chunk's weights sliced out of the stack. Each tick also runs its loop iteration and the sends its
@@ -53,16 +54,23 @@ from jshard.planner.planned_step import PlannedStep, cached_program, local
 EXECUTOR_BYTES = dict(kept=7.31, head=3.65, weights=2.54)
 
 
-def accumulate_bytes(step: Plan) -> int:
+def accumulate_bytes(step: Plan) -> tuple[int, int]:
     """What one backward's gradients cost the executor's accumulator (`pipelining._execute`'s
-    carry): for every param this device holds, in its layout, the sum read and written in the
-    accumulation dtype (the param's, widened to the reduction's) and the gradient read in the
-    param's dtype."""
-    total = 0
+    carry), the sum read and written in the accumulation dtype (the param's, widened to the
+    reduction's) and the gradient read in the param's dtype: (the layer stack's, its chunk's
+    rows of it: all of them, or under interleaving its slice, where the stack's rows are split
+    over the stage axis alone; every other param's, which only the first and last positions add)."""
+    stack = others = 0
     for p in step.params:
         wide = np.promote_types(p.held, p.reduce).itemsize
-        total += local(p.elements * (2 * wide + p.held.itemsize), p.param, step.mesh_sizes)
-    return total
+        nbytes = local(p.elements * (2 * wide + p.held.itemsize), p.param, step.mesh_sizes)
+        if not p.stacked:
+            others += nbytes
+        elif p.param[0] == (step.stage_axis,):
+            stack += nbytes // step.schedule.virtual
+        else:
+            stack += nbytes
+    return stack, others
 
 
 def moved_bytes(planned: PlannedStep) -> tuple[float, float, float]:
@@ -73,7 +81,7 @@ def moved_bytes(planned: PlannedStep) -> tuple[float, float, float]:
     per_layer = activation_bytes_per_token_layer(config, planned.tensor, step.sequence_parallel, planned.flash,
                                                  ACTIVATIONS[planned.hw.platform])
     head = tokens * config.vocab / planned.tensor * jnp.dtype(config.dtype).itemsize
-    weights = sum(local(p.bytes, p.param, planned.sizes) for p in step.params if p.names[:1] == ("layers",))
+    weights = sum(local(p.bytes, p.param, planned.sizes) for p in step.params if p.stacked)
     return tokens * step.layer_slots * per_layer, head, weights / step.schedule.virtual
 
 
@@ -106,8 +114,9 @@ def action_terms(kind: str, chunk: dict, head: dict | None, recompute: bool, acc
     """One action's seconds by term: `chunk` and `head` (`timing.phase_terms`' pieces of this
     chunk's layers, and of the head where the chunk is the last) by phase; F a forward, B and W
     backward's parts (ZB-H1), BW both; `recompute`: the stage recomputes its forward for each
-    backward action; each action that finishes the weights' gradients adds them up; each moves
-    the executor's buffers (`executor_s`; a recomputing stage's forward `forward_executor_s`)."""
+    backward action; each action that finishes the weights' gradients adds them up
+    (`accumulate_s`, what its position adds); each moves the executor's buffers (`executor_s`; a
+    recomputing stage's forward `forward_executor_s`)."""
     phases = {"F": ("F",), "B": ("B",), "W": ("W",), "BW": ("B", "W")}[kind]
     if recompute and kind != "F":
         phases = ("F",) + phases
@@ -118,11 +127,13 @@ def action_terms(kind: str, chunk: dict, head: dict | None, recompute: bool, acc
     return terms
 
 
-def lockstep(schedule: Schedule, stage_layers: tuple[int, ...], stage_remat: str, pieces, accumulate_s: float,
-             send_s: float, hw, scale: float = 1.0, moved: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> Lockstep:
+def lockstep(schedule: Schedule, stage_layers: tuple[int, ...], stage_remat: str, pieces,
+             accumulate_s: tuple[float, float], send_s: float, hw, scale: float = 1.0,
+             moved: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> Lockstep:
     """The tick table summed as the executor runs it. `pieces(layers)`: `timing.phase_terms` of a
     chunk of that many layers (its "layers" and "head" pieces); `accumulate_s`: a backward's
-    gradient sums (`accumulate_bytes` at the streaming bandwidth); `send_s`: one send; `scale`:
+    gradient sums (`accumulate_bytes` at the streaming bandwidth: the stack's, and the others'
+    at the first and last positions); `send_s`: one send; `scale`:
     each action stretched by the collectives it waits on (TP's, EP's: on its critical path);
     `moved`: what a chunk's actions move (`executor_bytes`' kept, head and weights bytes)."""
     p, v = schedule.stages, schedule.virtual
@@ -136,7 +147,8 @@ def lockstep(schedule: Schedule, stage_layers: tuple[int, ...], stage_remat: str
         position = virtual * p + stage
         chunk = pieces(stage_layers[position])
         last = position == p * v - 1
-        return action_terms(kind, chunk["layers"], chunk["head"] if last else None, recompute, accumulate_s,
+        summed = accumulate_s[0] + (accumulate_s[1] if last or position == 0 else 0.0)
+        return action_terms(kind, chunk["layers"], chunk["head"] if last else None, recompute, summed,
                             executor_s, forward_executor_s)
 
     seconds, busy, terms = 0.0, [0.0] * p, {}

@@ -119,7 +119,7 @@ def gathered_layers_bytes(plan: Plan, layers: int, platform: str, remat: str) ->
     A layer is one of the stack's: `layers` blocks, or of a MoE Llama `layers // moe_every` of
     `moe_every` blocks each (the stack's own leading dim)."""
     zero, sizes = set(plan.rules.zero_axes), plan.mesh_sizes
-    stacked = [p for p in plan.params if p.names and p.names[0] == "layers"]
+    stacked = [p for p in plan.params if p.stacked]
     if not stacked:
         return 0
     per_layer = sum(p.gathered_bytes // shards(p.param[1:], sizes, skip=zero) for p in stacked)
@@ -302,7 +302,7 @@ def memory_per_device(planned: PlannedStep) -> MemoryEstimate:
         chunk_layers = step.layer_slots
         # Each chunk's weights are sliced out of the local stack for the branch that runs it
         # (measured: XLA materialises the slices), so the stack counts once more.
-        memory["chunk_weights"] = sum(local(p.bytes, p.param, sizes) for p in params if p.names[:1] == ("layers",))
+        memory["chunk_weights"] = sum(local(p.bytes, p.param, sizes) for p in params if p.stacked)
         # The trade `stage_remat` picks: activation memory against the work of the backward.
         trade = {mode: dict(activations=int(pipeline_activations(
                      cached_program(schedule, mode), config, chunk_layers, per_token_layer, logits, rows * local_seq,

@@ -235,7 +235,8 @@ def step_time(planned: PlannedStep, collectives: list[dict]) -> dict:
     if schedule and hw.platform == "gpu":  # the tick table as the executor runs it: in lockstep (`lockstep`)
         sends = next((r for r in collectives if r["kind"] == "collective-permute" and r["axes"] == stage_axis), None)
         chunk = functools.cache(lambda n: phase_terms(config, step, hw, rows, local_seq, n, tensor, sp, fused))
-        ticks = lockstep(schedule, step.stage_layers, stage_remat, chunk, accumulate_bytes(step) / hw.stream_bw,
+        ticks = lockstep(schedule, step.stage_layers, stage_remat, chunk,
+                         tuple(b / hw.stream_bw for b in accumulate_bytes(step)),
                          sends["seconds"] / sends["calls"] if sends else 0.0, hw,
                          scale=1 + critical / (t_compute - terms["optimizer"]), moved=moved_bytes(planned))
         pipelined = accum * ticks.seconds
