@@ -19,7 +19,7 @@ from jshard.app.config import model_config
 from jshard.layout import Layout, LayoutError
 from jshard.parallel.schedules import make_schedule
 from jshard.planner import physics, search
-from jshard.planner.lockstep import EXECUTOR_BYTES, lockstep
+from jshard.planner.lockstep import EXECUTOR_BYTES, Moved, lockstep
 from jshard.planner.estimate import PlanInput, estimate
 from jshard.planner.hardware import ELEMENTWISE_LAYER_BYTES, ELEMENTWISE_LOGIT_BYTES, HARDWARE, STREAM_SHARE
 from jshard.precision import precision
@@ -154,11 +154,13 @@ def test_a_pipelines_ticks_run_in_lockstep(name, p, m, expected):
 def test_the_slowest_stage_sets_each_tick_and_the_head_counts_on_the_last():
     """GPipe on 2 stages, one micro-batch: ticks F@0, F@1, BW@1, BW@0. Uneven stages (2 and 1
     layers), the head as dear as a layer on the last, a backward's gradient sums 0.5, each action's
-    buffers 0.25, two sends of 0.1 (forward after tick 0, backward after tick 2)."""
+    buffers (a forward's 0.25), two sends of 0.1 (forward after tick 0, backward after tick 2)."""
     schedule = make_schedule("gpipe", 2, 1)
+    kept = 0.25 / EXECUTOR_BYTES["forward"]["kept"]  # (seconds at the bandwidth, per byte kept: a forward's 0.25)
     ticks = lockstep(schedule, (2, 1), "none", unit_pieces(head=1.0), (0.5, 0.0), 0.1, HARDWARE["cpu"],
-                     moved=(0.25 / EXECUTOR_BYTES["kept"] * HARDWARE["cpu"].stream_bw, 0.0, 0.0))
-    f0, f1, bw1, bw0 = 2 + 0.25, (1 + 1) + 0.25, (2 + 2) + 0.5 + 0.25, 4 + 0.5 + 0.25
+                     moved=Moved(kept=kept * HARDWARE["cpu"].stream_bw, head=0.0, weights=0.0))
+    back = kept * EXECUTOR_BYTES["backward"]["kept"]  # a backward reads them back
+    f0, f1, bw1, bw0 = 2 + 0.25, (1 + 1) + 0.25, (2 + 2) + 0.5 + back, 4 + 0.5 + back
     assert ticks.seconds == pytest.approx(f0 + f1 + bw1 + bw0 + 2 * 0.1)
     assert ticks.busy == pytest.approx((f0 + bw0 + 0.2, f1 + bw1 + 0.2))
     # a stage that recomputes its chunk runs the forward again in its backward, and keeps nothing forward
@@ -172,21 +174,27 @@ def test_the_slowest_stage_sets_each_tick_and_the_head_counts_on_the_last():
 
 @pytest.mark.fast
 def test_the_executors_traffic_is_the_fit_of_the_compiled_pipelines():
-    """`EXECUTOR_BYTES`: least squares over the forwards of the compiled programs that keep their
-    residuals, of what each ran beyond its layers' work, in the bytes it keeps, its head's slot
-    and its chunk's weights (the raw JSON's `forward_fit`)."""
-    rows = json.loads(PIPELINES.read_text())["rows"]
-    x, y = [], []
-    for row in rows:
-        if "--stage-remat full" in row["command"]:
-            continue
-        moved = row["forward_fit"]
-        for action, seconds in moved["timeline_less_layers_s"].items():
-            if action.startswith("F "):
-                x.append([moved["kept_bytes"], moved["head_slot_bytes"], moved["chunk_weight_bytes"]])
-                y.append(seconds * H100.stream_bw)
-    fitted = np.linalg.lstsq(np.array(x), np.array(y), rcond=None)[0]
-    assert len(y) >= 30 and np.round(fitted, 2).tolist() == list(EXECUTOR_BYTES.values())
+    """`EXECUTOR_BYTES`: least squares over the compiled programs that keep their residuals, of
+    what each action ran beyond its layers' work and gradient sums (the raw JSON's `forward_fit`),
+    in the bytes it keeps, its head's slot and its chunk's weights: every forward; the backwards
+    in the middle and at the end of the programs not under full remat (the first position's also
+    make the embedding's gradient, counted apart)."""
+    rows = [r for r in json.loads(PIPELINES.read_text())["rows"] if "--stage-remat full" not in r["command"]]
+    fits = {}
+    for phase, columns, actions, used in [
+            ("forward", ("kept", "head", "weights"), ("F first", "F middle", "F last"), lambda r: True),
+            ("backward", ("kept", "weights"), ("BW middle", "BW last"), lambda r: "--remat full" not in r["command"])]:
+        x, y = [], []
+        for row in filter(used, rows):
+            moved = row["forward_fit"]
+            for action, seconds in moved["timeline_less_layers_s"].items():
+                if action in actions:
+                    x.append([moved[f"{c}_bytes" if c == "kept" else "head_slot_bytes" if c == "head" else "chunk_weight_bytes"]
+                              for c in columns])
+                    y.append(seconds * H100.stream_bw)
+        fits[phase] = dict(zip(columns, np.round(np.linalg.lstsq(np.array(x), np.array(y), rcond=None)[0], 2).tolist()))
+        assert len(y) >= 15, phase
+    assert fits == EXECUTOR_BYTES
 
 
 @pytest.mark.fast

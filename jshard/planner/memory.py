@@ -243,6 +243,12 @@ def backward_working_bytes(config: DecoderConfig, tensor: int, sp: bool, flash: 
     return _all_activations(config, tensor, sp, flash, act) * recomputed
 
 
+def crossover_bytes_per_token_layer(config: DecoderConfig, tensor: int, sp: bool) -> float:
+    """What ZB-H1's B hands its W per token and layer: each matmul's and norm's output gradient."""
+    h = config.embed
+    return (column_outputs(config) / tensor + (4 * h / tensor if sp else 4 * h)) * jnp.dtype(config.dtype).itemsize
+
+
 def pipeline_activations(program, config: DecoderConfig, chunk_layers: int, per_token_layer: float, logits: float,
                          tokens: int, a_mb: int, tensor: int, sp: bool, stage_remat: str, act: Activations) -> float:
     """Bytes of a pipelined step's activation buffers per device (`pipeline.compile_program`'s
@@ -259,7 +265,7 @@ def pipeline_activations(program, config: DecoderConfig, chunk_layers: int, per_
         return count + 1 if count else 0
 
     h = config.embed
-    crossover = ((column_outputs(config) / tensor + (4 * h / tensor if sp else 4 * h)) * itemsize)
+    crossover = crossover_bytes_per_token_layer(config, tensor, sp)
     head = logits / act.logits + h * itemsize  # the softmax, fp32, and the final norm's output
     total = (program.act_slots + program.grad_slots + 2) * a_mb + tokens * (
         program.crossover_slots["layers"] * chunk_layers * crossover  # (measured: not its unread slot)
