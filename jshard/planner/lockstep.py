@@ -107,7 +107,7 @@ class Lockstep:
 
     seconds: float  # Σ over ticks of the slowest stage's action, the tick's loop iteration and its sends
     busy: tuple[float, ...]  # each stage's own actions (and their share of the sends), in all
-    terms: dict[str, float]  # the mean stage's by term (`timing.TERMS`, gradient_sums, pipeline_buffers, _sends)
+    terms: dict[str, float]  # the mean stage's by term (`timing.TERMS` and the executor's three)
     ticks: int
 
     @property
