@@ -267,10 +267,14 @@ def _read(buffer, slot):
     return [lax.dynamic_index_in_dim(b, slot, keepdims=False) for b in buffer]
 
 
-def _write(buffer, slot, values):
+def _set(array, slot, value):
     # (A slot is always in range: an update in place. `.at[slot].set` would keep the slot's old
     # value where the index fell outside, which XLA reads back to select between: a third more traffic.)
-    return [lax.dynamic_update_index_in_dim(b, v, slot, 0) for b, v in zip(buffer, values)]
+    return lax.dynamic_update_index_in_dim(array, value, slot, 0)
+
+
+def _write(buffer, slot, values):
+    return [_set(b, slot, v) for b, v in zip(buffer, values)]
 
 
 def _per_role(make: Callable) -> Callable:
@@ -487,10 +491,10 @@ def _execute(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, bat
         grads, dx_bw = when("BW", backward, lambda grads: (grads, zero), grads)
         dx = dx_b + dx_bw  # (one of them is zero)
         buffers = dict(
-            act=_write(_write([buffers["act"]], here["act_arrival"], [send(row, "sends_forward", out, forward_pairs)]),
-                       here["act_late"], [late_out])[0],
-            grad=_write(_write([buffers["grad"]], here["grad_arrival"], [send(row, "sends_backward", dx, backward_pairs)]),
-                        here["grad_late"], [late_dx])[0],
+            act=_set(_set(buffers["act"], here["act_arrival"], send(row, "sends_forward", out, forward_pairs)),
+                     here["act_late"], late_out),
+            grad=_set(_set(buffers["grad"], here["grad_arrival"], send(row, "sends_backward", dx, backward_pairs)),
+                      here["grad_late"], late_dx),
             saved=saved, crossover=crossover)
         return (buffers, grads, loss_sum, (out, dx)), None
 

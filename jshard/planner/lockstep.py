@@ -36,7 +36,8 @@ from jshard.parallel.pipelining import SEND_SCOPES
 from jshard.parallel.schedules import Schedule
 from jshard.parallel.step_plan import Plan
 from jshard.planner import physics
-from jshard.planner.memory import ACTIVATIONS, activation_bytes_per_token_layer, crossover_bytes_per_token_layer
+from jshard.planner.memory import (ACTIVATIONS, activation_bytes_per_token_layer, crossover_bytes_per_token_layer,
+                                   stack_bytes)
 from jshard.planner.planned_step import PlannedStep, cached_program, local
 
 # What the executor moves through HBM beyond the layers' own work, per action, in bytes per byte
@@ -56,6 +57,8 @@ from jshard.planner.planned_step import PlannedStep, cached_program, local
 # (its weights only, there and again in each backward action).
 LOOKED_UP = ("token_embed", "pos_embed")  # the decoders' `nn.Embed` tables (their paths)
 EXECUTOR_BYTES = dict(forward=dict(kept=5.87, head=3.08, weights=2.1), backward=dict(kept=5.62, weights=10.71))
+
+
 def accumulate_bytes(step: Plan) -> tuple[int, int]:
     """What one backward's gradients cost the executor's accumulator (`pipelining._execute`'s
     carry), the sum read and written in the accumulation dtype (the param's, widened to the
@@ -96,7 +99,7 @@ def moved_bytes(planned: PlannedStep) -> Moved:
     kept = activation_bytes_per_token_layer(config, tensor, sp, planned.flash, ACTIVATIONS[planned.hw.platform])
     split = step.schedule.backward == "B"
     return Moved(kept=rows * kept, head=tokens * config.vocab / tensor * jnp.dtype(config.dtype).itemsize,
-                 weights=sum(local(p.bytes, p.param, sizes) for p in step.params if p.stacked) / step.schedule.virtual,
+                 weights=stack_bytes(step) / step.schedule.virtual,
                  crossover=rows * crossover_bytes_per_token_layer(config, tensor, sp) if split else 0.0,
                  tables=sum(local(p.bytes, p.param, sizes) for p in step.params if p.path.startswith(LOOKED_UP)))
 

@@ -243,6 +243,11 @@ def backward_working_bytes(config: DecoderConfig, tensor: int, sp: bool, flash: 
     return _all_activations(config, tensor, sp, flash, act) * recomputed
 
 
+def stack_bytes(plan: Plan) -> int:
+    """The layer stack's params on one device, as held."""
+    return sum(local(p.bytes, p.param, plan.mesh_sizes) for p in plan.params if p.stacked)
+
+
 def crossover_bytes_per_token_layer(config: DecoderConfig, tensor: int, sp: bool) -> float:
     """What ZB-H1's B hands its W per token and layer: each matmul's and norm's output gradient."""
     h = config.embed
@@ -291,8 +296,8 @@ def memory_per_device(planned: PlannedStep) -> MemoryEstimate:
     """One device's memory at the step's peak, by kind: the training state (`state_bytes`), the
     activations (with the pipeline's trade of them against recompute), the gradient reduction's
     peak on a GPU (`reduction_bytes`), and the batch."""
-    config, hw, step, sizes = planned.config, planned.hw, planned.step, planned.sizes
-    schedule, stage_remat, params, rules = step.schedule, step.stage_remat, step.params, step.rules
+    config, hw, step = planned.config, planned.hw, planned.step
+    schedule, stage_remat, rules = step.schedule, step.stage_remat, step.rules
     rows, local_seq, tensor, sp, flash = planned.rows, planned.local_seq, planned.tensor, step.sequence_parallel, planned.flash
     cp = step.context_shards
     memory = state_bytes(step, config.layers, hw.platform, config.remat)
@@ -308,7 +313,7 @@ def memory_per_device(planned: PlannedStep) -> MemoryEstimate:
         chunk_layers = step.layer_slots
         # Each chunk's weights are sliced out of the local stack for the branch that runs it
         # (measured: XLA materialises the slices), so the stack counts once more.
-        memory["chunk_weights"] = sum(local(p.bytes, p.param, sizes) for p in params if p.stacked)
+        memory["chunk_weights"] = stack_bytes(step)
         # The trade `stage_remat` picks: activation memory against the work of the backward.
         trade = {mode: dict(activations=int(pipeline_activations(
                      cached_program(schedule, mode), config, chunk_layers, per_token_layer, logits, rows * local_seq,
