@@ -3,6 +3,8 @@ alone and with FSDP, TP and SP on the other axes; its buffers and sends counted;
 
 import functools
 import json
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -246,6 +248,56 @@ def test_late_sends_wait_for_no_compute():
     text = step.lower(step.state, step.shard_batch(np.ones((64, MLP_CONFIG.dim), np.float32))).compile().as_text()
     waits = hlo.permutes_waiting_for_matmuls(text)
     assert waits.count(False) == 2 and waits.count(True) == 2  # late ones: forward and backward
+
+
+# The bench's Llama under ZB-H1 with sp in its stages: on XLA:CPU (jax 0.12.0.1) its step with
+# the slots written in place (`Plan.slots_in_place`, a GPU's) deadlocked in a collective's
+# rendezvous within 8 steps in every run, its devices waiting on different collectives (an
+# all-gather over `tensor` and the stage axis' permute); XLA then aborts the process, so it runs
+# in one of its own. (On jax 0.10.2 it deadlocks written either way: docs/pipeline.md.)
+DEADLOCKED = """
+import sys, dataclasses
+import jshard
+jshard.use_fake_cpu_devices(8)
+import jax, numpy as np, optax
+from flax import nnx
+from jshard.models import SIZES, decoder, gpt_loss
+from jshard.parallel import build_step, step_plan
+if sys.argv[1] == "in-place":
+    step_plan.Plan.slots_in_place = property(lambda plan: True)
+config = dataclasses.replace(SIZES["llama-small"], remat="selective")
+step = build_step(decoder(config, nnx.Rngs(0)), optax.adamw(1e-3), gpt_loss,
+                  jshard.Layout.parse("dp+sp+pp data=2,stage=2,tensor=2 schedule=zb-h1 m=8"))
+batch = step.shard_batch(np.random.default_rng(0).integers(0, config.vocab, (16, config.seq_len + 1)))
+state = step.state
+for _ in range(12):
+    state, loss = step(state, batch)
+    jax.block_until_ready((state, loss))
+print("trained", float(loss))
+"""
+
+
+@pytest.mark.newest
+@pytest.mark.skipif(jax.__version_info__ < (0, 11), reason="XLA:CPU of jax 0.10 deadlocks on this program either way")
+def test_a_zero_bubble_step_with_sp_runs_on_fake_cpu_devices():
+    """On XLA:CPU the executor writes its buffers' slots with `.at[].set` (`Plan.slots_in_place`
+    is False): the program that deadlocked written in place trains its 12 steps."""
+    run = subprocess.run([sys.executable, "-c", DEADLOCKED, "default"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "trained" in run.stdout, run.stderr[-2000:]
+
+
+def test_slots_written_in_place_train_alike():
+    """The GPU's way of writing the slots (in place) gives the same loss and gradients, where
+    XLA:CPU runs it (a zero-bubble MLP: residual and crossover slots, late sends)."""
+    step = mlp_step("zb-h1", 2, 8)
+    assert not step.plan.slots_in_place  # fake CPU devices
+    batch = np.random.default_rng(SEED).standard_normal((64, MLP_CONFIG.dim), dtype=np.float32)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(step.plan), "slots_in_place", property(lambda plan: True))
+        in_place = mlp_step.__wrapped__("zb-h1", 2, 8)
+        assert in_place.plan.slots_in_place
+        assert_gradients_close(in_place, batch, *one_device_gradients(
+            DeepMLP(MLPConfig(dim=MLP_CONFIG.dim, layers=8), rngs=nnx.Rngs(0)), mlp_loss, batch))
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -267,14 +267,14 @@ def _read(buffer, slot):
     return [lax.dynamic_index_in_dim(b, slot, keepdims=False) for b in buffer]
 
 
-def _set(array, slot, value):
-    # (A slot is always in range: an update in place. `.at[slot].set` would keep the slot's old
-    # value where the index fell outside, which XLA reads back to select between: a third more traffic.)
-    return lax.dynamic_update_index_in_dim(array, value, slot, 0)
+def _set(array, slot, value, in_place: bool):
+    # (A slot is always in range: in place, an update. `.at[slot].set` keeps the slot's old value
+    # where the index fell outside, which XLA reads back to select between: a third more traffic.)
+    return lax.dynamic_update_index_in_dim(array, value, slot, 0) if in_place else array.at[slot].set(value)
 
 
-def _write(buffer, slot, values):
-    return [_set(b, slot, v) for b, v in zip(buffer, values)]
+def _write(buffer, slot, values, in_place: bool):
+    return [_set(b, slot, v, in_place) for b, v in zip(buffer, values)]
 
 
 def _per_role(make: Callable) -> Callable:
@@ -344,7 +344,7 @@ def actions(stages: Stages, backwards: dict, loss_abstract, microbatches: int, k
 
 def value_and_grad(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, batch, stage_axis: str,
                    one_value: Callable[[jax.Array], jax.Array], stacked: tuple[bool, ...], accumulate=None,
-                   stage_remat: str = "none", stage_layers: tuple[int, ...] | None = None):
+                   stage_remat: str = "none", stage_layers: tuple[int, ...] | None = None, in_place: bool = False):
     """The mean loss over this device's `batch` and its gradient with respect to `diff`.
 
     `model_of(diff)` builds the model from the differentiable params; `one_value` turns a
@@ -354,24 +354,26 @@ def value_and_grad(schedule: Schedule, loss: StagedLoss, model_of: Callable, dif
     dtype (fp32 over bf16 params), else in the param's. `stage_remat` (`STAGE_REMAT`): keep
     each segment's residuals from F to its backward, or recompute them there. `stage_layers`:
     the layers of each model chunk (`Plan.stage_layers`), where they differ held padded
-    (`held_slots`); None: the stacked rows split evenly, every row a layer.
+    (`held_slots`); None: the stacked rows split evenly, every row a layer. `in_place`: write the
+    buffers' slots in place (`Plan.slots_in_place`: on a GPU).
     """
     with scaled_losses(1 / schedule.microbatches):  # as each micro-batch's loss is seeded
         return _execute(schedule, loss, model_of, diff, batch, stage_axis, one_value, accumulate, stage_remat,
-                        stage_layers=stage_layers, stacked=stacked)
+                        stage_layers=stage_layers, stacked=stacked, in_place=in_place)
 
 
 def forward_loss(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, batch, stage_axis: str,
-                 one_value: Callable[[jax.Array], jax.Array], stage_layers: tuple[int, ...] | None = None) -> jax.Array:
+                 one_value: Callable[[jax.Array], jax.Array], stage_layers: tuple[int, ...] | None = None,
+                 in_place: bool = False) -> jax.Array:
     """The mean loss over this device's `batch`, forward only (evaluation): the schedule's F
     ticks, up to its last, with nothing kept for a backward."""
     return _execute(schedule, loss, model_of, diff, batch, stage_axis, one_value, grad=False,
-                    stage_layers=stage_layers)[0]
+                    stage_layers=stage_layers, in_place=in_place)[0]
 
 
 def _execute(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, batch, stage_axis: str,
              one_value: Callable, accumulate=None, stage_remat: str = "none", grad: bool = True,
-             stage_layers: tuple[int, ...] | None = None, stacked: tuple[bool, ...] = ()):
+             stage_layers: tuple[int, ...] | None = None, stacked: tuple[bool, ...] = (), in_place: bool = False):
     """`value_and_grad`; without `grad`, (loss, None) from the F ticks alone."""
     p, v, m = schedule.stages, schedule.virtual, schedule.microbatches
     program = compile_program(schedule, stage_remat if grad else "full")  # (full: no residual slots)
@@ -471,14 +473,14 @@ def _execute(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, bat
 
         def forward(saved, loss_sum):
             loss_sum, out, kept = act["F"](here, diff, loss_sum, x, mb, here)
-            return {s: _write(b, here["saved_write"][s], kept[s]) for s, b in saved.items()}, loss_sum, out
+            return {s: _write(b, here["saved_write"][s], kept[s], in_place) for s, b in saved.items()}, loss_sum, out
 
         saved, loss_sum, out = when("F", forward, lambda saved, loss_sum: (saved, loss_sum, zero),
                                     buffers["saved"], loss_sum)
 
         def backward_input(crossover):
             dx, handed = act["B"](here, diff, saved, g, x, mb, here)
-            return {s: _write(b, here["crossover_write"][s], handed[s]) for s, b in crossover.items()}, dx
+            return {s: _write(b, here["crossover_write"][s], handed[s], in_place) for s, b in crossover.items()}, dx
 
         crossover, dx_b = when("B", backward_input, lambda crossover: (crossover, zero), buffers["crossover"])
         grads = when("W", lambda grads: added(grads, act["W"](here, diff, saved, crossover, x, mb, here), here),
@@ -491,10 +493,10 @@ def _execute(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, bat
         grads, dx_bw = when("BW", backward, lambda grads: (grads, zero), grads)
         dx = dx_b + dx_bw  # (one of them is zero)
         buffers = dict(
-            act=_set(_set(buffers["act"], here["act_arrival"], send(row, "sends_forward", out, forward_pairs)),
-                     here["act_late"], late_out),
-            grad=_set(_set(buffers["grad"], here["grad_arrival"], send(row, "sends_backward", dx, backward_pairs)),
-                      here["grad_late"], late_dx),
+            act=_set(_set(buffers["act"], here["act_arrival"], send(row, "sends_forward", out, forward_pairs), in_place),
+                     here["act_late"], late_out, in_place),
+            grad=_set(_set(buffers["grad"], here["grad_arrival"], send(row, "sends_backward", dx, backward_pairs),
+                           in_place), here["grad_late"], late_dx, in_place),
             saved=saved, crossover=crossover)
         return (buffers, grads, loss_sum, (out, dx)), None
 

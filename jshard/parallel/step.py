@@ -414,7 +414,8 @@ class ShardedStep(PlannedStep):
                 loss, grads = pipelining.value_and_grad(self.schedule, self.loss_fn, model_of, diff, batch,
                                                       self.plan.stage_axis, self._one_value,
                                                       tuple(p.stacked for p in self.plan.params), self._reduce_dtype,
-                                                      self.stage_remat, self.plan.stage_layers)
+                                                      self.stage_remat, self.plan.stage_layers,
+                                                      self.plan.slots_in_place)
                 return (loss, None), grads, mine
 
             def loss_of(diff, mine):
@@ -461,7 +462,8 @@ class ShardedStep(PlannedStep):
             with self._splitting_sequences():
                 if self.schedule:
                     value = pipelining.forward_loss(self.schedule, self.loss_fn, model_of, diff, batch,
-                                                  self.plan.stage_axis, self._one_value, self.plan.stage_layers)
+                                                  self.plan.stage_axis, self._one_value, self.plan.stage_layers,
+                                                  self.plan.slots_in_place)
                 else:
                     loss, metrics = self._value(self.loss_fn(model_of(diff), batch))
                     value = (loss, metrics) if self.plan.has_aux else loss
