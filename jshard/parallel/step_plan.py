@@ -120,10 +120,8 @@ class Plan:
 
     @property
     def slots_in_place(self) -> bool:
-        """Whether the pipeline executor writes its buffers' slots in place (`pipelining._set`):
-        on a GPU, where it shortened the compiled programs 1-5% (docs/pipeline.md). Not on XLA:CPU,
-        where a program so written deadlocked in a collective's rendezvous (a ZB-H1 step under sp,
-        its devices waiting on different collectives; with `.at[].set`, as before, it does not)."""
+        """Whether the pipeline executor writes its slots in place (`pipelining._set`): on a GPU
+        (programs 1-5% shorter); XLA:CPU deadlocked on a ZB-H1 step so written (docs/pipeline.md)."""
         return self.platform == "gpu"
 
     @functools.cached_property
