@@ -245,7 +245,7 @@ class ParamLayout:
     @property
     def stacked_kernel(self) -> bool:
         """A matmul weight of the layer stack: ZeRO-3 gathers it again in backward."""
-        return bool(self.names) and self.names[0] == "layers" and len(self.shape) > 2
+        return self.stacked and len(self.shape) > 2
 
 
 def specs(tree, mesh: Mesh, rules: Rules, kind: Kind = "param"):
