@@ -250,11 +250,11 @@ def test_late_sends_wait_for_no_compute():
     assert waits.count(False) == 2 and waits.count(True) == 2  # late ones: forward and backward
 
 
-# The bench's Llama under ZB-H1 with sp in its stages: on XLA:CPU (jax 0.12.0.1) its step with
-# the slots written in place (`Plan.slots_in_place`, a GPU's) deadlocked in a collective's
-# rendezvous within 8 steps in every run, its devices waiting on different collectives (an
-# all-gather over `tensor` and the stage axis' permute); XLA then aborts the process, so it runs
-# in one of its own. (On jax 0.10.2 it deadlocks written either way: docs/pipeline.md.)
+# ZB-H1 with sp in its stages, the bench's GPT and Llama: on XLA:CPU (jax 0.10.2 and 0.12.0.1) the
+# GPT's step with its collectives unordered (`Plan.collectives_ordered` False, a GPU's) deadlocked
+# in a collective's rendezvous in its first steps in every run, its devices waiting on different
+# collectives (an all-gather over `tensor` inside an action, the stage axis' permute); XLA then
+# aborts the process, so each runs in one of its own.
 DEADLOCKED = """
 import sys, dataclasses
 import jshard
@@ -262,12 +262,11 @@ jshard.use_fake_cpu_devices(8)
 import jax, numpy as np, optax
 from flax import nnx
 from jshard.models import SIZES, decoder, gpt_loss
-from jshard.parallel import build_step, step_plan
-if sys.argv[1] == "in-place":
-    step_plan.Plan.slots_in_place = property(lambda plan: True)
-config = dataclasses.replace(SIZES["llama-small"], remat="selective")
+from jshard.parallel import build_step
+config = dataclasses.replace(SIZES[sys.argv[1]], remat="selective")
 step = build_step(decoder(config, nnx.Rngs(0)), optax.adamw(1e-3), gpt_loss,
                   jshard.Layout.parse("dp+sp+pp data=2,stage=2,tensor=2 schedule=zb-h1 m=8"))
+assert step.plan.collectives_ordered
 batch = step.shard_batch(np.random.default_rng(0).integers(0, config.vocab, (16, config.seq_len + 1)))
 state = step.state
 for _ in range(12):
@@ -277,27 +276,38 @@ print("trained", float(loss))
 """
 
 
-@pytest.mark.newest
-@pytest.mark.skipif(jax.__version_info__ < (0, 11), reason="XLA:CPU of jax 0.10 deadlocks on this program either way")
-def test_a_zero_bubble_step_with_sp_runs_on_fake_cpu_devices():
-    """On XLA:CPU the executor writes its buffers' slots with `.at[].set` (`Plan.slots_in_place`
-    is False): the program that deadlocked written in place trains its 12 steps."""
-    run = subprocess.run([sys.executable, "-c", DEADLOCKED, "default"], capture_output=True, text=True, timeout=600)
+@pytest.mark.parametrize("model", ["small", "llama-small"])
+def test_a_zero_bubble_step_with_sp_runs_on_fake_cpu_devices(model):
+    """On XLA:CPU each tick's collectives run in one order (`pipelining._after`): the program that
+    deadlocked unordered trains its 12 steps."""
+    run = subprocess.run([sys.executable, "-c", DEADLOCKED, model], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "trained" in run.stdout, run.stderr[-2000:]
 
 
-def test_slots_written_in_place_train_alike():
-    """The GPU's way of writing the slots (in place) gives the same loss and gradients, where
-    XLA:CPU runs it (a zero-bubble MLP: residual and crossover slots, late sends)."""
+def test_collectives_ordered_or_not_train_alike():
+    """The tick's collectives ordered by data (fake CPU devices) or left to XLA (a GPU's way) give
+    the same loss and gradients, where XLA:CPU runs both (a zero-bubble MLP: residual and
+    crossover slots, late sends)."""
     step = mlp_step("zb-h1", 2, 8)
-    assert not step.plan.slots_in_place  # fake CPU devices
+    assert step.plan.collectives_ordered  # fake CPU devices
     batch = np.random.default_rng(SEED).standard_normal((64, MLP_CONFIG.dim), dtype=np.float32)
+    reference = one_device_gradients(DeepMLP(MLPConfig(dim=MLP_CONFIG.dim, layers=8), rngs=nnx.Rngs(0)), mlp_loss, batch)
+    assert_gradients_close(step, batch, *reference)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(type(step.plan), "slots_in_place", property(lambda plan: True))
-        in_place = mlp_step.__wrapped__("zb-h1", 2, 8)
-        assert in_place.plan.slots_in_place
-        assert_gradients_close(in_place, batch, *one_device_gradients(
-            DeepMLP(MLPConfig(dim=MLP_CONFIG.dim, layers=8), rngs=nnx.Rngs(0)), mlp_loss, batch))
+        patch.setattr(type(step.plan), "collectives_ordered", property(lambda plan: False))
+        unordered = mlp_step.__wrapped__("zb-h1", 2, 8)
+        assert not unordered.plan.collectives_ordered
+        assert_gradients_close(unordered, batch, *reference)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("done", [np.float32(np.nan), np.float32(np.inf), np.float32(-3.0)])
+def test_a_value_made_to_wait_is_unchanged(done):
+    """`pipelining._after` adds a zero read from what it waits for: the value is the same whatever
+    that holds (a NaN or an infinity too)."""
+    value = np.arange(4, dtype=np.float32)
+    got = jax.jit(pipelining._after)(value, {"a": np.full(3, done)})
+    np.testing.assert_array_equal(got, value)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -267,14 +267,29 @@ def _read(buffer, slot):
     return [lax.dynamic_index_in_dim(b, slot, keepdims=False) for b in buffer]
 
 
-def _set(array, slot, value, in_place: bool):
-    # (A slot is always in range: in place, an update. `.at[slot].set` keeps the slot's old value
-    # where the index fell outside, which XLA reads back to select between: a third more traffic.)
-    return lax.dynamic_update_index_in_dim(array, value, slot, 0) if in_place else array.at[slot].set(value)
+def _set(array, slot, value):
+    # (A slot is always in range: an update in place, where `.at[slot].set` keeps an out-of-range
+    # slot's old value, which XLA reads back to select between: a third more traffic.)
+    return lax.dynamic_update_index_in_dim(array, value, slot, 0)
 
 
-def _write(buffer, slot, values, in_place: bool):
-    return [_set(b, slot, v, in_place) for b, v in zip(buffer, values)]
+def _after(value, *done):
+    """`value`, made to wait for each of `done` (pytrees): a zero read from a leaf of each is
+    added to it, a leaf varying over no axis that `value` does not. (XLA:CPU starts independent
+    collectives in either order on each device, and two devices that disagree wait in different
+    rendezvous for ever; it drops an optimization barrier, but not a data dependency.)"""
+    for d in done:
+        leaf = next((a for a in jax.tree.leaves(d) if vma.varying_axes(a) <= vma.varying_axes(value)), None)
+        if leaf is None:
+            raise ValueError(f"pipelining: nothing in {jax.tree.structure(d)} varies over only {set(vma.varying_axes(value))}"
+                             " to order this tick's collectives by")
+        first = jnp.ravel(leaf)[0]
+        value = value + (jnp.where(jnp.isfinite(first), first, 0) * 0).astype(value.dtype)
+    return value
+
+
+def _write(buffer, slot, values):
+    return [_set(b, slot, v) for b, v in zip(buffer, values)]
 
 
 def _per_role(make: Callable) -> Callable:
@@ -344,7 +359,7 @@ def actions(stages: Stages, backwards: dict, loss_abstract, microbatches: int, k
 
 def value_and_grad(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, batch, stage_axis: str,
                    one_value: Callable[[jax.Array], jax.Array], stacked: tuple[bool, ...], accumulate=None,
-                   stage_remat: str = "none", stage_layers: tuple[int, ...] | None = None, in_place: bool = False):
+                   stage_remat: str = "none", stage_layers: tuple[int, ...] | None = None, ordered: bool = False):
     """The mean loss over this device's `batch` and its gradient with respect to `diff`.
 
     `model_of(diff)` builds the model from the differentiable params; `one_value` turns a
@@ -354,26 +369,26 @@ def value_and_grad(schedule: Schedule, loss: StagedLoss, model_of: Callable, dif
     dtype (fp32 over bf16 params), else in the param's. `stage_remat` (`STAGE_REMAT`): keep
     each segment's residuals from F to its backward, or recompute them there. `stage_layers`:
     the layers of each model chunk (`Plan.stage_layers`), where they differ held padded
-    (`held_slots`); None: the stacked rows split evenly, every row a layer. `in_place`: write the
-    buffers' slots in place (`Plan.slots_in_place`: on a GPU).
+    (`held_slots`); None: the stacked rows split evenly, every row a layer. `ordered`: run each
+    tick's collectives in one order (`Plan.collectives_ordered`: off a GPU).
     """
     with scaled_losses(1 / schedule.microbatches):  # as each micro-batch's loss is seeded
         return _execute(schedule, loss, model_of, diff, batch, stage_axis, one_value, accumulate, stage_remat,
-                        stage_layers=stage_layers, stacked=stacked, in_place=in_place)
+                        stage_layers=stage_layers, stacked=stacked, ordered=ordered)
 
 
 def forward_loss(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, batch, stage_axis: str,
                  one_value: Callable[[jax.Array], jax.Array], stage_layers: tuple[int, ...] | None = None,
-                 in_place: bool = False) -> jax.Array:
+                 ordered: bool = False) -> jax.Array:
     """The mean loss over this device's `batch`, forward only (evaluation): the schedule's F
     ticks, up to its last, with nothing kept for a backward."""
     return _execute(schedule, loss, model_of, diff, batch, stage_axis, one_value, grad=False,
-                    stage_layers=stage_layers, in_place=in_place)[0]
+                    stage_layers=stage_layers, ordered=ordered)[0]
 
 
 def _execute(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, batch, stage_axis: str,
              one_value: Callable, accumulate=None, stage_remat: str = "none", grad: bool = True,
-             stage_layers: tuple[int, ...] | None = None, stacked: tuple[bool, ...] = (), in_place: bool = False):
+             stage_layers: tuple[int, ...] | None = None, stacked: tuple[bool, ...] = (), ordered: bool = False):
     """`value_and_grad`; without `grad`, (loss, None) from the F ticks alone."""
     p, v, m = schedule.stages, schedule.virtual, schedule.microbatches
     program = compile_program(schedule, stage_remat if grad else "full")  # (full: no residual slots)
@@ -457,9 +472,12 @@ def _execute(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, bat
         mb, x = take(micro, here["microbatch"]), buffers["act"][here["act_slot"]]
         # The last tick's sends that nobody reads in this one: they depend on no compute of this tick.
         late_out = send(row, "late_forward", out, forward_pairs, program.late_forward.any())
-        late_dx = send(row, "late_backward", dx, backward_pairs, program.late_backward.any())
+        late_dx = send(row, "late_backward", _after(dx, late_out) if ordered else dx, backward_pairs,
+                       program.late_backward.any())
 
         g = buffers["grad"][here["grad_slot"]]
+        if ordered:  # every action after both, the on-time sends after every action (below)
+            x, g = _after(x, late_out, late_dx), _after(g, late_out, late_dx)
         zero = jnp.zeros_like(x)
 
         # One boolean cond per kind of action, each updating its buffers in place (a `lax.switch`
@@ -473,14 +491,14 @@ def _execute(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, bat
 
         def forward(saved, loss_sum):
             loss_sum, out, kept = act["F"](here, diff, loss_sum, x, mb, here)
-            return {s: _write(b, here["saved_write"][s], kept[s], in_place) for s, b in saved.items()}, loss_sum, out
+            return {s: _write(b, here["saved_write"][s], kept[s]) for s, b in saved.items()}, loss_sum, out
 
         saved, loss_sum, out = when("F", forward, lambda saved, loss_sum: (saved, loss_sum, zero),
                                     buffers["saved"], loss_sum)
 
         def backward_input(crossover):
             dx, handed = act["B"](here, diff, saved, g, x, mb, here)
-            return {s: _write(b, here["crossover_write"][s], handed[s], in_place) for s, b in crossover.items()}, dx
+            return {s: _write(b, here["crossover_write"][s], handed[s]) for s, b in crossover.items()}, dx
 
         crossover, dx_b = when("B", backward_input, lambda crossover: (crossover, zero), buffers["crossover"])
         grads = when("W", lambda grads: added(grads, act["W"](here, diff, saved, crossover, x, mb, here), here),
@@ -492,11 +510,11 @@ def _execute(schedule: Schedule, loss: StagedLoss, model_of: Callable, diff, bat
 
         grads, dx_bw = when("BW", backward, lambda grads: (grads, zero), grads)
         dx = dx_b + dx_bw  # (one of them is zero)
+        sent_out = send(row, "sends_forward", _after(out, grads) if ordered and grad else out, forward_pairs)
+        sent_dx = send(row, "sends_backward", _after(dx, sent_out) if ordered else dx, backward_pairs)
         buffers = dict(
-            act=_set(_set(buffers["act"], here["act_arrival"], send(row, "sends_forward", out, forward_pairs), in_place),
-                     here["act_late"], late_out, in_place),
-            grad=_set(_set(buffers["grad"], here["grad_arrival"], send(row, "sends_backward", dx, backward_pairs),
-                           in_place), here["grad_late"], late_dx, in_place),
+            act=_set(_set(buffers["act"], here["act_arrival"], sent_out), here["act_late"], late_out),
+            grad=_set(_set(buffers["grad"], here["grad_arrival"], sent_dx), here["grad_late"], late_dx),
             saved=saved, crossover=crossover)
         return (buffers, grads, loss_sum, (out, dx)), None
 

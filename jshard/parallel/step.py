@@ -415,7 +415,7 @@ class ShardedStep(PlannedStep):
                                                       self.plan.stage_axis, self._one_value,
                                                       tuple(p.stacked for p in self.plan.params), self._reduce_dtype,
                                                       self.stage_remat, self.plan.stage_layers,
-                                                      self.plan.slots_in_place)
+                                                      self.plan.collectives_ordered)
                 return (loss, None), grads, mine
 
             def loss_of(diff, mine):
@@ -463,7 +463,7 @@ class ShardedStep(PlannedStep):
                 if self.schedule:
                     value = pipelining.forward_loss(self.schedule, self.loss_fn, model_of, diff, batch,
                                                   self.plan.stage_axis, self._one_value, self.plan.stage_layers,
-                                                  self.plan.slots_in_place)
+                                                  self.plan.collectives_ordered)
                 else:
                     loss, metrics = self._value(self.loss_fn(model_of(diff), batch))
                     value = (loss, metrics) if self.plan.has_aux else loss

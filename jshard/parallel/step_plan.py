@@ -119,10 +119,10 @@ class Plan:
         return self.mesh.devices.flat[0].platform if isinstance(self.mesh, Mesh) else None
 
     @property
-    def slots_in_place(self) -> bool:
-        """Whether the pipeline executor writes its slots in place (`pipelining._set`): on a GPU
-        (programs 1-5% shorter); XLA:CPU deadlocked on a ZB-H1 step so written (docs/pipeline.md)."""
-        return self.platform == "gpu"
+    def collectives_ordered(self) -> bool:
+        """Whether the pipeline executor chains each tick's collectives (`pipelining._after`): off a
+        GPU, where XLA:CPU may start two in either order on two devices, and deadlock (docs/pipeline.md)."""
+        return self.platform != "gpu"
 
     @functools.cached_property
     def collectives_in_flight(self) -> int:
