@@ -58,23 +58,24 @@ def report(names: list[str], plans: list[PlanInput], measured: np.ndarray) -> st
 
 # --- fake CPU devices: the host's constants -------------------------------------------------
 
-HOST_FIELDS = ("matmul_efficiency", "tick_s", "call_s")
+HOST_FIELDS = ("matmul_efficiency", "call_s", "hbm_bw")
 
 
 def host_features(plans: list[PlanInput]) -> np.ndarray:
-    """Per layout the three things its step is linear in (`timing.host_step_seconds`): its
-    compute at the host's peak (matmul efficiency 1), its pipeline ticks, and its ZeRO-3
-    collectives counted per other member of their groups."""
+    """Per layout the three things its step is linear in (`timing.host_step_seconds`): its compute
+    at the host's peak (matmul efficiency 1), its ZeRO-3 collectives and the bytes its pipeline's
+    executor moves."""
     rows = []
     for p in plans:
-        bare = dataclasses.replace(p.hardware, matmul_efficiency=1.0, tick_s=0.0, call_s=0.0)
-        est = estimate(dataclasses.replace(p, hardware=bare))
-        rows.append([est["predicted_step_s"], est["host"]["ticks"], est["host"]["zero3_member_calls"]])
+        bare = dataclasses.replace(p.hardware, matmul_efficiency=1.0)
+        host = estimate(dataclasses.replace(p, hardware=bare))["host"]
+        rows.append([host["seconds"]["compute"], host["zero3_calls"], host["executor_bytes"]])
     return np.array(rows, dtype=float)
 
 
 def fit_host(plans: list[PlanInput], measured: np.ndarray) -> dict:
     """The CPU profile's `HOST_FIELDS` by least squares over measured layouts (`jshard bench
-    search --json` rows): the compute's coefficient is 1 / the host's matmul efficiency."""
-    compute, tick_s, call_s = np.linalg.lstsq(host_features(plans), measured, rcond=None)[0]
-    return dict(matmul_efficiency=1 / compute, tick_s=tick_s, call_s=call_s)
+    search --json` rows): the compute's coefficient is 1 / the host's matmul efficiency, the
+    executor's bytes' 1 / the host's bandwidth."""
+    compute, call_s, per_byte = np.linalg.lstsq(host_features(plans), measured, rcond=None)[0]
+    return dict(matmul_efficiency=1 / compute, call_s=call_s, hbm_bw=1 / per_byte)

@@ -3,7 +3,8 @@
 For a model and the rows a step trains on, `plan.search` ranks every layout of this host's
 devices on their profile (fake CPU devices: the `cpu` one; an H100: `h100`); this bench takes
 `count` of the layouts that fit, spread evenly over the ranking (the first, the last and those
-between), builds each step as `jshard train` would (`build_step` with the layout, whole) and
+between; or with `seed`, drawn at random: the sample the CPU profile's constants are fitted
+to), builds each step as `jshard train` would (`build_step` with the layout, whole) and
 times them all in `rounds`: each round runs every layout in turn, keeping its fastest of
 `repeats` steps (contention on a shared host only ever slows a step), and a layout's time is
 the median of its rounds' (a burst of load on the host lands on one round of every layout, not
@@ -102,12 +103,20 @@ def measure(candidates: list, batch: np.ndarray, repeats: int, rounds: int) -> l
     return times
 
 
+def drawn(ranked: list, count: int, seed: int) -> list:
+    """`count` items of `ranked` drawn at random with `seed` (all, if fewer), in its order."""
+    if len(ranked) <= count:
+        return list(ranked)
+    return [ranked[i] for i in sorted(np.random.default_rng(seed).choice(len(ranked), count, replace=False))]
+
+
 def run(config: DecoderConfig, hw: Hardware, batch_size: int, precision: str, reduce: str | None = None, count: int = 12,
-        repeats: int = 3, rounds: int = 3) -> dict:
-    """Search, measure `count` layouts, compare; printed as it goes and returned as a dict."""
+        repeats: int = 3, rounds: int = 3, seed: int | None = None) -> dict:
+    """Search, measure `count` layouts (spread over the ranking, or drawn at random with `seed`),
+    compare; printed as it goes and returned as a dict."""
     found = search.search(config, jax.device_count(), hw, batch_size, precision, reduce)
     fits = [c for c in found if c.estimate and c.estimate["fits"]]
-    chosen = spread(fits, count)
+    chosen = spread(fits, count) if seed is None else drawn(fits, count, seed)
     batch = np.random.default_rng(0).integers(0, config.vocab, (batch_size, config.seq_len + 1))
     device = jax.devices()[0]
     print(f"# jshard bench search: {jax.device_count()} × {device.device_kind} ({device.platform}), {hw.name} profile; "
@@ -122,10 +131,11 @@ def run(config: DecoderConfig, hw: Hardware, batch_size: int, precision: str, re
         print(f"{rows[-1]['rank']:>5}  {c.label:<72}{rows[-1]['predicted_s'] * 1e3:>13.2f}"
               f"{rows[-1]['measured_s'] * 1e3:>12.2f}", flush=True)
     predicted, measured = [r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]
-    best = min(measured)
+    best, pick = min(measured), min(rows, key=lambda r: r["rank"])  # (rank 1, but for a random draw)
     result = dict(device=f"{jax.device_count()} x {device.device_kind}", profile=hw.name, model=dataclasses.asdict(config)
-                  | {"dtype": str(config.dtype), "kind": config.family}, precision=precision, batch_size=batch_size, searched=len(found), fit=len(fits), rows=rows,
-                  spearman=spearman(predicted, measured), pick_over_best=measured[0] / best)
+                  | {"dtype": str(config.dtype), "kind": config.family}, precision=precision, batch_size=batch_size,
+                  searched=len(found), fit=len(fits), selection="spread" if seed is None else f"random, seed {seed}",
+                  rows=rows, spearman=spearman(predicted, measured), pick_over_best=pick["measured_s"] / best)
     print(f"# Spearman rank correlation, predicted vs measured: {result['spearman']:.2f}; the planner's pick "
-          f"(rank 1) measured {result['pick_over_best']:.2f} x the measured best")
+          f"(rank {pick['rank']}) measured {result['pick_over_best']:.2f} x the measured best")
     return result

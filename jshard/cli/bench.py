@@ -266,7 +266,7 @@ def add_fit(benches) -> None:
                                 description=inspect.cleandoc(fit.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", metavar="RUNS.json", help="measured steps: {\"runs\": [{\"plan_command\", \"result\": {\"step_s\"}}]}, "
                                                           "e.g. docs/results/bench-step-h100-jax0.11.2-2026-11-27.json; or a "
-                                                          "`bench search --json` result: the CPU profile's matmul_efficiency, tick_s and call_s")
+                                                          "`bench search --json` result: the CPU profile's matmul_efficiency, call_s and hbm_bw")
     parser.set_defaults(run=run_fit)
 
 
@@ -324,6 +324,8 @@ def add_search(benches) -> None:
     add("--batch-size", type=flags.positive_int, default=32, help="rows a step (default: 32)")
     flags.add_precision(parser, "fp32")
     add("--count", type=flags.positive_int, default=12, help="layouts measured, spread over the ranking (default: 12)")
+    add("--seed", type=int, help="take the --count layouts at random instead, drawn with this seed (the "
+        "constants' fit: `bench fit`)")
     add("--repeats", type=flags.positive_int, default=3, help="timed steps of a layout a round; the fastest is kept "
         "(default: 3)")
     add("--rounds", type=flags.positive_int, default=3, help="rounds, each timing every layout in turn; a layout's "
@@ -342,6 +344,6 @@ def run_search(args) -> int:
     config = flags.built_model(args, "small")
     flags.precision_of(args)  # (its one line, for a reduction without a precision)
     result = ranking.run(config, hw, args.batch_size, args.precision, args.grad_reduce, args.count, args.repeats,
-                              args.rounds)
+                         args.rounds, args.seed)
     write_json(args.json, result)
     return 0

@@ -49,10 +49,8 @@ class Hardware:
     # A GPU step's memory-bound work between its GEMMs, as bytes of HBM traffic (below).
     elementwise_layer_bytes: float = ELEMENTWISE_LAYER_BYTES
     elementwise_logit_bytes: float = ELEMENTWISE_LOGIT_BYTES
-    # Fake CPU devices (`platform` "cpu") share one host: what a pipeline tick and a ZeRO-3 gather
-    # or scatter (per other device of its group: a rendezvous of their threads) cost the host
-    # beyond its FLOPs (`host_step_seconds`).
-    tick_s: float = 0.0
+    # Fake CPU devices (`platform` "cpu") share one host: what a ZeRO-3 gather or scatter (a
+    # rendezvous of its group's threads) costs the host beyond its FLOPs (`host_step_seconds`).
     call_s: float = 0.0
     # The share of `hbm_bw` a streaming kernel reaches (`STREAM_SHARE`).
     stream_share: float = STREAM_SHARE
@@ -66,16 +64,16 @@ class Hardware:
 # Datasheets (SXM parts; NVLink 4 = 450 GB/s each way, 400 Gb/s InfiniBand NIC per GPU).
 # cpu: this repository's 2-core host (README: a measured 206 GFLOP/s), threads as "links".
 # The CPU profile's host constants (`bench fit` of a `bench search --json` result)
-CPU_HOST = dict(matmul_efficiency=0.732, tick_s=1.88e-3, call_s=5.63e-5)
+CPU_HOST = dict(matmul_efficiency=0.875, call_s=1.03e-4, hbm_bw=58.3e9)
 HARDWARE = {
     "h100": Hardware("h100", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, 8, fp8_peak_flops=1979e12),
     "h200": Hardware("h200", 989e12, 141e9, 4.8e12, 450e9, 50e9, 8, fp8_peak_flops=1979e12),
     "a100": Hardware("a100", 312e12, 80 * GiB, 2.04e12, 300e9, 25e9, 8),
-    # matmul_efficiency, tick_s, call_s: fitted (`bench.fit.fit_host`) to `jshard bench search` of
-    # the small GPT on 8 fake devices of this 2-core host (jax 0.12.0.1, timed in rounds), checked
-    # on the small Llama (docs/planning.md).
-    "cpu": Hardware("cpu", 0.206e12, 16 * GiB, 20e9, 10e9, 10e9, 8, matmul_efficiency=CPU_HOST["matmul_efficiency"],
-                    platform="cpu", tick_s=CPU_HOST["tick_s"], call_s=CPU_HOST["call_s"], fp8_peak_flops=0.206e12,
+    # matmul_efficiency, call_s and the bandwidth (the executor's bytes): fitted (`bench.fit.fit_host`)
+    # to 40 random layouts of the small GPT on 8 fake devices of this 2-core host (jax 0.12.0.1,
+    # timed in rounds), checked on the small Llama's and on `jshard bench search` (docs/planning.md).
+    "cpu": Hardware("cpu", 0.206e12, 16 * GiB, CPU_HOST["hbm_bw"], 10e9, 10e9, 8, matmul_efficiency=CPU_HOST["matmul_efficiency"],
+                    platform="cpu", call_s=CPU_HOST["call_s"], fp8_peak_flops=0.206e12,
                     stream_share=1.0),
 }
 # A device's kind, as JAX names it, to its profile (the parts the profiles describe).

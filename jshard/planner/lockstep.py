@@ -144,6 +144,14 @@ def executor_bytes(kind: str, moved: Moved, recompute: bool = False, first: bool
     return traffic
 
 
+def table_bytes(schedule: Schedule, moved: Moved, stage_remat: str) -> float:
+    """What the executor moves beside the layers' work over one pass through the tick table,
+    every stage's actions summed (`executor_bytes`; a device of each stage)."""
+    p, recompute = schedule.stages, stage_remat == "full"
+    return sum(executor_bytes(action.kind, moved, recompute, first=action.virtual * p + stage == 0)
+               for row in schedule.table() for stage, action in enumerate(row) if action is not None)
+
+
 def action_terms(kind: str, chunk: dict, head: dict | None, recompute: bool, accumulate_s: float,
                  executor_s: float = 0.0) -> dict[str, float]:
     """One action's seconds by term: `chunk` and `head` (`timing.phase_terms`' pieces of this

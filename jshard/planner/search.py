@@ -158,9 +158,17 @@ def pick(config, devices: int, hw: Hardware, batch_size: int, precision: str | N
                   "ms a step")
 
 
+HOST_PARTS = {"compute": "the host's compute, every device's", "zero3_calls": "ZeRO-3's rendezvous",
+              "executor_bytes": "the pipeline executor's buffers"}  # `timing.host_step_seconds`' parts
+
+
 def bottleneck(est: dict) -> str:
-    """What bounds a layout's step, in words: its largest share, and the bubble where there is one."""
+    """What bounds a layout's step, in words: its largest share, and the bubble where there is one
+    (on fake CPU devices: the host's largest part)."""
     step = est["predicted_step_s"]
+    if est["host"]:
+        name, t = max(est["host"]["seconds"].items(), key=lambda kv: kv[1])
+        return f"{HOST_PARTS[name]} {t / step:.0%}"
     # (a pipeline's sends are its collective-permute row below)
     shares = {f"{name.replace('_', '-')} work": t for name, t in est["compute_terms"].items() if name != "pipeline_sends"}
     for row in est["collectives"]:

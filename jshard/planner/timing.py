@@ -21,7 +21,7 @@ from jshard.planner import physics
 from jshard.planner.planned_step import PlannedStep, local
 from jshard.planner.counts import fp8_cast_widths, is_moe, slots_per_token
 from jshard.planner.hardware import Hardware, link
-from jshard.planner.lockstep import accumulate_bytes, lockstep, moved_bytes
+from jshard.planner.lockstep import accumulate_bytes, lockstep, moved_bytes, table_bytes
 from jshard.planner.memory import state_bytes
 
 
@@ -121,23 +121,31 @@ def compute_terms(config: DecoderConfig, step: Plan, hw: Hardware, rows: int, se
     return terms
 
 
-def host_work(step: Plan, collectives: list[dict], ticks: int) -> dict:
-    """What fake CPU devices' program costs their host beyond its FLOPs: a pipeline's ticks, and
-    ZeRO-3's gathers and scatters (XLA:CPU's, one a param: `calls`), each counted once per other
-    device of its group, whose threads must all reach it on the host's few cores. (TP's and SP's
-    collectives, of activations inside a layer, measured to add nothing: docs/planning.md.)"""
+def host_work(planned: PlannedStep, collectives: list[dict]) -> dict:
+    """What fake CPU devices' program costs their host beyond its FLOPs, every device's: ZeRO-3's
+    gathers and scatters (XLA:CPU's, one a param: `calls`), each a rendezvous of its group's
+    device threads on the host's few cores, and the bytes a pipeline's executor moves
+    (`lockstep.table_bytes`: a pass through the tick table for each device of a stage and each
+    accumulated micro-batch group). (TP's and SP's collectives, of activations inside a layer, and
+    the pipeline's ticks measured to add nothing more: docs/planning.md.)"""
+    step, schedule = planned.step, planned.step.schedule
     zero = set(step.zero_axes) if step.rules.zero == 3 else set()
-    members = sum(c["calls"] * (c["group"] - 1) for c in collectives
-                  if c["kind"] in ("all-gather", "reduce-scatter") and set(c["axes"].split("+")) <= zero)
-    return dict(ticks=ticks, zero3_member_calls=members)
+    calls = sum(c["calls"] for c in collectives
+                if c["kind"] in ("all-gather", "reduce-scatter") and set(c["axes"].split("+")) <= zero)
+    moved = 0.0
+    if schedule:
+        stage_devices = math.prod(planned.sizes.values()) // schedule.stages
+        moved = table_bytes(schedule, moved_bytes(planned), step.stage_remat) * stage_devices * planned.grad_accum
+    return dict(zero3_calls=calls, executor_bytes=moved)
 
 
-def host_step_seconds(terms: dict, host: dict, hw: Hardware, devices: int) -> float:
-    """A step of fake CPU devices: they share the host's cores, so the host runs every device's
-    compute (the step costs their sum; an idle pipeline stage costs nothing: no bubble), plus
-    `tick_s` a pipeline tick and `call_s` per ZeRO-3 collective and other member (`host_work`;
-    measured: `jshard bench search`)."""
-    return devices * sum(terms.values()) + host["ticks"] * hw.tick_s + host["zero3_member_calls"] * hw.call_s
+def host_step_seconds(terms: dict, host: dict, hw: Hardware, devices: int) -> dict[str, float]:
+    """A step of fake CPU devices, by part: they share the host's cores, so the host runs every
+    device's compute (the step costs their sum; an idle pipeline stage costs nothing: no bubble),
+    plus `call_s` a ZeRO-3 collective and the executor's bytes at the host's bandwidth
+    (`host_work`; measured: `jshard bench search`, fitted: `bench.fit.fit_host`)."""
+    return {"compute": devices * sum(terms.values()), "zero3_calls": host["zero3_calls"] * hw.call_s,
+            "executor_bytes": host["executor_bytes"] / hw.stream_bw}
 
 
 def context_overlap(config: DecoderConfig, cp: int, flops: float, bandwidth: float) -> float:
@@ -255,13 +263,15 @@ def step_time(planned: PlannedStep, collectives: list[dict]) -> dict:
                   + max(0.0, t_dp + t_zero + t_pp + t_ring - t_compute))
     host = None
     if hw.platform == "cpu":
-        host = host_work(step, collectives, schedule.ticks * accum if schedule else 0)
-        # XLA:CPU: a layer's recompute (remat) measured to cost the host a quarter to a third of its
-        # FLOPs (+8-12% a step for +33% FLOPs at remat full: docs/planning.md): not counted
+        host = host_work(planned, collectives)
+        # XLA:CPU: a layer's recompute (remat) measured to cost the host next to nothing beyond
+        # its FLOPs' share of the rest (+8-12% a step for +33% FLOPs at remat full; fitted as a
+        # share of its FLOPs' time: 0.0 ± 0.1, docs/planning.md): not counted
         host_terms = terms if config.remat == "none" else compute_terms(
             dataclasses.replace(config, remat="none"), step, hw, rows, local_seq, m * accum, layers_local, tensor, sp,
             fused, optimizer_traffic, stage_recompute=bool(schedule) and stage_remat == "full")
-        step_s = host_step_seconds(host_terms, host, hw, n_devices)
+        host["seconds"] = host_step_seconds(host_terms, host, hw, n_devices)
+        step_s = sum(host["seconds"].values())
     mfu = flops_model / (step_s * n_devices * peak)
     return dict(tokens_per_step=tokens, flops_per_step=dict(model=flops_model, run=flops_run), compute_s=t_compute,
                 compute_terms=terms, host=host, overlap_ratios=ratios, bubble_fraction=bubble, predicted_step_s=step_s,
