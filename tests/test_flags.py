@@ -113,6 +113,7 @@ def test_sizes_that_do_not_fit_are_one_error(argv, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["plan", "--layers", "0"], "'0' is not a positive int"),
     (["bench", "strategies", "--batch-size", "-2"], "'-2' is not a positive int"),
+    (["bench", "search", "--seed", "-1"], "'-1' is not an int of 0 or more"),
 ])
 def test_non_positive_sizes_are_refused_by_the_parser(argv, message, capsys):
     with pytest.raises(SystemExit) as exit:

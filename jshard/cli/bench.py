@@ -324,7 +324,7 @@ def add_search(benches) -> None:
     add("--batch-size", type=flags.positive_int, default=32, help="rows a step (default: 32)")
     flags.add_precision(parser, "fp32")
     add("--count", type=flags.positive_int, default=12, help="layouts measured, spread over the ranking (default: 12)")
-    add("--seed", type=int, help="take the --count layouts at random instead, drawn with this seed (the "
+    add("--seed", type=flags.nonnegative_int, help="take the --count layouts at random instead, drawn with this seed (the "
         "constants' fit: `bench fit`)")
     add("--repeats", type=flags.positive_int, default=3, help="timed steps of a layout a round; the fastest is kept "
         "(default: 3)")

@@ -38,14 +38,22 @@ from jshard.parallel.schedules import SCHEDULES
 from jshard.precision import PRECISIONS, REDUCE_DTYPES, Precision, precision
 
 
-def positive_int(text: str) -> int:
+def _int_at_least(text: str, least: int, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive int")
+        value = least - 1
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(text, 1, "a positive int")
+
+
+def nonnegative_int(text: str) -> int:
+    return _int_at_least(text, 0, "an int of 0 or more")
 
 
 def _shown(help: str, default, shown=None) -> str:
