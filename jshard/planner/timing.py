@@ -264,9 +264,9 @@ def step_time(planned: PlannedStep, collectives: list[dict]) -> dict:
     host = None
     if hw.platform == "cpu":
         host = host_work(planned, collectives)
-        # XLA:CPU: a layer's recompute (remat) measured to cost the host next to nothing beyond
-        # its FLOPs' share of the rest (+8-12% a step for +33% FLOPs at remat full; fitted as a
-        # share of its FLOPs' time: 0.0 ± 0.1, docs/planning.md): not counted
+        # XLA:CPU: remat's recompute measured to cost the host little (+8-12% a step for +33%
+        # FLOPs at remat full; fitted as a share of its FLOPs' time, 0.0 ± 0.1: docs/planning.md):
+        # not counted
         host_terms = terms if config.remat == "none" else compute_terms(
             dataclasses.replace(config, remat="none"), step, hw, rows, local_seq, m * accum, layers_local, tensor, sp,
             fused, optimizer_traffic, stage_recompute=bool(schedule) and stage_remat == "full")
