@@ -305,7 +305,9 @@ def test_bench_search_measures_the_layouts_it_ranks(tmp_path, capsys):
     assert ranks[0] == 1 and ranks[-1] == result["fit"] and all(r["measured_s"] > 0 for r in result["rows"])
     # a layout's time is the median of its rounds', each round timing every layout in turn
     assert all(len(r["rounds_s"]) == 3 and r["measured_s"] == sorted(r["rounds_s"])[1] for r in result["rows"])
-    assert -1 <= result["spearman"] <= 1 and "Spearman rank correlation" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert -1 <= result["spearman"] <= 1 and "Spearman rank correlation" in out
+    assert "the measurement against itself" in out and -1 <= result["repeatability"] <= 1
     assert result["selection"] == "spread"
 
 
@@ -381,6 +383,15 @@ def test_spearman_gives_tied_values_their_mean_rank():
     assert list(ranking.ranks([1.0, 2.0, 2.0, 3.0])) == [0.0, 1.5, 1.5, 3.0]
     for b in ([4, 3, 2, 1], [4, 2, 3, 1]):
         assert math.isclose(ranking.spearman([1.0, 2.0, 2.0, 3.0], b), -3 / math.sqrt(10), rel_tol=1e-12)
+
+
+@pytest.mark.fast
+def test_a_runs_repeatability_is_its_halves_ranking_each_other():
+    """Two rounds: their own Spearman (1, 2, 3 against 1, 3, 2: 1 - 6·2/(3·8) = 0.5 by the
+    textbook formula); rounds that order the layouts alike: 1; one round: nothing to compare."""
+    assert math.isclose(ranking.repeatability([[1.0, 1.0], [2.0, 3.0], [3.0, 2.0]]), 0.5, rel_tol=1e-12)
+    assert ranking.repeatability([[1.0, 1.1, 0.9, 1.2], [2.0, 2.2, 1.8, 2.4], [3.0, 3.3, 2.7, 3.6]]) == pytest.approx(1.0)
+    assert ranking.repeatability([[1.0], [2.0]]) is None
 
 
 @pytest.mark.parametrize("name, model, least", [

@@ -11,12 +11,15 @@ the median of its rounds' (a burst of load on the host lands on one round of eve
 on one layout). Measured against itself this way, two runs of the small GPT's 16 layouts rank
 them alike to 0.9+ where medians of 5 steps, one layout after the other, did to 0.74
 (docs/planning.md). It prints predicted against measured step time per layout, the Spearman
-rank correlation of the two, and how far the planner's pick is from the measured best.
+rank correlation of the two, how far the planner's pick is from the measured best, and how
+alike the run ranks the layouts against itself (`repeatability`: half its rounds against the
+other half), the most any model of the step could be expected to agree with it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 
 import jax
@@ -67,6 +70,20 @@ def ranks(values) -> np.ndarray:
 def spearman(a, b) -> float:
     """Spearman's rank correlation of two sequences: Pearson's of their `ranks`."""
     return float(np.corrcoef(ranks(a), ranks(b))[0, 1])
+
+
+def repeatability(rounds_s: list[list[float]]) -> float | None:
+    """How alike a run ranks its layouts against itself: the rounds split in two halves (every
+    way to take half of them, rounded down), each layout's median over either half, the
+    Spearman of the two halves' times, their mean over the splits. A model of the step can
+    agree with the measurement no better than the measurement agrees with itself (on this
+    2-core host it fell to 0.75 in a run whose rounds were 11% apart). None under two rounds."""
+    times = np.asarray(rounds_s)
+    n = times.shape[1]
+    if n < 2:
+        return None
+    halves = [list(a) for a in itertools.combinations(range(n), n // 2)]
+    return float(np.mean([spearman(np.median(times[:, a], 1), np.median(np.delete(times, a, 1), 1)) for a in halves]))
 
 
 class Timed:
@@ -135,7 +152,11 @@ def run(config: DecoderConfig, hw: Hardware, batch_size: int, precision: str, re
     result = dict(device=f"{jax.device_count()} x {device.device_kind}", profile=hw.name, model=dataclasses.asdict(config)
                   | {"dtype": str(config.dtype), "kind": config.family}, precision=precision, batch_size=batch_size,
                   searched=len(found), fit=len(fits), selection="spread" if seed is None else f"random, seed {seed}",
-                  rows=rows, spearman=spearman(predicted, measured), pick_over_best=pick["measured_s"] / best)
+                  rows=rows, spearman=spearman(predicted, measured), pick_over_best=pick["measured_s"] / best,
+                  repeatability=repeatability([r["rounds_s"] for r in rows]))
     print(f"# Spearman rank correlation, predicted vs measured: {result['spearman']:.2f}; the planner's pick "
           f"(rank {pick['rank']}) measured {result['pick_over_best']:.2f} x the measured best")
+    if result["repeatability"] is not None:
+        print(f"# the measurement against itself (half its rounds against the other half, Spearman): "
+              f"{result['repeatability']:.2f}")
     return result
