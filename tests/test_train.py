@@ -473,6 +473,40 @@ def test_a_full_disk_stops_the_run_with_one_line_and_keeps_the_last_checkpoint(t
     assert "No space left on device" in line and str(failed - 1) in kept, (line, kept)
 
 
+# What a failed save leaves behind reports itself late and from anywhere: a write's asyncio task
+# dropped by the main thread (CI's full-disk run on 2026-12-02 printed its traceback so), absl
+# records and exceptions of orbax's threads. Each to the log, none to the terminal.
+LATE_REPORTS = """
+import asyncio, gc, sys, threading
+from absl import logging as absl_logging
+from jshard.app import checkpoint
+checkpoint.reports_to_log()
+async def write(): raise ValueError("No space left on device (a task)")
+def background():
+    loop = asyncio.new_event_loop()
+    global task
+    task = loop.create_task(write())
+    loop.run_until_complete(asyncio.sleep(0.01))
+    absl_logging.error("No space left on device (absl, a thread)")
+    raise OSError("No space left on device (a thread)")
+thread = threading.Thread(target=background)
+thread.start()
+thread.join()
+del task
+gc.collect()
+print("the main thread's own", file=sys.stderr)
+"""
+
+
+def test_a_failed_saves_late_reports_go_to_the_log_from_any_thread(tmp_path):
+    done = subprocess.run([sys.executable, "-c", LATE_REPORTS], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert (done.returncode, done.stderr) == (0, "the main thread's own\n")
+    log, = tmp_path.glob("jshard-checkpoint-*.log")
+    for report in ["Task exception was never retrieved", "(a task)", "(absl, a thread)", "OSError: No space left on device (a thread)"]:
+        assert report in log.read_text(), report
+
+
 def test_a_config_may_give_the_mesh_as_an_object_and_the_strategy_as_a_list(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"mesh": {"data": 2, "tensor": 4}, "strategy": ["dp", "tp"], "steps": 3}))

@@ -87,17 +87,22 @@ def reports_to_log() -> None:
         _to_log(f"{report.err_msg or 'Exception ignored in'}: {report.object!r}\n"
                 + "".join(traceback.format_exception(report.exc_type, report.exc_value, report.exc_traceback)))
 
+    def logged(record) -> bool:
+        _to_log(logging.Formatter("%(levelname)s %(threadName)s %(message)s").format(record))
+        return False
+
     class ToLog(logging.Filter):  # orbax logs through absl: its threads', and its own calls' from ours
         def filter(self, record):
-            if from_main() and not _IN_ORBAX.is_set():
-                return True
-            _to_log(logging.Formatter("%(levelname)s %(threadName)s %(message)s").format(record))
-            return False
+            return (from_main() and not _IN_ORBAX.is_set()) or logged(record)
 
     sys.excepthook, sys.unraisablehook = on_exception, on_unraisable
     threading.excepthook = lambda args: _to_log("".join(traceback.format_exception(
         args.exc_type, args.exc_value, args.exc_traceback)))
     logging.getLogger("absl").addFilter(ToLog())
+    # A command runs no event loop of its own: asyncio's records are orbax's, whichever thread
+    # logs them ("Task exception was never retrieved", with the traceback, from the thread that
+    # drops a failed write's task: the main one too, at any time after the save).
+    logging.getLogger("asyncio").addFilter(logged)
 
 
 class Checkpoints:
