@@ -305,6 +305,10 @@ def test_bench_search_measures_the_layouts_it_ranks(tmp_path, capsys):
     assert ranks[0] == 1 and ranks[-1] == result["fit"] and all(r["measured_s"] > 0 for r in result["rows"])
     # a layout's time is the median of its rounds', each round timing every layout in turn
     assert all(len(r["rounds_s"]) == 3 and r["measured_s"] == sorted(r["rounds_s"])[1] for r in result["rows"])
+    # on fake CPU devices, the share of the host's cores each step kept busy: its CPU seconds over wall × cores
+    assert result["cores"] >= 1 and all(len(r["rounds_cpu_s"]) == 3 and 0 < r["busy"] <= 1.05 for r in result["rows"])
+    assert all(r["busy"] == ranking.busy(list(zip(r["rounds_s"], r["rounds_cpu_s"])), result["cores"])
+               for r in result["rows"])
     out = capsys.readouterr().out
     assert -1 <= result["spearman"] <= 1 and "Spearman rank correlation" in out
     assert "the measurement against itself" in out and -1 <= result["repeatability"] <= 1

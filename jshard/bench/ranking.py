@@ -13,14 +13,20 @@ them alike to 0.9+ where medians of 5 steps, one layout after the other, did to 
 (docs/planning.md). It prints predicted against measured step time per layout, the Spearman
 rank correlation of the two, how far the planner's pick is from the measured best, and how
 alike the run ranks the layouts against itself (`repeatability`: half its rounds against the
-other half), the most any model of the step could be expected to agree with it.
+other half), the most any model of the step could be expected to agree with it. On fake CPU
+devices each step's process CPU time is kept beside its wall time: `busy`, the share of the
+host's cores its step kept busy (the devices' threads share them; what a step leaves idle,
+waiting in its collectives' rendezvous with fewer threads runnable than cores, is not work
+the FLOPs or bytes of any device can tell).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import statistics
+import time
 
 import jax
 import numpy as np
@@ -28,7 +34,6 @@ import optax
 from flax import nnx
 
 from jshard.layout import Layout
-from jshard.metrics import best_seconds
 from jshard.models import DecoderConfig, decoder, gpt_loss
 from jshard.parallel import build_step
 from jshard.planner import search
@@ -96,8 +101,8 @@ class Timed:
         self.tokens = step.shard_batch(batch)
         self.compiled, self.state = step.lower(step.state, self.tokens).compile(), step.state
 
-    def best(self, repeats: int) -> float:
-        """The fastest of `repeats` steps (after one untimed)."""
+    def best(self, repeats: int) -> tuple[float, float]:
+        """The fastest of `repeats` steps (after one untimed): its wall and the process's CPU seconds."""
 
         def once():
             # The whole step, its update too: a step's collectives that need no state (a lookup's
@@ -106,18 +111,30 @@ class Timed:
             self.state, loss = self.compiled(self.state, self.tokens)
             jax.block_until_ready((self.state, loss))
 
-        return best_seconds(once, repeats)
+        once()
+        timed = []
+        for _ in range(repeats):
+            wall, cpu = time.perf_counter(), time.process_time()
+            once()
+            timed.append((time.perf_counter() - wall, time.process_time() - cpu))
+        return min(timed)
 
 
-def measure(candidates: list, batch: np.ndarray, repeats: int, rounds: int) -> list[list[float]]:
-    """Each candidate's fastest of `repeats` steps in each of `rounds`, the layouts taking turns
-    within each round (its step time: their median)."""
+def measure(candidates: list, batch: np.ndarray, repeats: int, rounds: int) -> list[list[tuple[float, float]]]:
+    """Each candidate's fastest of `repeats` steps in each of `rounds` (wall and CPU seconds),
+    the layouts taking turns within each round (its step time: their median)."""
     built = [Timed(c, batch) for c in candidates]
     times = [[] for _ in built]
     for _ in range(rounds):
         for timed, mine in zip(built, times):
             mine.append(timed.best(repeats))
     return times
+
+
+def busy(rounds: list[tuple[float, float]], cores: int) -> float:
+    """The share of the host's `cores` a layout's steps kept busy: the median over its rounds of
+    CPU seconds over wall seconds × cores."""
+    return statistics.median(cpu / (wall * cores) for wall, cpu in rounds)
 
 
 def drawn(ranked: list, count: int, seed: int) -> list:
@@ -140,16 +157,21 @@ def run(config: DecoderConfig, hw: Hardware, batch_size: int, precision: str, re
           f"{config.family} layers={config.layers} embed={config.embed} seq={config.seq_len}, {batch_size} rows a step; "
           f"{len(fits)} of {len(found)} layouts fit, {len(chosen)} measured (the median over {rounds} rounds of the "
           f"fastest of {repeats} steps)")
-    print(f"{'rank':>5}  {'layout':<72}{'predicted ms':>13}{'measured ms':>12}")
+    host = device.platform == "cpu"  # the devices' threads share this host's cores
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    print(f"{'rank':>5}  {'layout':<72}{'predicted ms':>13}{'measured ms':>12}" + (f"{'host busy':>10}" if host else ""))
     rows = []
-    for c, rounds_s in zip(chosen, measure(chosen, batch, repeats, rounds)):
+    for c, timed in zip(chosen, measure(chosen, batch, repeats, rounds)):
+        rounds_s = [wall for wall, _ in timed]
         rows.append(dict(rank=fits.index(c) + 1, layout=c.label, predicted_s=c.estimate["predicted_step_s"],
                          measured_s=statistics.median(rounds_s), rounds_s=rounds_s))
+        if host:
+            rows[-1].update(rounds_cpu_s=[cpu for _, cpu in timed], busy=busy(timed, cores))
         print(f"{rows[-1]['rank']:>5}  {c.label:<72}{rows[-1]['predicted_s'] * 1e3:>13.2f}"
-              f"{rows[-1]['measured_s'] * 1e3:>12.2f}", flush=True)
+              f"{rows[-1]['measured_s'] * 1e3:>12.2f}" + (f"{rows[-1]['busy']:>10.0%}" if host else ""), flush=True)
     predicted, measured = [r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]
     best, pick = min(measured), min(rows, key=lambda r: r["rank"])  # (rank 1, but for a random draw)
-    result = dict(device=f"{jax.device_count()} x {device.device_kind}", profile=hw.name, model=dataclasses.asdict(config)
+    result = dict(device=f"{jax.device_count()} x {device.device_kind}", profile=hw.name, cores=cores if host else None, model=dataclasses.asdict(config)
                   | {"dtype": str(config.dtype), "kind": config.family}, precision=precision, batch_size=batch_size,
                   searched=len(found), fit=len(fits), selection="spread" if seed is None else f"random, seed {seed}",
                   rows=rows, spearman=spearman(predicted, measured), pick_over_best=pick["measured_s"] / best,
