@@ -58,24 +58,24 @@ def report(names: list[str], plans: list[PlanInput], measured: np.ndarray) -> st
 
 # --- fake CPU devices: the host's constants -------------------------------------------------
 
-HOST_FIELDS = ("matmul_efficiency", "call_s", "hbm_bw")
+HOST_FIELDS = ("matmul_efficiency", "call_s", "executor_traffic")
 
 
 def host_features(plans: list[PlanInput]) -> np.ndarray:
     """Per layout the three things its step is linear in (`timing.host_step_seconds`): its compute
-    at the host's peak (matmul efficiency 1), its ZeRO-3 collectives and the bytes its pipeline's
-    executor moves."""
+    at the host's peak (matmul efficiency 1), its ZeRO-3 collectives and the plain copy of the
+    bytes its pipeline's executor moves (at the host's measured bandwidth for their buffers' size)."""
     rows = []
     for p in plans:
         bare = dataclasses.replace(p.hardware, matmul_efficiency=1.0)
         host = estimate(dataclasses.replace(p, hardware=bare))["host"]
-        rows.append([host["seconds"]["compute"], host["zero3_calls"], host["executor_bytes"]])
+        rows.append([host["seconds"]["compute"], host["zero3_calls"], host["executor_copy_s"]])
     return np.array(rows, dtype=float)
 
 
 def fit_host(plans: list[PlanInput], measured: np.ndarray) -> dict:
     """The CPU profile's `HOST_FIELDS` by least squares over measured layouts (`jshard bench
     search --json` rows): the compute's coefficient is 1 / the host's matmul efficiency, the
-    executor's bytes' 1 / the host's bandwidth."""
-    compute, call_s, per_byte = np.linalg.lstsq(host_features(plans), measured, rcond=None)[0]
-    return dict(matmul_efficiency=1 / compute, call_s=call_s, hbm_bw=1 / per_byte)
+    executor's copy's its traffic (how many times a plain copy's time its bytes take)."""
+    compute, call_s, traffic = np.linalg.lstsq(host_features(plans), measured, rcond=None)[0]
+    return dict(matmul_efficiency=1 / compute, call_s=call_s, executor_traffic=traffic)

@@ -266,7 +266,7 @@ def add_fit(benches) -> None:
                                 description=inspect.cleandoc(fit.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", metavar="RUNS.json", help="measured steps: {\"runs\": [{\"plan_command\", \"result\": {\"step_s\"}}]}, "
                                                           "e.g. docs/results/bench-step-h100-jax0.11.2-2026-11-27.json; or a "
-                                                          "`bench search --json` result: the CPU profile's matmul_efficiency, call_s and hbm_bw")
+                                                          "`bench search --json` result: the CPU profile's matmul_efficiency, call_s and executor_traffic")
     parser.set_defaults(run=run_fit)
 
 

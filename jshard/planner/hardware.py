@@ -54,27 +54,53 @@ class Hardware:
     call_s: float = 0.0
     # The share of `hbm_bw` a streaming kernel reaches (`STREAM_SHARE`).
     stream_share: float = STREAM_SHARE
+    # Fake CPU devices: the host's copy bandwidth by the size of the buffer copied ((bytes,
+    # bytes/s), measured: `HOST_COPY`), and how many times a plain copy's time the pipeline
+    # executor's bytes (`lockstep.table_seconds`) take there (fitted: `bench.fit.fit_host`).
+    copy_bw: tuple[tuple[float, float], ...] = ()
+    executor_traffic: float = 1.0
 
     @property
     def stream_bw(self) -> float:
         """Bytes/s a memory-bound kernel moves: what the step's streaming work is charged at."""
         return self.hbm_bw * self.stream_share
 
+    def copy_seconds(self, nbytes: float, buffer: float) -> float:
+        """`nbytes` moved in buffers of `buffer` bytes each: at the bandwidth `copy_bw` measured for
+        that size (log-log between the sizes measured, the nearest one's beyond them), or
+        streaming where nothing was measured."""
+        if not self.copy_bw:
+            return nbytes / self.stream_bw
+        sizes, rates = zip(*self.copy_bw)
+        at = min(max(buffer, sizes[0]), sizes[-1])
+        hi = next(i for i, size in enumerate(sizes) if size >= at)
+        lo = max(hi - 1, 0)
+        t = math.log(at / sizes[lo]) / math.log(sizes[hi] / sizes[lo]) if hi != lo else 0.0
+        return nbytes / math.exp((1 - t) * math.log(rates[lo]) + t * math.log(rates[hi]))
 
+
+# This repository's 2-core host copying a buffer a core, both cores at once (MiB a buffer, GB/s
+# read + write): in its caches to ~4 MiB, its DRAM from ~24 MiB; a small buffer's copy pays for
+# its call as well. `python benchmarks/host_copy_bandwidth.py`, docs/results/host-copy-bandwidth-
+# 2cpu-2026-12-05.json.
+HOST_COPY = ((0.125, 105.4), (0.25, 94.9), (0.5, 97.4), (1, 149.8), (2, 148.7), (3, 147.5),
+             (4, 131.0), (6, 96.3), (8, 69.0), (12, 52.0), (16, 42.7), (24, 36.0), (32, 29.6),
+             (64, 28.6), (128, 27.8), (256, 42.6))
 # Datasheets (SXM parts; NVLink 4 = 450 GB/s each way, 400 Gb/s InfiniBand NIC per GPU).
-# cpu: this repository's 2-core host (README: a measured 206 GFLOP/s), threads as "links".
+# cpu: this repository's 2-core host (README: a measured 206 GFLOP/s), threads as "links", its
+# memory bandwidth the copy of 64 MiB buffers (`HOST_COPY`).
 # The CPU profile's host constants (`bench fit` of a `bench search --json` result)
-CPU_HOST = dict(matmul_efficiency=0.875, call_s=1.03e-4, hbm_bw=58.3e9)
+CPU_HOST = dict(matmul_efficiency=0.878, call_s=1.0e-4, executor_traffic=2.39)
 HARDWARE = {
     "h100": Hardware("h100", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, 8, fp8_peak_flops=1979e12),
     "h200": Hardware("h200", 989e12, 141e9, 4.8e12, 450e9, 50e9, 8, fp8_peak_flops=1979e12),
     "a100": Hardware("a100", 312e12, 80 * GiB, 2.04e12, 300e9, 25e9, 8),
-    # matmul_efficiency, call_s and the bandwidth (the executor's bytes): fitted (`bench.fit.fit_host`)
-    # to 40 random layouts of the small GPT on 8 fake devices of this 2-core host (jax 0.12.0.1,
-    # timed in rounds), checked on the small Llama's and on `jshard bench search` (docs/planning.md).
-    "cpu": Hardware("cpu", 0.206e12, 16 * GiB, CPU_HOST["hbm_bw"], 10e9, 10e9, 8, matmul_efficiency=CPU_HOST["matmul_efficiency"],
-                    platform="cpu", call_s=CPU_HOST["call_s"], fp8_peak_flops=0.206e12,
-                    stream_share=1.0),
+    # matmul_efficiency, call_s and executor_traffic: fitted (`bench.fit.fit_host`) to 40 random
+    # layouts of the small GPT on 8 fake devices of this 2-core host (jax 0.12.0.1, timed in
+    # rounds), checked on the small Llama's and on `jshard bench search` (docs/planning.md).
+    "cpu": Hardware("cpu", 0.206e12, 16 * GiB, dict(HOST_COPY)[64] * 1e9, 10e9, 10e9, 8, platform="cpu",
+                    fp8_peak_flops=0.206e12, stream_share=1.0,
+                    copy_bw=tuple((mib * 2**20, gbps * 1e9) for mib, gbps in HOST_COPY), **CPU_HOST),
 }
 # A device's kind, as JAX names it, to its profile (the parts the profiles describe).
 KINDS = {"H100": "h100", "H200": "h200", "A100": "a100"}

@@ -152,6 +152,15 @@ def table_bytes(schedule: Schedule, moved: Moved, stage_remat: str) -> float:
                for row in schedule.table() for stage, action in enumerate(row) if action is not None)
 
 
+def table_seconds(schedule: Schedule, moved: Moved, stage_remat: str, seconds) -> float:
+    """`table_bytes` part by part, each part (`Moved`'s fields) a buffer of its own size, at
+    `seconds(nbytes, buffer)`: on a host the bandwidth depends on the buffer's size
+    (`Hardware.copy_seconds`)."""
+    none = Moved(0.0, 0.0, 0.0)
+    return sum(seconds(table_bytes(schedule, none._replace(**{part: size}), stage_remat), size)
+               for part, size in moved._asdict().items() if size)
+
+
 def action_terms(kind: str, chunk: dict, head: dict | None, recompute: bool, accumulate_s: float,
                  executor_s: float = 0.0) -> dict[str, float]:
     """One action's seconds by term: `chunk` and `head` (`timing.phase_terms`' pieces of this

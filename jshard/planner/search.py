@@ -159,7 +159,7 @@ def pick(config, devices: int, hw: Hardware, batch_size: int, precision: str | N
 
 
 HOST_PARTS = {"compute": "the host's compute, every device's", "zero3_calls": "ZeRO-3's rendezvous",
-              "executor_bytes": "the pipeline executor's buffers"}  # `timing.host_step_seconds`' parts
+              "executor": "the pipeline executor's buffers"}  # `timing.host_step_seconds`' parts
 
 
 def bottleneck(est: dict) -> str:

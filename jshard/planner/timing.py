@@ -21,7 +21,7 @@ from jshard.planner import physics
 from jshard.planner.planned_step import PlannedStep, local
 from jshard.planner.counts import fp8_cast_widths, is_moe, slots_per_token
 from jshard.planner.hardware import Hardware, link
-from jshard.planner.lockstep import accumulate_bytes, lockstep, moved_bytes, table_bytes
+from jshard.planner.lockstep import accumulate_bytes, lockstep, moved_bytes, table_seconds
 from jshard.planner.memory import state_bytes
 
 
@@ -124,28 +124,30 @@ def compute_terms(config: DecoderConfig, step: Plan, hw: Hardware, rows: int, se
 def host_work(planned: PlannedStep, collectives: list[dict]) -> dict:
     """What fake CPU devices' program costs their host beyond its FLOPs, every device's: ZeRO-3's
     gathers and scatters (XLA:CPU's, one a param: `calls`), each a rendezvous of its group's
-    device threads on the host's few cores, and the bytes a pipeline's executor moves
-    (`lockstep.table_bytes`: a pass through the tick table for each device of a stage and each
-    accumulated micro-batch group). (TP's and SP's collectives, of activations inside a layer, and
-    the pipeline's ticks measured to add nothing more: docs/planning.md.)"""
-    step, schedule = planned.step, planned.step.schedule
+    device threads on the host's few cores, and the bytes a pipeline's executor moves, as long as
+    the host takes to copy them in buffers of their size (`lockstep.table_seconds`, `Hardware.
+    copy_seconds`: a pass through the tick table for each device of a stage and each accumulated
+    micro-batch group). (TP's and SP's collectives, of activations inside a layer, and the
+    pipeline's ticks measured to add nothing more: docs/planning.md.)"""
+    step, schedule, hw = planned.step, planned.step.schedule, planned.hw
     zero = set(step.zero_axes) if step.rules.zero == 3 else set()
     calls = sum(c["calls"] for c in collectives
                 if c["kind"] in ("all-gather", "reduce-scatter") and set(c["axes"].split("+")) <= zero)
-    moved = 0.0
+    copy_s = 0.0
     if schedule:
         stage_devices = math.prod(planned.sizes.values()) // schedule.stages
-        moved = table_bytes(schedule, moved_bytes(planned), step.stage_remat) * stage_devices * planned.grad_accum
-    return dict(zero3_calls=calls, executor_bytes=moved)
+        copy_s = table_seconds(schedule, moved_bytes(planned), step.stage_remat,
+                               hw.copy_seconds) * stage_devices * planned.grad_accum
+    return dict(zero3_calls=calls, executor_copy_s=copy_s)
 
 
 def host_step_seconds(terms: dict, host: dict, hw: Hardware, devices: int) -> dict[str, float]:
     """A step of fake CPU devices, by part: they share the host's cores, so the host runs every
     device's compute (the step costs their sum; an idle pipeline stage costs nothing: no bubble),
-    plus `call_s` a ZeRO-3 collective and the executor's bytes at the host's bandwidth
-    (`host_work`; measured: `jshard bench search`, fitted: `bench.fit.fit_host`)."""
+    plus `call_s` a ZeRO-3 collective and `executor_traffic` times the plain copy of the
+    executor's bytes (`host_work`; measured: `jshard bench search`, fitted: `bench.fit.fit_host`)."""
     return {"compute": devices * sum(terms.values()), "zero3_calls": host["zero3_calls"] * hw.call_s,
-            "executor_bytes": host["executor_bytes"] / hw.stream_bw}
+            "executor": host["executor_copy_s"] * hw.executor_traffic}
 
 
 def context_overlap(config: DecoderConfig, cp: int, flops: float, bandwidth: float) -> float:
