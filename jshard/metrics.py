@@ -60,7 +60,7 @@ def device_peak(devices, dtype, per_device_tflops: float | None = None) -> Peak 
         return Peak(per_device_tflops * 1e12 * n, f"--peak-tflops: {per_device_tflops:g} TFLOP/s × {n} devices")
     if devices[0].platform == "cpu":
         flops, cached = cpu_peak(devices[0], dtype)
-        return Peak(flops, f"measured{' once' if cached else ''}: a {CPU_MATMUL}² {jnp.dtype(dtype).name} matmul on this "
+        return Peak(flops, f"{'the highest ' if cached else ''}measured: a {CPU_MATMUL}² {jnp.dtype(dtype).name} matmul on this "
                            f"host (all its cores; the {n} CPU devices share them), kept in "
                            f"{peak_cache().replace(os.path.expanduser('~'), '~', 1)}")
     for name, bf16 in GPU_BF16_PEAKS.items():
@@ -78,24 +78,30 @@ def peak_cache() -> str:
     return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jshard", "cpu-peak.json")
 
 
-def cpu_peak(device, dtype) -> tuple[float, bool]:
-    """This host's matmul FLOP/s in `dtype`, and whether it was kept from an earlier run.
+def peak_key(dtype) -> str:
+    """What a kept CPU peak is of: the host, its cores, the dtype, JAX's version and XLA's flags."""
+    return " | ".join((platform.node(), f"{os.cpu_count()} cores", jnp.dtype(dtype).name, f"jax {jax.__version__}",
+                       os.environ.get("XLA_FLAGS", "")))
 
-    Measured once per host, core count, dtype, JAX version and XLA flags, then kept
-    (`peak_cache`): on a shared machine the load moves a fresh measure twofold from one run to
-    the next, and the MFU of two runs of one command would differ by that alone. Where the cache
-    cannot be written, each run measures anew."""
-    path = peak_cache()
-    key = " | ".join((platform.node(), f"{os.cpu_count()} cores", jnp.dtype(dtype).name, f"jax {jax.__version__}",
-                      os.environ.get("XLA_FLAGS", "")))
+
+def cpu_peak(device, dtype) -> tuple[float, bool]:
+    """This host's matmul FLOP/s in `dtype`: the highest measured here (`peak_key`), and whether
+    an earlier run measured it.
+
+    Measured at every start, and the highest measure kept (`peak_cache`): on a shared machine
+    the load moves a measure twofold from one run to the next, and only ever down (a peak is a
+    ceiling), so two runs of one command differ in MFU by their step times alone once one of
+    them measured an unloaded host, and a first measure taken under load is not kept for good.
+    Where the cache cannot be written, each run's own measure."""
+    path, key = peak_cache(), peak_key(dtype)
     try:
         with open(path) as f:
             kept = json.load(f)
     except (OSError, ValueError):
         kept = {}
-    if isinstance(kept, dict) and isinstance(kept.get(key), (int, float)):
-        return float(kept[key]), True
     flops = measured_matmul_flops(device, dtype)
+    if isinstance(kept, dict) and isinstance(kept.get(key), (int, float)) and kept[key] >= flops:
+        return float(kept[key]), True
     kept = (kept if isinstance(kept, dict) else {}) | {key: flops}
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
