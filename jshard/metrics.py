@@ -60,8 +60,8 @@ def device_peak(devices, dtype, per_device_tflops: float | None = None) -> Peak 
         return Peak(per_device_tflops * 1e12 * n, f"--peak-tflops: {per_device_tflops:g} TFLOP/s × {n} devices")
     if devices[0].platform == "cpu":
         flops, cached = cpu_peak(devices[0], dtype)
-        return Peak(flops, f"{'the highest ' if cached else ''}measured: a {CPU_MATMUL}² {jnp.dtype(dtype).name} matmul on this "
-                           f"host (all its cores; the {n} CPU devices share them), kept in "
+        return Peak(flops, f"{'the highest ' if cached else ''}measured: a {CPU_MATMUL}² {jnp.dtype(dtype).name} matmul "
+                           f"on this host (all its cores; the {n} CPU devices share them), kept in "
                            f"{peak_cache().replace(os.path.expanduser('~'), '~', 1)}")
     for name, bf16 in GPU_BF16_PEAKS.items():
         if name in kind:

@@ -171,8 +171,9 @@ def run(config: DecoderConfig, hw: Hardware, batch_size: int, precision: str, re
               f"{rows[-1]['measured_s'] * 1e3:>12.2f}" + (f"{rows[-1]['busy']:>10.0%}" if host else ""), flush=True)
     predicted, measured = [r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]
     best, pick = min(measured), min(rows, key=lambda r: r["rank"])  # (rank 1, but for a random draw)
-    result = dict(device=f"{jax.device_count()} x {device.device_kind}", profile=hw.name, cores=cores if host else None, model=dataclasses.asdict(config)
-                  | {"dtype": str(config.dtype), "kind": config.family}, precision=precision, batch_size=batch_size,
+    result = dict(device=f"{jax.device_count()} x {device.device_kind}", profile=hw.name, cores=cores if host else None,
+                  model=dataclasses.asdict(config) | {"dtype": str(config.dtype), "kind": config.family},
+                  precision=precision, batch_size=batch_size,
                   searched=len(found), fit=len(fits), selection="spread" if seed is None else f"random, seed {seed}",
                   rows=rows, spearman=spearman(predicted, measured), pick_over_best=pick["measured_s"] / best,
                   repeatability=repeatability([r["rounds_s"] for r in rows]))
