@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 from jshard.mesh import STANDARD_AXES as AXES
 
 GiB = 2**30
@@ -71,12 +73,8 @@ class Hardware:
         streaming where nothing was measured."""
         if not self.copy_bw:
             return nbytes / self.stream_bw
-        sizes, rates = zip(*self.copy_bw)
-        at = min(max(buffer, sizes[0]), sizes[-1])
-        hi = next(i for i, size in enumerate(sizes) if size >= at)
-        lo = max(hi - 1, 0)
-        t = math.log(at / sizes[lo]) / math.log(sizes[hi] / sizes[lo]) if hi != lo else 0.0
-        return nbytes / math.exp((1 - t) * math.log(rates[lo]) + t * math.log(rates[hi]))
+        sizes, rates = np.log(self.copy_bw).T
+        return nbytes / math.exp(np.interp(math.log(buffer), sizes, rates))
 
 
 # This repository's 2-core host copying a buffer a core, both cores at once (MiB a buffer, GB/s
