@@ -58,24 +58,29 @@ def report(names: list[str], plans: list[PlanInput], measured: np.ndarray) -> st
 
 # --- fake CPU devices: the host's constants -------------------------------------------------
 
-HOST_FIELDS = ("matmul_efficiency", "call_s", "executor_traffic")
+HOST_FIELDS = ("matmul_efficiency", "recompute_share", "call_s", "tick_s", "activation_traffic")
 
 
 def host_features(plans: list[PlanInput]) -> np.ndarray:
-    """Per layout the three things its step is linear in (`timing.host_step_seconds`): its compute
-    at the host's peak (matmul efficiency 1), its ZeRO-3 collectives and the plain copy of the
-    bytes its pipeline's executor moves (at the host's measured bandwidth for their buffers' size)."""
+    """Per layout the five things its step is linear in (`timing.host_step_seconds`): its compute
+    and remat's recompute at the host's peak (matmul efficiency 1), its devices' collective calls
+    and pipeline ticks, and the spill of their activations (`Hardware.spill_seconds`)."""
     rows = []
     for p in plans:
-        bare = dataclasses.replace(p.hardware, matmul_efficiency=1.0)
+        bare = dataclasses.replace(p.hardware, matmul_efficiency=1.0, recompute_share=1.0)
         host = estimate(dataclasses.replace(p, hardware=bare))["host"]
-        rows.append([host["seconds"]["compute"], host["zero3_calls"], host["executor_copy_s"]])
+        rows.append([host["seconds"]["compute"], host["seconds"]["recompute"], host["calls"], host["ticks"],
+                     host["activation_spill_s"]])
     return np.array(rows, dtype=float)
 
 
 def fit_host(plans: list[PlanInput], measured: np.ndarray) -> dict:
     """The CPU profile's `HOST_FIELDS` by least squares over measured layouts (`jshard bench
-    search --json` rows): the compute's coefficient is 1 / the host's matmul efficiency, the
-    executor's copy's its traffic (how many times a plain copy's time its bytes take)."""
-    compute, call_s, traffic = np.linalg.lstsq(host_features(plans), measured, rcond=None)[0]
-    return dict(matmul_efficiency=1 / compute, call_s=call_s, executor_traffic=traffic)
+    search --json` rows), each layout's error relative to its time (a ranking compares ratios):
+    the compute's coefficient is 1 / the host's matmul efficiency, the recompute's that over the
+    compute's (`recompute_share`, at the same efficiency)."""
+    features = host_features(plans)
+    compute, recompute, call_s, tick_s, traffic = np.linalg.lstsq(features / measured[:, None],
+                                                                  np.ones(len(measured)), rcond=None)[0]
+    return dict(matmul_efficiency=1 / compute, recompute_share=recompute / compute, call_s=call_s, tick_s=tick_s,
+                activation_traffic=traffic)

@@ -38,7 +38,7 @@ from jshard.models import DecoderConfig, decoder, gpt_loss
 from jshard.parallel import build_step
 from jshard.planner import search
 from jshard.app.config import MODEL_FIELDS, model_config
-from jshard.planner.estimate import PlanInput
+from jshard.planner.estimate import PlanInput, estimate
 from jshard.planner.hardware import Hardware
 
 
@@ -75,6 +75,15 @@ def ranks(values) -> np.ndarray:
 def spearman(a, b) -> float:
     """Spearman's rank correlation of two sequences: Pearson's of their `ranks`."""
     return float(np.corrcoef(ranks(a), ranks(b))[0, 1])
+
+
+def check(result: dict, hw: Hardware) -> tuple[float, float]:
+    """A `run` result ranked again on profile `hw`: the Spearman of its predicted step times
+    against the measured ones, and the measured time of the layout it predicts fastest over the
+    measured best."""
+    predicted = np.array([estimate(p)["predicted_step_s"] for p in plans_of(result, hw)])
+    measured = np.array([r["measured_s"] for r in result["rows"]])
+    return spearman(predicted, measured), float(measured[np.argmin(predicted)] / measured.min())
 
 
 def repeatability(rounds_s: list[list[float]]) -> float | None:

@@ -266,7 +266,10 @@ def add_fit(benches) -> None:
                                 description=inspect.cleandoc(fit.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", metavar="RUNS.json", help="measured steps: {\"runs\": [{\"plan_command\", \"result\": {\"step_s\"}}]}, "
                                                           "e.g. docs/results/bench-step-h100-jax0.11.2-2026-11-27.json; or a "
-                                                          "`bench search --json` result: the CPU profile's matmul_efficiency, call_s and executor_traffic")
+                                                          "`bench search --json` result: the CPU profile's host constants (bench.fit.HOST_FIELDS)")
+    parser.add_argument("--check", nargs="+", metavar="SEARCH.json", default=[],
+                        help="with a bench search result: rank these other bench search results with the constants "
+                             "fitted (Spearman against measured, the pick over the measured best)")
     parser.set_defaults(run=run_fit)
 
 
@@ -292,21 +295,37 @@ def measured_plans(path: str) -> tuple[list[str], list, "np.ndarray"]:
     return names, plans, np.array([r["result"]["step_s"] for r in runs])
 
 
-def run_fit(args) -> int:
+def _results(path: str, example: str) -> dict:
     import json
 
-
     try:
-        with open(args.runs) as f:
-            result = json.load(f)
+        with open(path) as f:
+            return json.load(f)
     except (OSError, ValueError) as e:
-        raise FlagError(f"{args.runs}: not a results file ({type(e).__name__}: {e}). Fix: give a bench step or bench "
-                        "search results file, e.g. docs/results/bench-step-h100-jax0.11.2-2026-11-27.json") from None
+        raise FlagError(f"{path}: not a results file ({type(e).__name__}: {e}). Fix: give {example}") from None
+
+
+def run_fit(args) -> int:
+    import dataclasses
+
+    result = _results(args.runs, "a bench step or bench search results file, e.g. "
+                                 "docs/results/bench-step-h100-jax0.11.2-2026-11-27.json")
+    searches = {path: _results(path, "--check a bench search --json result") for path in args.check}
+    if not (isinstance(result, dict) and "rows" in result) and searches:
+        raise FlagError(f"--check ranks bench search results with constants fitted to one; {args.runs} is not one. "
+                        "Fix: give a bench search --json result first")
+    for path, other in searches.items():
+        if not (isinstance(other, dict) and "rows" in other and other.get("profile") == result["profile"]):
+            raise FlagError(f"--check {path}: not a bench search result of the {result['profile']} profile. "
+                            f"Fix: give results of jshard bench search on the same devices")
     if isinstance(result, dict) and "rows" in result:  # a `bench search` result: the CPU profile's host constants
-        plans = ranking.plans_of(result, HARDWARE[result["profile"]])
-        fitted = fit.fit_host(plans, np.array([r["measured_s"] for r in result["rows"]]))
-        print(f"# fitted over {len(plans)} layouts of {args.runs}: "
+        hw = HARDWARE[result["profile"]]
+        fitted = fit.fit_host(ranking.plans_of(result, hw), np.array([r["measured_s"] for r in result["rows"]]))
+        print(f"# fitted over {len(result['rows'])} layouts of {args.runs}: "
               + ", ".join(f"{k} = {v:.3g}" for k, v in fitted.items()))
+        for path, other in searches.items():
+            spearman, pick = ranking.check(other, dataclasses.replace(hw, **fitted))
+            print(f"{path}: {len(other['rows'])} layouts, Spearman {spearman:.3f}, the pick {pick:.2f} x the measured best")
         return 0
     print(fit.report(*measured_plans(args.runs)))
     return 0

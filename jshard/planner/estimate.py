@@ -124,7 +124,7 @@ def estimate(inputs: PlanInput) -> dict:
     planned = planned_step(inputs)
     memory = memory_per_device(planned)
     collectives = communication(planned)
-    time = step_time(planned, collectives)
+    time = step_time(planned, collectives, memory.per_device["activations"])
     config, hw, step = planned.config, planned.hw, planned.step
     schedule, params = step.schedule, step.params
     total_memory = sum(memory.per_device.values())

@@ -51,16 +51,19 @@ class Hardware:
     # A GPU step's memory-bound work between its GEMMs, as bytes of HBM traffic (below).
     elementwise_layer_bytes: float = ELEMENTWISE_LAYER_BYTES
     elementwise_logit_bytes: float = ELEMENTWISE_LOGIT_BYTES
-    # Fake CPU devices (`platform` "cpu") share one host: what a ZeRO-3 gather or scatter (a
-    # rendezvous of its group's threads) costs the host beyond its FLOPs (`host_step_seconds`).
-    call_s: float = 0.0
     # The share of `hbm_bw` a streaming kernel reaches (`STREAM_SHARE`).
     stream_share: float = STREAM_SHARE
-    # Fake CPU devices: the host's copy bandwidth by the size of the buffer copied ((bytes,
-    # bytes/s), measured: `HOST_COPY`), and how many times a plain copy's time the pipeline
-    # executor's bytes (`lockstep.table_seconds`) take there (fitted: `bench.fit.fit_host`).
+    # Fake CPU devices (`platform` "cpu") share one host, whose step costs beyond its FLOPs
+    # (`timing.host_step_seconds`; fitted: `bench.fit.fit_host`): this share of the time remat's
+    # recomputed FLOPs would take, `call_s` a device's part in a collective (a rendezvous of its
+    # group's threads), `tick_s` a device's pipeline tick, and `activation_traffic` times what its
+    # activations take to move at the copy bandwidth of their size beyond what they take in cache
+    # (`spill_seconds`; `copy_bw`: (bytes a buffer, bytes/s), measured: `HOST_COPY`).
+    recompute_share: float = 1.0
+    call_s: float = 0.0
+    tick_s: float = 0.0
+    activation_traffic: float = 0.0
     copy_bw: tuple[tuple[float, float], ...] = ()
-    executor_traffic: float = 1.0
 
     @property
     def stream_bw(self) -> float:
@@ -76,6 +79,14 @@ class Hardware:
         sizes, rates = np.log(self.copy_bw).T
         return nbytes / math.exp(np.interp(math.log(buffer), sizes, rates))
 
+    def spill_seconds(self, nbytes: float) -> float:
+        """What `nbytes` in one buffer take to move beyond what they would in cache: at the copy
+        bandwidth for their size (`copy_seconds`) less at the fastest measured; none where
+        nothing was measured."""
+        if not self.copy_bw:
+            return 0.0
+        return self.copy_seconds(nbytes, nbytes) - nbytes / max(rate for _, rate in self.copy_bw)
+
 
 # This repository's 2-core host copying a buffer a core, both cores at once (MiB a buffer, GB/s
 # read + write): in its caches to ~4 MiB, its DRAM from ~24 MiB; a small buffer's copy pays for
@@ -88,12 +99,12 @@ HOST_COPY = ((0.125, 105.4), (0.25, 94.9), (0.5, 97.4), (1, 149.8), (2, 148.7), 
 # cpu: this repository's 2-core host (README: a measured 206 GFLOP/s), threads as "links", its
 # memory bandwidth the copy of 64 MiB buffers (`HOST_COPY`).
 # The CPU profile's host constants (`bench fit` of a `bench search --json` result)
-CPU_HOST = dict(matmul_efficiency=0.878, call_s=1.0e-4, executor_traffic=2.39)
+CPU_HOST = dict(matmul_efficiency=1.0, recompute_share=0.128, call_s=1.22e-5, tick_s=7.89e-5, activation_traffic=13.1)
 HARDWARE = {
     "h100": Hardware("h100", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, 8, fp8_peak_flops=1979e12),
     "h200": Hardware("h200", 989e12, 141e9, 4.8e12, 450e9, 50e9, 8, fp8_peak_flops=1979e12),
     "a100": Hardware("a100", 312e12, 80 * GiB, 2.04e12, 300e9, 25e9, 8),
-    # matmul_efficiency, call_s and executor_traffic: fitted (`bench.fit.fit_host`) to 40 random
+    # CPU_HOST's five (`bench.fit.HOST_FIELDS`): fitted (`bench.fit.fit_host`) to 40 random
     # layouts of the small GPT on 8 fake devices of this 2-core host (jax 0.12.0.1, timed in
     # rounds), checked on the small Llama's and on `jshard bench search` (docs/planning.md).
     "cpu": Hardware("cpu", 0.206e12, 16 * GiB, dict(HOST_COPY)[64] * 1e9, 10e9, 10e9, 8, platform="cpu",

@@ -144,23 +144,6 @@ def executor_bytes(kind: str, moved: Moved, recompute: bool = False, first: bool
     return traffic
 
 
-def table_bytes(schedule: Schedule, moved: Moved, stage_remat: str) -> float:
-    """What the executor moves beside the layers' work over one pass through the tick table,
-    every stage's actions summed (`executor_bytes`; a device of each stage)."""
-    p, recompute = schedule.stages, stage_remat == "full"
-    return sum(executor_bytes(action.kind, moved, recompute, first=action.virtual * p + stage == 0)
-               for row in schedule.table() for stage, action in enumerate(row) if action is not None)
-
-
-def table_seconds(schedule: Schedule, moved: Moved, stage_remat: str, seconds) -> float:
-    """`table_bytes` part by part, each part (`Moved`'s fields) a buffer of its own size, at
-    `seconds(nbytes, buffer)`: on a host the bandwidth depends on the buffer's size
-    (`Hardware.copy_seconds`)."""
-    none = Moved(0.0, 0.0, 0.0)
-    return sum(seconds(table_bytes(schedule, none._replace(**{part: size}), stage_remat), size)
-               for part, size in moved._asdict().items() if size)
-
-
 def action_terms(kind: str, chunk: dict, head: dict | None, recompute: bool, accumulate_s: float,
                  executor_s: float = 0.0) -> dict[str, float]:
     """One action's seconds by term: `chunk` and `head` (`timing.phase_terms`' pieces of this

@@ -158,8 +158,9 @@ def pick(config, devices: int, hw: Hardware, batch_size: int, precision: str | N
                   "ms a step")
 
 
-HOST_PARTS = {"compute": "the host's compute, every device's", "zero3_calls": "ZeRO-3's rendezvous",
-              "executor": "the pipeline executor's buffers"}  # `timing.host_step_seconds`' parts
+HOST_PARTS = {"compute": "the host's compute, every device's", "recompute": "remat's recompute",
+              "collective_calls": "the collectives' rendezvous", "pipeline_ticks": "the pipeline's ticks",
+              "activations": "activations beyond the host's caches"}  # `timing.host_step_seconds`' parts
 
 
 def bottleneck(est: dict) -> str:

@@ -21,7 +21,7 @@ from jshard.planner import physics
 from jshard.planner.planned_step import PlannedStep, local
 from jshard.planner.counts import fp8_cast_widths, is_moe, slots_per_token
 from jshard.planner.hardware import Hardware, link
-from jshard.planner.lockstep import accumulate_bytes, lockstep, moved_bytes, table_seconds
+from jshard.planner.lockstep import accumulate_bytes, lockstep, moved_bytes
 from jshard.planner.memory import state_bytes
 
 
@@ -121,33 +121,30 @@ def compute_terms(config: DecoderConfig, step: Plan, hw: Hardware, rows: int, se
     return terms
 
 
-def host_work(planned: PlannedStep, collectives: list[dict]) -> dict:
-    """What fake CPU devices' program costs their host beyond its FLOPs, every device's: ZeRO-3's
-    gathers and scatters (XLA:CPU's, one a param: `calls`), each a rendezvous of its group's
-    device threads on the host's few cores, and the bytes a pipeline's executor moves, as long as
-    the host takes to copy them in buffers of their size (`lockstep.table_seconds`, `Hardware.
-    copy_seconds`: a pass through the tick table for each device of a stage and each accumulated
-    micro-batch group). (TP's and SP's collectives, of activations inside a layer, and the
-    pipeline's ticks measured to add nothing more: docs/planning.md.)"""
+def host_work(planned: PlannedStep, collectives: list[dict], activations: float) -> dict:
+    """What fake CPU devices' program costs their host beyond its FLOPs, counted over every
+    device: its collectives' calls (each a rendezvous of its group's device threads on the host's
+    few cores; ZeRO-3's one a param, XLA:CPU combining none), its pipeline ticks (every device runs
+    each tick of the table, once for each accumulated micro-batch group), and its `activations`
+    (bytes a device holds, `memory.memory_per_device`) as long as the host takes to move them
+    beyond what it would in its caches (`Hardware.spill_seconds`)."""
     step, schedule, hw = planned.step, planned.step.schedule, planned.hw
-    zero = set(step.zero_axes) if step.rules.zero == 3 else set()
-    calls = sum(c["calls"] for c in collectives
-                if c["kind"] in ("all-gather", "reduce-scatter") and set(c["axes"].split("+")) <= zero)
-    copy_s = 0.0
-    if schedule:
-        stage_devices = math.prod(planned.sizes.values()) // schedule.stages
-        copy_s = table_seconds(schedule, moved_bytes(planned), step.stage_remat,
-                               hw.copy_seconds) * stage_devices * planned.grad_accum
-    return dict(zero3_calls=calls, executor_copy_s=copy_s)
+    devices = math.prod(planned.sizes.values())
+    return dict(calls=devices * sum(c["calls"] for c in collectives),
+                ticks=devices * len(schedule.table()) * planned.grad_accum if schedule else 0,
+                activation_spill_s=devices * hw.spill_seconds(activations))
 
 
-def host_step_seconds(terms: dict, host: dict, hw: Hardware, devices: int) -> dict[str, float]:
+def host_step_seconds(terms: dict, recompute: float, host: dict, hw: Hardware, devices: int) -> dict[str, float]:
     """A step of fake CPU devices, by part: they share the host's cores, so the host runs every
     device's compute (the step costs their sum; an idle pipeline stage costs nothing: no bubble),
-    plus `call_s` a ZeRO-3 collective and `executor_traffic` times the plain copy of the
-    executor's bytes (`host_work`; measured: `jshard bench search`, fitted: `bench.fit.fit_host`)."""
-    return {"compute": devices * sum(terms.values()), "zero3_calls": host["zero3_calls"] * hw.call_s,
-            "executor": host["executor_copy_s"] * hw.executor_traffic}
+    `recompute_share` of what remat's recomputed FLOPs (`recompute` seconds a device) would take,
+    `call_s` a device's call of a collective, `tick_s` a device's tick and `activation_traffic`
+    times its activations' spill (`host_work`; measured: `jshard bench search`, fitted:
+    `bench.fit.fit_host`)."""
+    return {"compute": devices * sum(terms.values()), "recompute": devices * recompute * hw.recompute_share,
+            "collective_calls": host["calls"] * hw.call_s, "pipeline_ticks": host["ticks"] * hw.tick_s,
+            "activations": host["activation_spill_s"] * hw.activation_traffic}
 
 
 def context_overlap(config: DecoderConfig, cp: int, flops: float, bandwidth: float) -> float:
@@ -172,10 +169,11 @@ def adamw_traffic(state: dict[str, int]) -> int:
     return 2 * (state["params"] + state.get("master", 0) + state["optimizer"]) + state["grads"]
 
 
-def step_time(planned: PlannedStep, collectives: list[dict]) -> dict:
+def step_time(planned: PlannedStep, collectives: list[dict], activations: float) -> dict:
     """The step's FLOPs, compute (`compute_terms`), overlap ratios, bubble and predicted time and
     MFU, with `collectives` (`communication.communication`) exposed where they do not hide behind
-    compute; on fake CPU devices, the host's time (`host_step_seconds`)."""
+    compute; on fake CPU devices, the host's time (`host_step_seconds`, with the `activations` a
+    device holds)."""
     config, hw, step, sizes = planned.config, planned.hw, planned.step, planned.sizes
     rules, schedule, stage_remat = step.rules, step.schedule, step.stage_remat
     batch_axes, data_shards, context, cp = step.batch_axes, step.data_shards, step.context_axes, step.context_shards
@@ -265,14 +263,13 @@ def step_time(planned: PlannedStep, collectives: list[dict]) -> dict:
                   + max(0.0, t_dp + t_zero + t_pp + t_ring - t_compute))
     host = None
     if hw.platform == "cpu":
-        host = host_work(planned, collectives)
-        # XLA:CPU: remat's recompute measured to cost the host little (+8-12% a step for +33%
-        # FLOPs at remat full; fitted as a share of its FLOPs' time, 0.0 ± 0.1: docs/planning.md):
-        # not counted
+        host = host_work(planned, collectives, activations)
+        # XLA:CPU: remat's recompute costs the host a share of its FLOPs' time (fitted: 0.13)
         host_terms = terms if config.remat == "none" else compute_terms(
             dataclasses.replace(config, remat="none"), step, hw, rows, local_seq, m * accum, layers_local, tensor, sp,
             fused, optimizer_traffic, stage_recompute=bool(schedule) and stage_remat == "full")
-        host["seconds"] = host_step_seconds(host_terms, host, hw, n_devices)
+        recompute = sum(terms.values()) - sum(host_terms.values())
+        host["seconds"] = host_step_seconds(host_terms, recompute, host, hw, n_devices)
         step_s = sum(host["seconds"].values())
     mfu = flops_model / (step_s * n_devices * peak)
     return dict(tokens_per_step=tokens, flops_per_step=dict(model=flops_model, run=flops_run), compute_s=t_compute,
