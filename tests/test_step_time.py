@@ -387,27 +387,28 @@ def test_bench_fit_checks_other_searches_with_the_constants_it_fitted(capsys):
     assert main(["bench", "fit", fitted_on, "--check", other]) == 0
     out = capsys.readouterr().out
     assert "recompute_share = 0.128" in out and "tick_s = 7.89e-05" in out
-    result = json.loads(pathlib.Path(other).read_text())
-    predicted = [estimate(p)["predicted_step_s"] for p in ranking.plans_of(result, HARDWARE["cpu"])]
-    assert f"Spearman {ranking.spearman(predicted, [r['measured_s'] for r in result['rows']]):.3f}" in out
+    assert f"{other}: 40 layouts, Spearman 0.864, the pick 1.13 x the measured best" in out  # (docs/planning.md)
     assert main(["bench", "fit", fitted_on, "--check", str(STEPS)]) == 2
     assert "not a bench search result of the cpu profile" in capsys.readouterr().err
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("layout, table, accum", [
-    ("dp+pp data=2,stage=4 schedule=1f1b m=8", 2 * (8 + 4 - 1), 1),  # 1F1B: 2(m + p - 1) ticks
-    ("dp+pp data=2,stage=4 schedule=1f1b m=8 accum=2", 2 * (8 + 4 - 1), 2),  # the table once a group
-    ("dp data=8", 0, 1),
+@pytest.mark.parametrize("layout, table, accum, calls", [
+    ("dp+pp data=2,stage=4 schedule=1f1b m=8", 2 * (8 + 4 - 1), 1, None),  # 1F1B: 2(m + p - 1) ticks
+    ("dp+pp data=2,stage=4 schedule=1f1b m=8 accum=2", 2 * (8 + 4 - 1), 2, None),  # the table once a group
+    ("dp data=8", 0, 1, 1),  # the gradients' all-reduce
+    ("dp+tp data=4,tensor=2", 0, 1, 1 + 4 * 4),  # and TP's: two a layer forward, two backward, 4 layers
 ])
-def test_fake_cpu_devices_count_what_their_host_runs_beyond_flops(layout, table, accum):
+def test_fake_cpu_devices_count_what_their_host_runs_beyond_flops(layout, table, accum, calls):
     """The host's counts (`timing.host_work`), every device's: each tick of the table (once for
     each accumulated group), each collective call, and the spill of the activations it holds."""
     est = estimate(PlanInput(model_config("small", {}), Layout.parse(layout + " precision=fp32"), HARDWARE["cpu"]))
     host, devices = est["host"], 8
     assert host["ticks"] == devices * table * accum
-    assert host["calls"] == devices * sum(c["calls"] for c in est["collectives"]) > 0
+    if calls is not None:
+        assert host["calls"] == devices * calls
     activations = est["memory_bytes_per_device"]["activations"]
+    assert activations > 2**20 and host["activation_spill_s"] > 0
     assert host["activation_spill_s"] == pytest.approx(devices * HARDWARE["cpu"].spill_seconds(activations))
     assert sum(host["seconds"].values()) == pytest.approx(est["predicted_step_s"])
 
@@ -425,8 +426,9 @@ def test_the_hosts_copy_bandwidth_is_read_by_the_size_of_the_buffer():
     assert cpu.copy_seconds(1.0, 1.0) == cpu.copy_seconds(1.0, 0.125 * 2**20)
     assert cpu.copy_seconds(1.0, 2**40) == cpu.copy_seconds(1.0, 256 * 2**20)
     assert H100.copy_seconds(1e9, 2**20) == 1e9 / H100.stream_bw
-    # a buffer's spill: its time at its size's bandwidth beyond that at the fastest (1 MiB's)
-    assert cpu.spill_seconds(2**20) == pytest.approx(0.0, abs=1e-15)
+    # a buffer's spill: its time at its size's bandwidth beyond that at the fastest (1 MiB's); none
+    # up to that size (a smaller buffer's copy is slower for its call, not for the cache)
+    assert cpu.spill_seconds(2**20) == cpu.spill_seconds(0.125 * 2**20) == 0.0
     assert cpu.spill_seconds(64 * 2**20) == pytest.approx(64 * 2**20 * (1 / 28.6e9 - 1 / 149.8e9), rel=1e-9)
     assert H100.spill_seconds(2**30) == 0.0
 

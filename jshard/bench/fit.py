@@ -7,6 +7,12 @@ optimizer's pass, launches) comes from `plan.physics` and datasheets. So the two
 least squares over measured steps (a `jshard bench step` results file: `{"runs": [{"plan_command",
 "result": {"step_s"}}]}`), and each step is then predicted by a fit that left it out: the check
 that the model predicts what it was not fitted on.
+
+Given a `jshard bench search --json` result instead, the CPU profile's five host constants
+(`HOST_FIELDS`: what fake CPU devices' steps cost their shared host, `timing.host_step_seconds`)
+by least squares over its layouts (`fit_host`); `--check OTHER.json ...` ranks other search
+results with them (Spearman against measured, the pick over the measured best): the check on
+layouts the fit did not see.
 """
 
 from __future__ import annotations

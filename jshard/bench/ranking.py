@@ -77,7 +77,7 @@ def spearman(a, b) -> float:
     return float(np.corrcoef(ranks(a), ranks(b))[0, 1])
 
 
-def check(result: dict, hw: Hardware) -> tuple[float, float]:
+def rank_again(result: dict, hw: Hardware) -> tuple[float, float]:
     """A `run` result ranked again on profile `hw`: the Spearman of its predicted step times
     against the measured ones, and the measured time of the layout it predicts fastest over the
     measured best."""

@@ -262,7 +262,8 @@ def run_kernels(args) -> int:
 
 
 def add_fit(benches) -> None:
-    parser = benches.add_parser("fit", help="the planner's fitted GPU constants from measured steps, each step left out",
+    parser = benches.add_parser("fit", help="the planner's fitted GPU constants from measured steps, each step left out; "
+                                "or the CPU profile's host constants from a bench search",
                                 description=inspect.cleandoc(fit.__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", metavar="RUNS.json", help="measured steps: {\"runs\": [{\"plan_command\", \"result\": {\"step_s\"}}]}, "
                                                           "e.g. docs/results/bench-step-h100-jax0.11.2-2026-11-27.json; or a "
@@ -295,7 +296,7 @@ def measured_plans(path: str) -> tuple[list[str], list, "np.ndarray"]:
     return names, plans, np.array([r["result"]["step_s"] for r in runs])
 
 
-def _results(path: str, example: str) -> dict:
+def load_results(path: str, example: str) -> dict:
     import json
 
     try:
@@ -308,9 +309,9 @@ def _results(path: str, example: str) -> dict:
 def run_fit(args) -> int:
     import dataclasses
 
-    result = _results(args.runs, "a bench step or bench search results file, e.g. "
+    result = load_results(args.runs, "a bench step or bench search results file, e.g. "
                                  "docs/results/bench-step-h100-jax0.11.2-2026-11-27.json")
-    searches = {path: _results(path, "--check a bench search --json result") for path in args.check}
+    searches = {path: load_results(path, "--check a bench search --json result") for path in args.check}
     if not (isinstance(result, dict) and "rows" in result) and searches:
         raise FlagError(f"--check ranks bench search results with constants fitted to one; {args.runs} is not one. "
                         "Fix: give a bench search --json result first")
@@ -324,7 +325,7 @@ def run_fit(args) -> int:
         print(f"# fitted over {len(result['rows'])} layouts of {args.runs}: "
               + ", ".join(f"{k} = {v:.3g}" for k, v in fitted.items()))
         for path, other in searches.items():
-            spearman, pick = ranking.check(other, dataclasses.replace(hw, **fitted))
+            spearman, pick = ranking.rank_again(other, dataclasses.replace(hw, **fitted))
             print(f"{path}: {len(other['rows'])} layouts, Spearman {spearman:.3f}, the pick {pick:.2f} x the measured best")
         return 0
     print(fit.report(*measured_plans(args.runs)))

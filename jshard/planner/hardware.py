@@ -81,11 +81,13 @@ class Hardware:
 
     def spill_seconds(self, nbytes: float) -> float:
         """What `nbytes` in one buffer take to move beyond what they would in cache: at the copy
-        bandwidth for their size (`copy_seconds`) less at the fastest measured; none where
-        nothing was measured."""
+        bandwidth for their size (`copy_bw`) less at the fastest measured; none up to the size
+        measured fastest (smaller buffers are slower for their copy's call, not for the cache),
+        nor where nothing was measured."""
         if not self.copy_bw:
             return 0.0
-        return self.copy_seconds(nbytes, nbytes) - nbytes / max(rate for _, rate in self.copy_bw)
+        fastest, rate = max(self.copy_bw, key=lambda size_rate: size_rate[1])
+        return self.copy_seconds(nbytes, nbytes) - nbytes / rate if nbytes > fastest else 0.0
 
 
 # This repository's 2-core host copying a buffer a core, both cores at once (MiB a buffer, GB/s

@@ -128,7 +128,7 @@ def host_work(planned: PlannedStep, collectives: list[dict], activations: float)
     each tick of the table, once for each accumulated micro-batch group), and its `activations`
     (bytes a device holds, `memory.memory_per_device`) as long as the host takes to move them
     beyond what it would in its caches (`Hardware.spill_seconds`)."""
-    step, schedule, hw = planned.step, planned.step.schedule, planned.hw
+    schedule, hw = planned.step.schedule, planned.hw
     devices = math.prod(planned.sizes.values())
     return dict(calls=devices * sum(c["calls"] for c in collectives),
                 ticks=devices * len(schedule.table()) * planned.grad_accum if schedule else 0,
@@ -138,7 +138,8 @@ def host_work(planned: PlannedStep, collectives: list[dict], activations: float)
 def host_step_seconds(terms: dict, recompute: float, host: dict, hw: Hardware, devices: int) -> dict[str, float]:
     """A step of fake CPU devices, by part: they share the host's cores, so the host runs every
     device's compute (the step costs their sum; an idle pipeline stage costs nothing: no bubble),
-    `recompute_share` of what remat's recomputed FLOPs (`recompute` seconds a device) would take,
+    `recompute_share` of what its recomputed FLOPs (remat's and a pipeline stage's: `recompute`
+    seconds a device) would take,
     `call_s` a device's call of a collective, `tick_s` a device's tick and `activation_traffic`
     times its activations' spill (`host_work`; measured: `jshard bench search`, fitted:
     `bench.fit.fit_host`)."""
@@ -264,10 +265,12 @@ def step_time(planned: PlannedStep, collectives: list[dict], activations: float)
     host = None
     if hw.platform == "cpu":
         host = host_work(planned, collectives, activations)
-        # XLA:CPU: remat's recompute costs the host a share of its FLOPs' time (fitted: 0.13)
-        host_terms = terms if config.remat == "none" else compute_terms(
-            dataclasses.replace(config, remat="none"), step, hw, rows, local_seq, m * accum, layers_local, tensor, sp,
-            fused, optimizer_traffic, stage_recompute=bool(schedule) and stage_remat == "full")
+        # XLA:CPU runs a recompute (remat's, a pipeline stage's) beside work the host waits on
+        # anyway: it costs a share of its FLOPs' time (`Hardware.recompute_share`)
+        recomputes = config.remat != "none" or (bool(schedule) and stage_remat == "full")
+        host_terms = compute_terms(dataclasses.replace(config, remat="none"), step, hw, rows, local_seq, m * accum,
+                                   layers_local, tensor, sp, fused, optimizer_traffic, stage_recompute=False
+                                   ) if recomputes else terms
         recompute = sum(terms.values()) - sum(host_terms.values())
         host["seconds"] = host_step_seconds(host_terms, recompute, host, hw, n_devices)
         step_s = sum(host["seconds"].values())
