@@ -306,20 +306,25 @@ def load_results(path: str, example: str) -> dict:
         raise FlagError(f"{path}: not a results file ({type(e).__name__}: {e}). Fix: give {example}") from None
 
 
+def is_search(result) -> bool:
+    """A `jshard bench search --json` result (its measured layouts' rows), not a bench step file."""
+    return isinstance(result, dict) and "rows" in result
+
+
 def run_fit(args) -> int:
     import dataclasses
 
     result = load_results(args.runs, "a bench step or bench search results file, e.g. "
                                  "docs/results/bench-step-h100-jax0.11.2-2026-11-27.json")
     searches = {path: load_results(path, "--check a bench search --json result") for path in args.check}
-    if not (isinstance(result, dict) and "rows" in result) and searches:
+    if not is_search(result) and searches:
         raise FlagError(f"--check ranks bench search results with constants fitted to one; {args.runs} is not one. "
                         "Fix: give a bench search --json result first")
     for path, other in searches.items():
-        if not (isinstance(other, dict) and "rows" in other and other.get("profile") == result["profile"]):
+        if not (is_search(other) and other.get("profile") == result["profile"]):
             raise FlagError(f"--check {path}: not a bench search result of the {result['profile']} profile. "
                             f"Fix: give results of jshard bench search on the same devices")
-    if isinstance(result, dict) and "rows" in result:  # a `bench search` result: the CPU profile's host constants
+    if is_search(result):  # the CPU profile's host constants
         hw = HARDWARE[result["profile"]]
         fitted = fit.fit_host(ranking.plans_of(result, hw), np.array([r["measured_s"] for r in result["rows"]]))
         print(f"# fitted over {len(result['rows'])} layouts of {args.runs}: "

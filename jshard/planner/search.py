@@ -158,7 +158,7 @@ def pick(config, devices: int, hw: Hardware, batch_size: int, precision: str | N
                   "ms a step")
 
 
-HOST_PARTS = {"compute": "the host's compute, every device's", "recompute": "remat's recompute",
+HOST_PARTS = {"compute": "the host's compute, every device's", "recompute": "recompute (remat's, a stage's)",
               "collective_calls": "the collectives' rendezvous", "pipeline_ticks": "the pipeline's ticks",
               "activations": "activations beyond the host's caches"}  # `timing.host_step_seconds`' parts
 
